@@ -1,0 +1,1 @@
+"""TwELL sparse-FFN kernels, importable as `sparsify.kernels` (never as a top-level `kernels`)."""

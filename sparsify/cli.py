@@ -1,0 +1,61 @@
+"""The `sparsify` command: parses the subcommand and dispatches. No logic lives here.
+
+Each stage module exposes `add_arguments(parser)` and `main(args) -> int`; it is imported only when its
+subcommand runs, so `sparsify --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from . import __version__
+from .errors import SparsifyError
+
+# subcommand -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "convert": ("sparsify.convert", "turn a SiLU-gated checkpoint (Hub id, folder, .gguf) into a ReLU model folder"),
+    "finetune": ("sparsify.finetune", "continued pretraining with an L1 penalty until sparsity stabilises"),
+    "eval": ("sparsify.evaluate", "accuracy, perplexity, sparsity and speed reports for one or more models"),
+    "push": ("sparsify.push", "upload a model folder to the Hugging Face Hub with a model card"),
+    "demo": ("sparsify.demo", "the whole pipeline offline on the embedded SmolLM2-135M"),
+}
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sparsify",
+        description="Make existing SiLU-gated LLMs activation-sparse and fast. "
+        "Pipeline: convert -> finetune -> eval -> push.",
+    )
+    parser.add_argument("--version", action="version", version=f"sparsify {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:  # import only the module that will run
+            importlib.import_module(module).add_arguments(p)
+            p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    if not getattr(args, "_module", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(importlib.import_module(args._module).main(args) or 0)
+    except SparsifyError as e:
+        print(f"sparsify {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"sparsify {args.command}: interrupted; nothing was left half-written.", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
