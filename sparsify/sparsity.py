@@ -1,0 +1,196 @@
+"""The sparsity objective and its bookkeeping: L1 on h, per-layer statistics, plateau rule, dead-neuron re-init.
+
+h is the input of every MLP's down_proj, h = relu(gate) * up ([B, T, F]); a forward pre-hook captures it, so
+the same code serves stock and remote-code models, DDP, FSDP2 and torch.compile (the hook only appends to a
+list, which dynamo replays as a side effect). Per micro-batch and layer the hook keeps:
+  - the L1 term (a scalar with grad), normalised as the recipe says:
+      sum_hidden: sum over F, mean over tokens   (the paper's code; F times stronger at equal coefficient)
+      mean:       mean over tokens and F          (the paper's text)
+  - the count of non-zeros (a scalar, no grad),
+  - which neurons fired at least once ([F] bool, no grad): a neuron that fired in no micro-batch of the step
+    is "dead" for that step, counted in the stats and re-initialised when the recipe says so.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .architectures import mlp_modules
+from .recipe import SparsitySection
+
+
+class SparsityProbe:
+    """Forward pre-hooks on each down_proj; `take()` returns the L1 term of the last forward pass."""
+
+    def __init__(self, model: nn.Module, normalization: str):
+        self.mlps = mlp_modules(model)
+        self.normalization = normalization
+        self.recording = False
+        self.l1: list[torch.Tensor] = []  # per layer, this forward: scalar with grad
+        self.nnz: list[torch.Tensor] = []  # per layer, this forward: scalar count
+        self.fired: list[torch.Tensor] = []  # per layer, this forward: [F] bool
+        self.tokens = 0
+        self.active: torch.Tensor | None = None  # [L, F] bool, OR over the micro-batches of this step
+        self.nnz_sum: torch.Tensor | None = None  # [L] float64, non-zeros summed over the step
+        self.token_sum = 0
+        self.handles = [m.down_proj.register_forward_pre_hook(self._hook) for m in self.mlps]
+
+    def _hook(self, module: nn.Module, args: tuple) -> None:
+        # Ignore forwards outside a training micro-step (evaluation, and the recompute of gradient checkpointing).
+        if not self.recording:
+            return
+        h = args[0]  # [B, T, F]
+        a = h.abs()
+        l1 = a.float().sum(-1).mean() if self.normalization == "sum_hidden" else a.float().mean()
+        nz = h != 0  # [B, T, F]
+        self.l1.append(l1)
+        self.nnz.append(nz.sum().detach())
+        self.fired.append(nz.flatten(0, -2).any(0))  # [F]
+
+    def start(self) -> None:
+        """Call before each training forward."""
+        self.l1, self.nnz, self.fired = [], [], []
+        self.recording = True
+
+    def take(self, tokens: int) -> torch.Tensor:
+        """Stops recording; folds this micro-batch into the step's stats; returns the L1 term (mean over layers)."""
+        self.recording = False
+        if len(self.l1) != len(self.mlps):
+            raise RuntimeError(f"captured h from {len(self.l1)} of {len(self.mlps)} MLPs; is down_proj being called?")
+        nnz = torch.stack(self.nnz).double()  # [L]
+        fired = torch.stack(self.fired)  # [L, F]
+        self.nnz_sum = nnz if self.nnz_sum is None else self.nnz_sum + nnz
+        self.active = fired if self.active is None else self.active | fired
+        self.token_sum += tokens
+        return torch.stack(self.l1).mean()
+
+    def step_stats(self, reduce=None) -> "StepStats":
+        """Stats of the micro-batches since the last call (one optimizer step); resets them.
+
+        `reduce(tensor, op)` all-reduces across processes ("sum" or "max") so every rank sees the same stats.
+        """
+        nnz, active = self.nnz_sum, self.active.to(torch.uint8)
+        tokens = torch.tensor(float(self.token_sum), dtype=torch.float64, device=nnz.device)
+        if reduce is not None:
+            nnz, tokens, active = reduce(nnz, "sum"), reduce(tokens, "sum"), reduce(active, "max")
+        width = active.shape[1]
+        per_token = (nnz / tokens).cpu()  # [L] mean non-zeros per token
+        stats = StepStats(
+            nonzeros=per_token.tolist(),
+            zeros=(1 - per_token / width).tolist(),
+            dead=(active == 0).sum(1).cpu().tolist(),
+            width=width,
+            inactive=active == 0,  # [L, F]
+        )
+        self.nnz_sum, self.active, self.token_sum = None, None, 0
+        return stats
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+@dataclass
+class StepStats:
+    """Per-layer sparsity of one optimizer step."""
+
+    nonzeros: list[float]  # mean non-zeros of h per token, per layer
+    zeros: list[float]  # fraction of h exactly 0, per layer
+    dead: list[int]  # neurons that never fired during the step, per layer
+    width: int  # F
+    inactive: torch.Tensor = field(repr=False)  # [L, F] bool
+
+    @property
+    def sparsity(self) -> float:
+        return sum(self.zeros) / len(self.zeros)
+
+    @property
+    def mean_nonzeros(self) -> float:
+        return sum(self.nonzeros) / len(self.nonzeros)
+
+
+def l1_coefficient(cfg: SparsitySection, step: int) -> float:
+    """The L1 weight at optimizer step `step` (0-based): constant, or a linear ramp from 0 over ramp_steps."""
+    if cfg.schedule == "ramp" and step < cfg.ramp_steps:
+        return cfg.l1 * (step + 1) / cfg.ramp_steps
+    return cfg.l1
+
+
+class Plateau:
+    """Stop rule: the fraction of zeros changed by less than `tolerance` (relative) over the last `window` steps."""
+
+    def __init__(self, tolerance: float, window: int, after: int = 0):
+        self.tolerance, self.window, self.after = tolerance, window, after
+        self.history: list[tuple[int, float]] = []  # (step, sparsity) at logged steps
+
+    def update(self, step: int, sparsity: float) -> bool:
+        """Records the sparsity after `step`; True when it has stabilised."""
+        self.history.append((step, sparsity))
+        self.history = [(s, v) for s, v in self.history if s >= step - self.window]
+        if self.tolerance <= 0 or step < self.after + self.window:
+            return False
+        first_step, first = self.history[0]
+        if step - first_step < self.window * 0.9:  # not enough history in the window (e.g. just resumed)
+            return False
+        return abs(sparsity - first) <= self.tolerance * max(abs(first), 1e-12)
+
+    def state_dict(self) -> dict:
+        return {"history": list(self.history)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.history = [tuple(x) for x in state["history"]]
+
+
+@torch.no_grad()
+def reinit_dead(model: nn.Module, inactive: torch.Tensor, step: int, seed: int) -> int:
+    """The paper's mitigation: gate rows j of neurons inactive the whole step get 0.9 W[j] + 0.1 N(0, 0.02^2).
+
+    The noise comes from a generator seeded by (seed, step), so every process (DDP replicas, FSDP shards) and
+    a resumed run draw the same numbers. Returns the number of neurons re-initialised.
+    """
+    total = 0
+    for layer, mlp in enumerate(mlp_modules(model)):
+        dead = inactive[layer].cpu()  # [F]
+        n = int(dead.sum())
+        if n == 0:
+            continue
+        total += n
+        w = _gate_weight(mlp)
+        gen = torch.Generator().manual_seed((seed * 1_000_003 + step) * 1009 + layer)
+        noise = torch.randn(n, w.shape[-1], generator=gen) * 0.02  # [n, d], row i for the i-th dead neuron
+        _blend_rows(w, dead, noise)
+    return total
+
+
+def _gate_weight(mlp: nn.Module) -> torch.Tensor:
+    """The gate weight [F, d] (for a fused gate_up_proj [2F, d], its first F rows are the gate)."""
+    if hasattr(mlp, "gate_up_proj"):
+        w = mlp.gate_up_proj.weight
+        return w[: w.shape[0] // 2] if not _is_dtensor(w) else w
+    return mlp.gate_proj.weight
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+def _blend_rows(w: torch.Tensor, dead: torch.Tensor, noise: torch.Tensor) -> None:
+    """w[j] <- 0.9 w[j] + 0.1 noise[k] for the k-th dead j; w may be an FSDP2 DTensor sharded on dim 0."""
+    dead_rows = torch.nonzero(dead).flatten()  # [n] global row ids, in the order of noise's rows
+    if _is_dtensor(w):
+        target = w.to_local()  # rows [offset, offset + local rows) of the full weight
+        rank, world = w.device_mesh.get_local_rank(), w.device_mesh.size()
+        offset = rank * math.ceil(w.shape[0] / world)  # torch.chunk sharding, as fully_shard does
+        mine = (dead_rows >= offset) & (dead_rows < offset + target.shape[0])
+        rows, noise = dead_rows[mine] - offset, noise[mine]
+    else:
+        target, rows = w, dead_rows
+    if rows.numel() == 0:
+        return
+    idx = rows.to(target.device)
+    blended = 0.9 * target[idx].float() + 0.1 * noise.to(target.device)  # [n, d]
+    target[idx] = blended.to(target.dtype)
