@@ -1,0 +1,261 @@
+"""Public sparse FFN entry point `twell_ffn`, its torch.library custom op and the "auto" dispatcher.
+
+Legend: M = tokens, d = hidden size, F = intermediate size. Weights in nn.Linear layout.
+
+twell_ffn(x, w_gate, w_up, w_down, *, backend="auto", w_down_t=None) returns
+relu(x @ w_gate.T) * (x @ w_up.T) @ w_down.T for x [..., d].
+
+Backends:
+- "dense": three cuBLAS GEMMs in the input dtype (also the path whenever gradients are needed).
+- "twell": K1 (gate GEMM + ReLU + TwELL pack) then K2 (fused up/down) from twell_triton.py.
+- "auto": per layer (W_gate's storage) and per power-of-two bucket of M, the first call measures the
+  density, then times both paths once (CUDA events, like an autotuner) and keeps the faster one; twell
+  must win by > 3% to be chosen, so auto is never measurably slower than dense. A density estimate is
+  refreshed every REFRESH calls WITHOUT a host sync (device count -> pinned buffer -> read when its
+  event has completed); when it drifts by more than DRIFT, the layer is re-timed (at most MAX_RETUNE
+  times). Inside CUDA-graph capture nothing is timed or counted: the last decision is used (dense if
+  none).
+Without CUDA or triton, "auto" and "twell" on CPU tensors run the dense torch path, except that
+"twell" on CPU with TRITON_INTERPRET=1 runs the Triton kernels in the interpreter (tests).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from .twell_reference import ffn_dense
+from .twell_triton import HAS_TRITON, gate_pack, twell_ffn_triton, updown
+
+log = logging.getLogger("sparsify.kernels")
+
+BACKENDS = ("auto", "twell", "dense")
+REFRESH = 16  # calls between density refreshes (async, no host sync)
+DRIFT = 1.25  # relative density change that triggers a re-timing
+MAX_RETUNE = 8  # re-timings per (layer, M bucket)
+MARGIN = 0.97  # twell must be at least 3% faster than dense at calibration
+
+_last_backend: str | None = None
+_logged: dict[tuple, str] = {}
+_wdt_cache: dict[tuple, torch.Tensor] = {}
+
+
+def last_backend() -> str | None:
+    """The backend the most recent twell_ffn call ran: "twell", "dense" or None before any call."""
+    return _last_backend
+
+
+def _note(key: tuple, backend: str, why: str) -> None:
+    global _last_backend
+    _last_backend = backend
+    if _logged.get(key) != backend:
+        _logged[key] = backend
+        log.info("twell_ffn %s -> %s (%s)", key, backend, why)
+
+
+def transpose_down(w_down: torch.Tensor) -> torch.Tensor:
+    """W_down [d, F] -> contiguous [F, d] rows for K2. Cache it per layer (twell_ffn's w_down_t)."""
+    return w_down.t().contiguous()
+
+
+def _cached_down_t(w_down: torch.Tensor) -> torch.Tensor:
+    key = (w_down.data_ptr(), w_down.shape, w_down.dtype, w_down.device, w_down._version)
+    wdt = _wdt_cache.get(key)
+    if wdt is None:
+        if len(_wdt_cache) >= 512:
+            _wdt_cache.clear()
+        wdt = _wdt_cache[key] = transpose_down(w_down)
+    return wdt
+
+
+def _triton_ok(x: torch.Tensor) -> bool:
+    if not HAS_TRITON:
+        return False
+    if x.is_cuda:
+        return True
+    return x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass
+class _LayerState:
+    decision: str | None = None
+    density0: float | None = None  # density at the last timing
+    density: float | None = None  # latest estimate
+    calls: int = 0
+    retunes: int = 0
+    pending: tuple | None = None  # (pinned count, event, elements)
+    times: dict = field(default_factory=dict)
+
+
+_state: dict[tuple, _LayerState] = {}
+
+
+def _poll(st: _LayerState) -> None:
+    if st.pending is not None and st.pending[1].query():
+        st.density = float(st.pending[0].item()) / st.pending[2]
+        st.pending = None
+
+
+def _count_async(st: _LayerState, nnz: torch.Tensor, elements: int) -> None:
+    buf = torch.empty((), dtype=torch.int64, pin_memory=True)
+    buf.copy_(nnz, non_blocking=True)
+    ev = torch.cuda.Event()
+    ev.record()
+    st.pending = (buf, ev, elements)
+
+
+def _time(fn, reps: int = 5) -> float:
+    fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return sorted(ts)[len(ts) // 2]
+
+
+def _calibrate(st: _LayerState, x2d, w_gate, w_up, w_down, w_down_t) -> None:
+    t_dense = _time(lambda: ffn_dense(x2d, w_gate, w_up, w_down))
+    t_twell = _time(lambda: twell_ffn_triton(x2d, w_gate, w_up, w_down_t))
+    st.decision = "twell" if t_twell < MARGIN * t_dense else "dense"
+    st.density0 = st.density
+    st.times = {"dense_ms": t_dense, "twell_ms": t_twell, "density": st.density}
+
+
+def _auto(x2d, w_gate, w_up, w_down, w_down_t) -> torch.Tensor:
+    m, f = x2d.shape[0], w_gate.shape[0]
+    key = (w_gate.data_ptr(), tuple(w_gate.shape), x2d.dtype, _next_bucket(m))
+    st = _state.setdefault(key, _LayerState())
+    if torch.cuda.is_current_stream_capturing():
+        backend = st.decision or "dense"
+        _note(key[1:], backend, "graph capture: frozen decision")
+        return _run(backend, x2d, w_gate, w_up, w_down, w_down_t)
+    st.calls += 1
+    _poll(st)
+    if st.density is None:  # first call of this layer/bucket: one synchronous count
+        st.density = float(gate_pack(x2d, w_gate).cnt.sum().item()) / (m * f)
+    drift = st.density0 is not None and abs(math.log(max(st.density, 1e-6) / max(st.density0, 1e-6))) > math.log(DRIFT)
+    if st.decision is None or (drift and st.retunes < MAX_RETUNE):
+        st.retunes += st.decision is not None
+        _calibrate(st, x2d, w_gate, w_up, w_down, w_down_t)
+        _note(key[1:], st.decision, f"timed {st.times}")
+    refresh = st.calls % REFRESH == 0 and st.pending is None
+    if st.decision == "twell":
+        _note(key[1:], "twell", "auto")
+        packed = gate_pack(x2d, w_gate)
+        if refresh:
+            _count_async(st, packed.cnt.sum(dtype=torch.int64), m * f)
+        return updown(x2d, packed, w_gate, w_up, w_down_t)
+    _note(key[1:], "dense", "auto")
+    g = torch.nn.functional.linear(x2d, w_gate)  # [M, F]
+    if refresh:
+        _count_async(st, (g > 0).sum(), m * f)
+    return torch.nn.functional.linear(torch.relu(g) * torch.nn.functional.linear(x2d, w_up), w_down)
+
+
+def _next_bucket(m: int) -> int:
+    return 1 << max(0, (m - 1).bit_length())
+
+
+def _run(backend, x2d, w_gate, w_up, w_down, w_down_t) -> torch.Tensor:
+    if backend == "twell":
+        return twell_ffn_triton(x2d, w_gate, w_up, w_down_t)
+    return ffn_dense(x2d, w_gate, w_up, w_down)
+
+
+def _impl(x2d, w_gate, w_up, w_down, w_down_t, backend: str) -> torch.Tensor:
+    key = (tuple(w_gate.shape), x2d.dtype, x2d.device.type)
+    if backend == "dense" or not _triton_ok(x2d) or x2d.shape[0] == 0:
+        _note(key, "dense", "requested" if backend == "dense" else "no triton/CUDA for this tensor")
+        return ffn_dense(x2d, w_gate, w_up, w_down)
+    if w_down_t is None:
+        w_down_t = _cached_down_t(w_down)
+    if backend == "auto" and x2d.is_cuda:
+        return _auto(x2d, w_gate, w_up, w_down, w_down_t)
+    if backend == "auto":  # CPU interpreter: correct but slow, never chosen automatically
+        _note(key, "dense", "auto on CPU")
+        return ffn_dense(x2d, w_gate, w_up, w_down)
+    _note(key, "twell", "requested")
+    return twell_ffn_triton(x2d, w_gate, w_up, w_down_t)
+
+
+def _define_op():
+    """Register sparsify::twell_ffn once, even when several copies of this file are imported."""
+    if hasattr(torch.ops, "sparsify") and hasattr(torch.ops.sparsify, "twell_ffn"):
+        return torch.ops.sparsify.twell_ffn
+    try:
+        @torch.library.custom_op("sparsify::twell_ffn", mutates_args=())
+        def op(
+            x2d: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+            w_down_t: torch.Tensor | None, backend: str,
+        ) -> torch.Tensor:
+            return _impl(x2d, w_gate, w_up, w_down, w_down_t, backend)
+
+        @op.register_fake
+        def _(x2d, w_gate, w_up, w_down, w_down_t, backend):
+            return x2d.new_empty(x2d.shape[0], w_down.shape[0])
+    except RuntimeError:  # registered meanwhile by another copy of this module
+        return torch.ops.sparsify.twell_ffn
+    return op
+
+
+_op = _define_op()
+
+
+def _check(x, w_gate, w_up, w_down, backend) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}; use 'auto' unless debugging.")
+    d = x.shape[-1]
+    f = w_gate.shape[0]
+    want = {"w_gate": (f, d), "w_up": (f, d), "w_down": (d, f)}
+    for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        if tuple(w.shape) != want[name]:
+            raise ValueError(
+                f"{name} has shape {tuple(w.shape)}, expected {want[name]} for x[..., {d}] and F={f} "
+                "(weights in nn.Linear layout: w_gate/w_up [F, d], w_down [d, F])."
+            )
+        if w.dtype != x.dtype or w.device != x.device:
+            raise ValueError(f"{name} is {w.dtype} on {w.device} but x is {x.dtype} on {x.device}; cast one.")
+
+
+def twell_ffn(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    *,
+    backend: str = "auto",
+    w_down_t: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """relu(x @ w_gate.T) * (x @ w_up.T) @ w_down.T with TwELL kernels when they are faster.
+
+    Args:
+        x: [..., d] activations (bf16/fp16/fp32).
+        w_gate, w_up: [F, d]; w_down: [d, F] (nn.Linear weights), same dtype and device as x.
+        backend: "auto" (fastest measured path), "twell" (force the sparse kernels) or "dense".
+        w_down_t: optional cached `transpose_down(w_down)` ([F, d] contiguous); computed and cached
+            per weight version when omitted.
+
+    Returns:
+        [..., d] in x's dtype. When autograd needs gradients, the dense torch path runs (inference-only
+        kernels); `last_backend()` tells which path ran.
+    """
+    _check(x, w_gate, w_up, w_down, backend)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w_gate, w_up, w_down)):
+        _note((tuple(w_gate.shape), x.dtype, "grad"), "dense", "gradients needed")
+        return ffn_dense(x, w_gate, w_up, w_down)
+    lead = x.shape[:-1]
+    x2d = x.reshape(-1, x.shape[-1])
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    w_gate, w_up = w_gate.contiguous(), w_up.contiguous()
+    out = _op(x2d, w_gate, w_up, w_down, w_down_t, backend)
+    return out.reshape(*lead, w_down.shape[0])

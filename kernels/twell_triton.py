@@ -1,0 +1,228 @@
+"""Triton TwELL kernels: K1 gate GEMM + ReLU + TwELL packing, K2 fused up/down reading TwELL.
+
+Legend: M = tokens, d = hidden size, F = intermediate size, T = tile width, S = slots per (row, tile),
+NT = ceil(F / T), E = gathered rows per chunk in K2. Layout and overflow rules: twell_reference.py.
+
+- K1 `_k1_gate_pack`: tiled GEMM x [M, d] @ W_gate^T -> acc [BLOCK_M, T] fp32; the epilogue applies ReLU,
+  gives each positive value its slot with a cumulative sum along the tile (no atomics, deterministic)
+  and writes cnt/col/val. No dense [M, F] tensor is written.
+- K2 `_k2_updown`: one program per (row, split); x row and the fp32 output row stay in registers. It
+  walks the row's kept entries E at a time (tile of each entry found from a prefix sum of the counts),
+  gathers W_up[j] and W_down^T[j] rows (both loads issued before the reductions),
+  h = val * dot(x, W_up[j]) never leaves registers, out += h * W_down^T[j]. Overflowed tiles are
+  recomputed densely from W_gate (lossless). SPLIT > 1 (decode) spreads a row's entries over programs
+  that add into an fp32 output with atomics.
+- Decode (M <= 16) uses the same two kernels with T = 32, S = 32 and K2 split across programs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .twell_reference import DECODE_SLOTS, DECODE_TILE, SLOTS, TILE, TwellPacked, n_tiles
+
+try:  # the file must import (and the torch path work) without triton
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised on machines without triton
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _k1_gate_pack(
+        x_ptr, wg_ptr, cnt_ptr, col_ptr, val_ptr,
+        M, F, D, NT, stride_xm, stride_wf,
+        BLOCK_M: tl.constexpr, T: tl.constexpr, BLOCK_K: tl.constexpr, S: tl.constexpr,
+        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        # grouped launch order: GROUP_M row blocks share W_gate tiles in L2
+        pid = tl.program_id(0)
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        group = GROUP_M * NT
+        first_m = (pid // group) * GROUP_M
+        gsize = tl.minimum(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + ((pid % group) % gsize)
+        pid_n = (pid % group) // gsize
+
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+        offs_n = pid_n * T + tl.arange(0, T)  # [T] global columns of this tile
+        offs_k = tl.arange(0, BLOCK_K)
+        m_ok = offs_m < M
+        n_ok = offs_n < F
+        a_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]  # [BM, BK]
+        b_ptrs = wg_ptr + offs_n.to(tl.int64)[None, :] * stride_wf + offs_k[:, None]  # [BK, T]
+        acc = tl.zeros([BLOCK_M, T], dtype=tl.float32)
+        for k in range(0, tl.cdiv(D, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+            else:
+                k_ok = offs_k < D - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+
+        # epilogue: ReLU + TwELL packing; slot = rank of the column among the tile's positives
+        active = (acc > 0) & m_ok[:, None] & n_ok[None, :]  # [BM, T]
+        act_i = active.to(tl.int32)
+        pos = tl.cumsum(act_i, 1) - 1  # [BM, T]
+        cnt = tl.sum(act_i, 1)  # [BM] true count, may exceed S (overflow marker)
+        base = (offs_m.to(tl.int64) * NT + pid_n) * S  # [BM]
+        keep = active & (pos < S)
+        dst = base[:, None] + pos  # [BM, T]
+        cols = tl.zeros([BLOCK_M, T], dtype=tl.int32) + offs_n[None, :]
+        tl.store(col_ptr + dst, cols, mask=keep)
+        tl.store(val_ptr + dst, acc, mask=keep)
+        tl.store(cnt_ptr + offs_m.to(tl.int64) * NT + pid_n, cnt, mask=m_ok)
+
+    @triton.jit
+    def _k2_updown(
+        x_ptr, cnt_ptr, col_ptr, val_ptr, wg_ptr, wu_ptr, wdt_ptr, out_ptr,
+        D, F, NT, stride_xm, stride_om,
+        T: tl.constexpr, S: tl.constexpr, NT_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+        E: tl.constexpr, SPLIT: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        split = tl.program_id(1)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D
+        x = tl.load(x_ptr + row * stride_xm + offs_d, mask=d_ok, other=0.0).to(tl.float32)  # [BD]
+
+        tiles = tl.arange(0, NT_PAD)
+        cnt = tl.load(cnt_ptr + row * NT + tiles, mask=tiles < NT, other=0)  # [NT_PAD]
+        ovf = cnt > S
+        sc = tl.where(ovf, 0, cnt)  # entries to read from slots
+        cum = tl.cumsum(sc, 0)  # [NT_PAD] inclusive end of each tile's entries
+        start = cum - sc
+        K = tl.sum(sc, 0)
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        lane = tl.arange(0, E)
+        for k0 in range(split * E, K, E * SPLIT):
+            p = k0 + lane  # [E] entry ranks in the row
+            p_ok = p < K
+            t = tl.sum((cum[None, :] <= p[:, None]).to(tl.int32), 1)  # [E] tile of each entry
+            st = tl.sum(tl.where(tiles[None, :] == t[:, None], start[None, :], 0), 1)  # [E]
+            slot = (row * NT + t) * S + (p - st)  # [E]
+            j = tl.load(col_ptr + slot, mask=p_ok, other=0).to(tl.int64)  # [E]
+            g = tl.load(val_ptr + slot, mask=p_ok, other=0.0)  # [E] relu(gate), fp32
+            m2 = p_ok[:, None] & d_ok[None, :]
+            wu = tl.load(wu_ptr + j[:, None] * D + offs_d[None, :], mask=m2, other=0.0)  # [E, BD]
+            wd = tl.load(wdt_ptr + j[:, None] * D + offs_d[None, :], mask=m2, other=0.0)  # [E, BD]
+            h = g * tl.sum(wu.to(tl.float32) * x[None, :], 1)  # [E]
+            acc += tl.sum(h[:, None] * wd.to(tl.float32), 0)
+
+        n_ovf = tl.sum(ovf.to(tl.int32), 0)
+        if n_ovf > 0:  # lossless path: recompute overflowed tiles densely (rare by design)
+            for tt in range(split, NT, SPLIT):
+                ct = tl.load(cnt_ptr + row * NT + tt)
+                if ct > S:
+                    for c in range(0, T, E):
+                        jj = tt * T + c + lane  # [E]
+                        j_ok = jj < F
+                        m2 = j_ok[:, None] & d_ok[None, :]
+                        rows = jj.to(tl.int64)[:, None] * D + offs_d[None, :]
+                        wg = tl.load(wg_ptr + rows, mask=m2, other=0.0)  # [E, BD]
+                        wu = tl.load(wu_ptr + rows, mask=m2, other=0.0)
+                        wd = tl.load(wdt_ptr + rows, mask=m2, other=0.0)
+                        g = tl.maximum(tl.sum(wg.to(tl.float32) * x[None, :], 1), 0.0)
+                        h = g * tl.sum(wu.to(tl.float32) * x[None, :], 1)  # [E]
+                        acc += tl.sum(h[:, None] * wd.to(tl.float32), 0)
+
+        out_ptrs = out_ptr + row * stride_om + offs_d
+        if SPLIT > 1:
+            tl.atomic_add(out_ptrs, acc, mask=d_ok)
+        else:
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def _require_triton() -> None:
+    if not HAS_TRITON:
+        raise RuntimeError("triton is not installed: use backend='dense' (or install triton>=3.6).")
+
+
+def k1_config(m: int, d: int) -> dict:
+    """Block sizes for K1 by token count (decode uses narrow tiles so F/32 programs fill the GPU)."""
+    if m <= 16:
+        return dict(BLOCK_M=16, T=DECODE_TILE, S=DECODE_SLOTS, BLOCK_K=128, num_warps=4, num_stages=4)
+    if m <= 128:
+        return dict(BLOCK_M=64, T=TILE, S=SLOTS, BLOCK_K=64, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=128, T=TILE, S=SLOTS, BLOCK_K=64, num_warps=8, num_stages=3)
+
+
+def gate_pack(x2d: torch.Tensor, w_gate: torch.Tensor, **overrides) -> TwellPacked:
+    """K1: relu(x2d @ w_gate.T) packed as TwELL. x2d [M, d] row-contiguous, w_gate [F, d] contiguous."""
+    _require_triton()
+    m, d = x2d.shape
+    f = w_gate.shape[0]
+    cfg = {**k1_config(m, d), **overrides}
+    if x2d.device.type == "cpu":  # interpreter: few large blocks run fastest
+        cfg["BLOCK_K"] = max(cfg["BLOCK_K"], min(128, _next_pow2(d)))
+    t, s = cfg["T"], cfg["S"]
+    nt = n_tiles(f, t)
+    cnt = torch.empty(m, nt, dtype=torch.int32, device=x2d.device)  # [M, NT]
+    col = torch.empty(m, nt, s, dtype=torch.int32, device=x2d.device)  # [M, NT, S]
+    val = torch.empty(m, nt, s, dtype=torch.float32, device=x2d.device)  # [M, NT, S]
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * nt,)
+    _k1_gate_pack[grid](
+        x2d, w_gate, cnt, col, val, m, f, d, nt, x2d.stride(0), w_gate.stride(0),
+        BLOCK_M=cfg["BLOCK_M"], T=t, BLOCK_K=cfg["BLOCK_K"], S=s, GROUP_M=8,
+        EVEN_K=(d % cfg["BLOCK_K"] == 0), IEEE=(x2d.dtype == torch.float32),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return TwellPacked(cnt=cnt, col=col, val=val, tile=t, n_cols=f)
+
+
+def k2_config(m: int, d: int) -> dict:
+    """E rows per gather chunk and warps: keep E * next_pow2(d) <= 16K elements per gathered tile."""
+    bd = _next_pow2(d)
+    e = max(2, min(16, 16384 // bd))
+    warps = 4 if bd <= 1024 else 8
+    split = 1
+    if m <= 16:  # decode: spread each row's entries over programs so more SMs pull rows
+        split = max(1, min(16, 128 // max(m, 1)))
+    return dict(E=e, num_warps=warps, SPLIT=split)
+
+
+def updown(
+    x2d: torch.Tensor, packed: TwellPacked, w_gate: torch.Tensor, w_up: torch.Tensor,
+    w_down_t: torch.Tensor, **overrides,
+) -> torch.Tensor:
+    """K2: (unpack(packed) * (x2d @ w_up.T)) @ w_down_t -> [M, d] in x2d's dtype. w_down_t is [F, d]."""
+    _require_triton()
+    m, d = x2d.shape
+    f = w_up.shape[0]
+    cfg = {**k2_config(m, d), **overrides}
+    split = cfg["SPLIT"]
+    nt = packed.n_tiles
+    out = torch.zeros(m, d, dtype=torch.float32, device=x2d.device) if split > 1 else (
+        torch.empty(m, d, dtype=x2d.dtype, device=x2d.device))
+    _k2_updown[(m, split)](
+        x2d, packed.cnt, packed.col, packed.val, w_gate, w_up, w_down_t, out,
+        d, f, nt, x2d.stride(0), out.stride(0),
+        T=packed.tile, S=packed.slots, NT_PAD=_next_pow2(nt), BLOCK_D=_next_pow2(d),
+        E=cfg["E"], SPLIT=split, num_warps=cfg["num_warps"],
+    )
+    return out.to(x2d.dtype) if split > 1 else out
+
+
+def twell_ffn_triton(
+    x2d: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down_t: torch.Tensor
+) -> torch.Tensor:
+    """The whole sparse FFN on [M, d]: K1 (gate + pack) then K2 (fused up/down)."""
+    packed = gate_pack(x2d, w_gate)
+    return updown(x2d, packed, w_gate, w_up, w_down_t)

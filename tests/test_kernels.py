@@ -1,0 +1,263 @@
+"""TwELL kernels against the plain-torch oracle (CPU: Triton interpreter, fp32; GPU tests marked `gpu`).
+
+Honest sparsity: input feature 0 is a constant 1 and W_gate[:, 0] holds a negative bias, so the gate
+GEMM itself produces the zeros. Shapes are tiny and tiles large because the interpreter is slow.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparsify.kernels import twell_ops, twell_reference as ref, twell_triton as tt
+
+KERNEL_DIR = Path(twell_ops.__file__).parent
+ZEROS = [0.0, 0.5, 0.9, 0.99, 1.0]
+
+
+def make_case(m, d, f, zeros, *, seed=0, dtype=torch.float32, device="cpu", skew=False):
+    """x [M, d] with x[:, 0] = 1, weights [F, d], [F, d], [d, F]; `zeros` of the gate values <= 0."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, d, generator=gen)
+    w_gate = torch.randn(f, d, generator=gen) / d**0.5
+    w_up = torch.randn(f, d, generator=gen) / d**0.5
+    w_down = torch.randn(d, f, generator=gen) / f**0.5
+    x[:, 0] = 1.0
+    w_gate[:, 0] = 0.0
+    g0 = x @ w_gate.t()  # [M, F] gate without bias
+    if skew:  # per-neuron bias: neuron j active with probability ~ zipf, a third of them dead
+        p = (1.0 / torch.arange(1, f + 1).float()) * (1 - zeros) * f / (1.0 / torch.arange(1, f + 1)).sum()
+        p[torch.randperm(f, generator=gen)[: f // 3]] = 0.0
+        bias = torch.stack([torch.quantile(g0[:, j], 1 - float(min(p[j], 1.0))) for j in range(f)])
+        bias[p == 0] = g0.max() + 1
+    elif zeros <= 0.0:
+        bias = torch.full((f,), float(g0.min()) - 1.0)
+    elif zeros >= 1.0:
+        bias = torch.full((f,), float(g0.max()) + 1.0)
+    else:
+        bias = torch.full((f,), float(torch.quantile(g0.flatten()[:100000], zeros)))
+    w_gate[:, 0] = -bias
+    cast = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
+    return cast(x), cast(w_gate), cast(w_up), cast(w_down)
+
+
+def assert_close(got, want, *, rtol, atol, what):
+    """Max-abs check scaled by the reference's magnitude; the message says where and by how much."""
+    got, want = got.float().cpu(), want.float().cpu()
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    assert torch.isfinite(got).all(), f"{what}: non-finite values at {torch.nonzero(~torch.isfinite(got))[:5].tolist()}"
+    err = (got - want).abs()
+    bound = atol + rtol * want.abs().max().item()
+    worst = int(err.argmax())
+    idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), err.shape))
+    assert err.max().item() <= bound, (
+        f"{what}: max |err| {err.max().item():.3e} > bound {bound:.3e} at {idx} "
+        f"(got {got[idx].item():.6g}, want {want[idx].item():.6g}; {int((err > bound).sum())} of {err.numel()} off)"
+    )
+
+
+FP32 = dict(rtol=2e-5, atol=1e-5)
+
+
+def check_packed(packed, x, w_gate, what):
+    """K1 output vs the oracle: every kept slot, every count (skipping rows with |gate| ~ 0 entries)."""
+    gate = x.float() @ w_gate.float().t()  # [M, F]
+    want = ref.twell_pack(gate, packed.tile, packed.slots)
+    sure = (gate.abs() > 1e-4).all(dim=1)  # rows where the sign of every gate value is unambiguous
+    assert sure.float().mean() > 0.5, f"{what}: test case too close to zero; change the seed"
+    bad = (packed.cnt != want.cnt)[sure]
+    assert not bad.any(), f"{what}: counts differ at (row, tile) {bad.nonzero()[:5].tolist()}"
+    assert_close(ref.twell_unpack(packed, gate), gate.relu(), what=f"{what} unpack", **FP32)
+    kept = torch.arange(packed.slots) < packed.cnt.clamp(max=packed.slots).unsqueeze(-1)
+    kept &= sure.view(-1, 1, 1)
+    assert torch.equal(packed.col[kept], want.col[kept]), f"{what}: slot columns differ from the oracle"
+
+
+@pytest.mark.parametrize("zeros", ZEROS)
+def test_k1_gate_pack_matches_reference(zeros):
+    x, wg, _, _ = make_case(37, 40, 300, zeros, seed=1)
+    packed = tt.gate_pack(x, wg, BLOCK_M=32, T=64, S=8)
+    check_packed(packed, x, wg, f"K1 zeros={zeros}")
+    if zeros == 0.0:  # every neuron active: every tile must be marked overflowed, nothing dropped
+        assert packed.overflowed().all(), "K1: a full tile was not marked as overflowed"
+
+
+@pytest.mark.parametrize("zeros", ZEROS)
+def test_k2_updown_matches_reference(zeros):
+    x, wg, wu, wd = make_case(37, 40, 300, zeros, seed=2)
+    packed = tt.gate_pack(x, wg, BLOCK_M=32, T=64, S=8)
+    out = tt.updown(x, packed, wg, wu, twell_ops.transpose_down(wd))
+    assert_close(out, ref.ffn_reference(x, wg, wu, wd), what=f"K2 zeros={zeros}", **FP32)
+    assert_close(out, ref.twell_updown_reference(x, packed, wg, wu, wd), what=f"K2 vs packed oracle", **FP32)
+
+
+def test_k2_overflow_is_lossless_on_mixed_rows():
+    """Half the rows have every neuron active (all tiles overflow), half are 99% sparse."""
+    x, wg, wu, wd = make_case(8, 40, 300, 0.99, seed=3)
+    x[::2, 0] = -1000.0  # flips the bias sign: every gate value of these rows becomes positive
+    packed = tt.gate_pack(x, wg, BLOCK_M=32, T=64, S=8)
+    assert packed.overflowed()[::2].all() and not packed.overflowed()[1::2].any()
+    out = tt.updown(x, packed, wg, wu, twell_ops.transpose_down(wd))
+    assert_close(out, ref.ffn_reference(x, wg, wu, wd), what="K2 mixed overflow", **FP32)
+
+
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("zeros", [0.0, 0.9, 0.99])
+def test_decode_path(m, zeros):
+    """M <= 16: narrow tiles (T = 32, S = 32) and K2 split over programs with fp32 atomics."""
+    x, wg, wu, wd = make_case(m, 24, 200, zeros, seed=4)
+    assert tt.k2_config(m, 24)["SPLIT"] > 1 and tt.k1_config(m, 24)["T"] == ref.DECODE_TILE
+    packed = tt.gate_pack(x, wg)
+    check_packed(packed, x, wg, f"decode K1 m={m}")
+    out = tt.updown(x, packed, wg, wu, twell_ops.transpose_down(wd))
+    assert_close(out, ref.ffn_reference(x, wg, wu, wd), what=f"decode m={m} zeros={zeros}", **FP32)
+
+
+@pytest.mark.parametrize("m,d,f", [(257, 72, 130), (3, 129, 257), (20, 16, 64)])
+def test_odd_shapes_default_configs(m, d, f):
+    x, wg, wu, wd = make_case(m, d, f, 0.9, seed=5)
+    out = twell_ops.twell_ffn(x, wg, wu, wd, backend="twell")
+    assert twell_ops.last_backend() == "twell"
+    assert_close(out, ref.ffn_reference(x, wg, wu, wd), what=f"twell_ffn {m}x{d}x{f}", **FP32)
+
+
+def test_pack_unpack_round_trip():
+    gen = torch.Generator().manual_seed(6)
+    gate = torch.randn(9, 200, generator=gen) - 1.5  # [M, F] ~7% positive: few overflows
+    gate[0] = gate[0].abs() + 0.1  # one row with every neuron active
+    packed = ref.twell_pack(gate, tile=64, slots=8)
+    # the last tile holds 200 - 3 * 64 = 8 columns: it fits its 8 slots even when full
+    assert packed.overflowed()[0, :3].all() and not packed.overflowed()[1:].all()
+    assert torch.equal(ref.twell_unpack(packed, gate), gate.relu())
+    clean = ref.twell_pack(gate[1:].clamp(max=-0.01) + (gate[1:] > 1.0) * 3.0, tile=64, slots=8)
+    assert not clean.overflowed().any()
+    assert torch.equal(ref.twell_unpack(clean), (gate[1:].clamp(max=-0.01) + (gate[1:] > 1.0) * 3.0).relu())
+    with pytest.raises(ValueError, match="dense_gate"):
+        ref.twell_unpack(packed)
+
+
+def test_backends_agree_with_leading_dims():
+    x, wg, wu, wd = make_case(12, 40, 300, 0.9, seed=7)
+    x3 = x.view(2, 6, 40)
+    want = ref.ffn_reference(x3, wg, wu, wd)
+    for backend in ("dense", "twell", "auto"):
+        got = twell_ops.twell_ffn(x3, wg, wu, wd, backend=backend, w_down_t=twell_ops.transpose_down(wd))
+        assert got.shape == (2, 6, 40) and got.dtype == x.dtype
+        assert_close(got, want, what=f"backend={backend}", **FP32)
+    assert twell_ops.last_backend() == "dense", "auto on CPU must pick the torch path"
+
+
+def test_gradients_take_the_dense_path():
+    x, wg, wu, wd = make_case(4, 16, 64, 0.5, seed=8)
+    wg.requires_grad_(True)
+    y = twell_ops.twell_ffn(x, wg, wu, wd, backend="twell")
+    assert twell_ops.last_backend() == "dense"
+    y.sum().backward()
+    assert wg.grad is not None and wg.grad.abs().sum() > 0
+
+
+def test_bad_inputs_name_the_fix():
+    x, wg, wu, wd = make_case(2, 16, 64, 0.5)
+    with pytest.raises(ValueError, match="backend='fast'.*auto"):
+        twell_ops.twell_ffn(x, wg, wu, wd, backend="fast")
+    with pytest.raises(ValueError, match=r"w_down has shape \(64, 16\).*nn.Linear"):
+        twell_ops.twell_ffn(x, wg, wu, wd.t(), backend="dense")
+
+
+def test_torch_fallback_without_triton():
+    """The kernel files import and compute without triton (as in a CPU-only model folder)."""
+    code = textwrap.dedent(
+        """
+        import sys; sys.modules["triton"] = None
+        import torch
+        from sparsify.kernels import twell_ffn, last_backend, ffn_reference
+        from sparsify.kernels.twell_triton import HAS_TRITON
+        assert not HAS_TRITON
+        x, wg, wu, wd = torch.randn(3, 8), torch.randn(20, 8), torch.randn(20, 8), torch.randn(8, 20)
+        y = twell_ffn(x, wg, wu, wd, backend="twell")
+        assert last_backend() == "dense", last_backend()
+        assert (y - ffn_reference(x, wg, wu, wd)).abs().max() < 1e-4
+        print("ok")
+        """
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-2000:]
+
+
+def test_flat_copy_imports_like_a_model_folder(tmp_path, monkeypatch):
+    """The export copies the files flat beside modeling code; a second copy must reuse the custom op."""
+    pkg = tmp_path / "model_folder_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    for name in ("twell_reference.py", "twell_triton.py", "twell_ops.py"):
+        shutil.copy(KERNEL_DIR / name, pkg / name)
+        text = (pkg / name).read_text()
+        assert "import sparsify" not in text and "from . import" not in text, f"{name} imports badly"
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mod = importlib.import_module("model_folder_pkg.twell_ops")
+    x, wg, wu, wd = make_case(3, 16, 64, 0.9, seed=9)
+    assert_close(mod.twell_ffn(x, wg, wu, wd, backend="twell"), ref.ffn_reference(x, wg, wu, wd),
+                 what="flat copy", **FP32)
+
+
+# ---------------------------------------------------------------- GPU (run on the H200, skipped on CPU)
+GPU_SHAPES = [(1, 576, 1536), (5, 2048, 8192), (16, 576, 1536), (300, 576, 1536), (1024, 2048, 8192)]
+
+
+def bf16_rule(got, x, wg, wu, wd, what):
+    """Kernel error vs the fp32 oracle at most 2x a plain torch low-precision FFN's error, + small atol."""
+    want = ref.ffn_reference(x, wg, wu, wd)
+    plain = ref.ffn_dense(x, wg, wu, wd).float()
+    base = (plain - want).abs().max().item()
+    assert_close(got, want, rtol=0.0, atol=2 * base + 1e-3 * want.abs().max().item(), what=what)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("m,d,f", GPU_SHAPES)
+@pytest.mark.parametrize("zeros", [0.0, 0.99])
+def test_gpu_twell_matches_oracle(dtype, m, d, f, zeros):
+    x, wg, wu, wd = make_case(m, d, f, zeros, seed=10, dtype=dtype, device="cuda")
+    got = twell_ops.twell_ffn(x, wg, wu, wd, backend="twell")
+    if dtype == torch.float32:
+        assert_close(got, ref.ffn_reference(x, wg, wu, wd), what=f"gpu fp32 {m}x{d}x{f}", rtol=1e-4, atol=1e-4)
+    else:
+        bf16_rule(got, x, wg, wu, wd, f"gpu {dtype} {m}x{d}x{f} zeros={zeros}")
+
+
+@pytest.mark.gpu
+def test_gpu_k1_pack_and_skewed_overflow():
+    x, wg, wu, wd = make_case(512, 576, 1536, 0.98, seed=11, dtype=torch.bfloat16, device="cuda", skew=True)
+    packed = tt.gate_pack(x, wg)
+    gate = x.float() @ wg.float().t()
+    assert_close(ref.twell_unpack(packed, gate), gate.relu(), rtol=0, atol=2e-2 * gate.abs().max().item(),
+                 what="gpu K1 unpack")
+    bf16_rule(tt.updown(x, packed, wg, wu, twell_ops.transpose_down(wd)), x, wg, wu, wd, "gpu K2 skewed")
+
+
+@pytest.mark.gpu
+def test_gpu_auto_cuda_graph_and_compile():
+    x, wg, wu, wd = make_case(64, 576, 1536, 0.99, seed=12, dtype=torch.bfloat16, device="cuda")
+    wdt = twell_ops.transpose_down(wd)
+    eager = twell_ops.twell_ffn(x, wg, wu, wd, w_down_t=wdt)  # auto: measures, decides
+    assert twell_ops.last_backend() in ("twell", "dense")
+    graph = torch.cuda.CUDAGraph()
+    static_out = None
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        static_out = twell_ops.twell_ffn(x, wg, wu, wd, w_down_t=wdt)
+    graph.replay()
+    torch.cuda.synchronize()
+    bf16_rule(static_out, x, wg, wu, wd, "cuda graph")
+    compiled = torch.compile(lambda a: twell_ops.twell_ffn(a, wg, wu, wd, backend="twell", w_down_t=wdt))
+    bf16_rule(compiled(x), x, wg, wu, wd, "torch.compile")
+    bf16_rule(eager, x, wg, wu, wd, "auto eager")
