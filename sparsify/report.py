@@ -1,0 +1,212 @@
+"""Turn an evaluation report (the dict `sparsify.evaluate.evaluate` returns) into files people read.
+
+write_report(report, out) writes report.json, report.md and PNG plots (per-layer sparsity, speed vs batch,
+accuracy bars); every file is written to a temporary name and renamed, so a reader never sees half a file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+PLOTS = ("sparsity_per_layer.png", "speed_vs_batch.png", "accuracy.png")
+
+
+def write_report(report: dict, out: Path) -> Path:
+    """Write report.md, the plots, then report.json (last: its presence means the set is complete)."""
+    out.mkdir(parents=True, exist_ok=True)
+    report["plots"] = _write_plots(report, out)
+    _atomic_write(out / "report.md", render_markdown(report).encode())
+    _atomic_write(out / "report.json", json.dumps(report, indent=2, default=str).encode())
+    return out
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; reports are meant to be shared
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# ------------------------------------------------------------------------------------------------ markdown
+def _fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}" if abs(value) < 1e5 else f"{value:.3g}"
+    return str(value)
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_fmt(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def render_markdown(report: dict) -> str:
+    """All sections, models side by side in columns."""
+    models = report["models"]
+    names = [m["name"] for m in models]
+    parts = ["# sparsify eval report", "", _models_table(models), ""]
+    for title, body in (("Accuracy (lm-eval)", _accuracy_table(models, names)),
+                        ("Perplexity", _perplexity_table(models, names)),
+                        ("Activation sparsity (h = act(gate) * up, input of down_proj)", _sparsity_table(models, names)),
+                        ("Speed", _speed_tables(models))):
+        if body:
+            parts += [f"## {title}", "", body, ""]
+    parts += ["## Provenance", "", _provenance(report), ""]
+    return "\n".join(parts)
+
+
+def _models_table(models: list[dict]) -> str:
+    rows = [[m["name"], m["source"], m.get("model_type"), m.get("activation"), m.get("layers"),
+             m.get("intermediate_size"), f"{m.get('parameters', 0) / 1e6:.1f}M", "yes" if m.get("twell_capable") else "no"]
+            for m in models]
+    return _table(["model", "source", "type", "act", "layers", "F", "params", "TwELL code"], rows)
+
+
+def _accuracy_table(models: list[dict], names: list[str]) -> str:
+    tasks = sorted({t for m in models for t in m.get("accuracy", {})})
+    if not tasks:
+        return ""
+    rows = []
+    for task in tasks:
+        metrics = sorted({k for m in models for k in m["accuracy"].get(task, {}) if k != "samples"})
+        for metric in metrics:
+            samples = max(m["accuracy"].get(task, {}).get("samples", 0) for m in models)
+            rows.append([task, metric, samples] + [m["accuracy"].get(task, {}).get(metric) for m in models])
+    return _table(["task", "metric", "n"] + names, rows)
+
+
+def _perplexity_table(models: list[dict], names: list[str]) -> str:
+    texts = sorted({t for m in models for t in m.get("perplexity", {})})
+    rows = []
+    for text in texts:
+        first = next(m["perplexity"][text] for m in models if text in m["perplexity"])
+        for key in ("perplexity", "bits_per_byte"):
+            rows.append([text, key, first["tokens"]] + [m["perplexity"].get(text, {}).get(key) for m in models])
+    return _table(["text", "metric", "tokens"] + names, rows) if rows else ""
+
+
+def _sparsity_table(models: list[dict], names: list[str]) -> str:
+    sums = [m.get("sparsity", {}).get("summary") or {} for m in models]
+    if not any(sums):
+        return ""
+    keys = [("nnz_mean", "non-zeros per token (mean over layers)"), ("nnz_p99_max", "p99 non-zeros (worst layer)"),
+            ("nnz_max", "max non-zeros per token"), ("zeros", "zeros (fraction)"), ("dead_frac", "dead neurons (fraction)"),
+            ("tile_max", "largest (row, tile) count (TwELL slots: 31)"), ("overflow_rate", "tiles over 31 slots")]
+    rows = [[label] + [s.get(k) for s in sums] for k, label in keys]
+    rows += [[f"union reuse R({bt})"] + [(s.get("reuse") or {}).get(bt) for s in sums] for bt in ("16", "32", "64", "128")]
+    text = _table(["statistic"] + names, rows)
+    tokens = [m.get("sparsity", {}).get("tokens") for m in models]
+    return text + f"\n\nTokens profiled: {', '.join(f'{n}: {t}' for n, t in zip(names, tokens))}. " \
+        "Per-layer values are in report.json and sparsity_per_layer.png."
+
+
+def _speed_tables(models: list[dict]) -> str:
+    blocks = []
+    for m in models:
+        speed = m.get("speed") or {}
+        if not speed:
+            continue
+        if not speed.get("available"):
+            blocks.append(f"**{m['name']}**: {speed.get('reason')}")
+            continue
+        rows = [[r["backend"], r["batch"], r["seq"], r.get("tokens_per_s"), r.get("ms"), r.get("peak_mem_gb"), r.get("error")]
+                for r in speed["prefill"]]
+        rows += [[r["backend"], r["batch"], f"decode {r['new_tokens']} after {r['prompt']}", r.get("tokens_per_s"),
+                  r.get("ms"), r.get("peak_mem_gb"), r.get("error")] for r in speed["decode"]]
+        blocks.append(f"**{m['name']}** on {speed['device']} ({speed['dtype']})\n\n"
+                      + _table(["backend", "batch", "seq", "tokens/s", "ms", "peak GiB", "note"], rows))
+        ratios = [[f"prefill b{r['batch']} s{r['seq']}", r["twell_over_dense"]] for r in speed["speedup"]["prefill"]]
+        ratios += [[f"decode b{r['batch']}", r["twell_over_dense"]] for r in speed["speedup"]["decode"]]
+        if ratios:
+            blocks.append(_table(["shape", "TwELL / dense tokens/s (same run)"], ratios))
+        shares = [[b, s.get("batch"), s.get("seq"), s.get("ffn_share")] for b, s in speed["ffn_share"].items()]
+        blocks.append(_table(["backend", "batch", "seq", "FFN share of prefill time"], shares))
+    return "\n\n".join(blocks)
+
+
+def _provenance(report: dict) -> str:
+    p = report["provenance"]
+    versions = ", ".join(f"{k} {v}" for k, v in p["versions"].items() if v)
+    commit = (p.get("git_commit") or "unknown")[:12] + (" (dirty)" if p.get("git_dirty") else "")
+    return (f"sparsify {p['sparsify']}, commit {commit}; {versions}; Python {p['python']}; "
+            f"device {p.get('gpu') or p['device']}; {p['date']}.")
+
+
+# --------------------------------------------------------------------------------------------------- plots
+def _write_plots(report: dict, out: Path) -> list[str]:
+    """Only plots with data are drawn; returns the file names written."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # plots are optional: `pip install twell-sparsify[eval]` brings matplotlib
+        return []
+    written = []
+    for name, draw in zip(PLOTS, (_plot_sparsity, _plot_speed, _plot_accuracy)):
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        if draw(ax, report["models"]):
+            ax.legend(fontsize=8)
+            fig.tight_layout()
+            fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{name}.", suffix=".png")
+            os.close(fd)
+            fig.savefig(tmp, dpi=110)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, out / name)
+            written.append(name)
+        plt.close(fig)
+    return written
+
+
+def _plot_sparsity(ax: Any, models: list[dict]) -> bool:
+    drawn = False
+    for m in models:
+        layers = [l for l in (m.get("sparsity") or {}).get("layers", []) if l.get("tokens")]
+        if layers:
+            (line,) = ax.plot(range(len(layers)), [l["nnz_mean"] for l in layers], marker="o", label=f"{m['name']} mean")
+            ax.plot(range(len(layers)), [l["nnz_p99"] for l in layers], ls="--", color=line.get_color(),
+                    label=f"{m['name']} p99")
+            drawn = True
+    ax.set(xlabel="layer", ylabel="non-zeros per token", yscale="log", title="Active FFN neurons per token")
+    return drawn
+
+
+def _plot_speed(ax: Any, models: list[dict]) -> bool:
+    drawn = False
+    for m in models:
+        speed = m.get("speed") or {}
+        rows = [r for r in speed.get("prefill", []) if "tokens_per_s" in r]
+        if not rows:
+            continue
+        seq = max(r["seq"] for r in rows)
+        for backend in speed["backends"]:
+            pts = sorted((r["batch"], r["tokens_per_s"]) for r in rows if r["backend"] == backend and r["seq"] == seq)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=f"{m['name']} {backend} (seq {seq})")
+                drawn = True
+    ax.set(xlabel="batch", ylabel="prefill tokens/s", xscale="log", title="Prefill throughput")
+    return drawn
+
+
+def _plot_accuracy(ax: Any, models: list[dict]) -> bool:
+    tasks = sorted({t for m in models for t, r in m.get("accuracy", {}).items() if "acc" in r})
+    if not tasks:
+        return False
+    width = 0.8 / len(models)
+    for i, m in enumerate(models):
+        values = [m["accuracy"].get(t, {}).get("acc", 0.0) for t in tasks]
+        ax.bar([j + i * width for j in range(len(tasks))], values, width, label=m["name"])
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tasks))], tasks, rotation=20, fontsize=8)
+    ax.set(ylabel="accuracy", ylim=(0, 1), title="Accuracy (lm-eval acc)")
+    return True
