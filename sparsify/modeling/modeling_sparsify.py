@@ -1,0 +1,146 @@
+# Shipped verbatim inside every sparsify model folder (loaded with trust_remote_code=True).
+# Flat and self-contained: imports only torch, transformers, the standard library and the sibling kernel
+# files copied beside it (twell_ops.py and friends). Never import the sparsify package from here.
+"""Sparse-FFN causal LMs: the family's own transformers class with its gated MLPs replaced by SparseMLP.
+
+`config.json` keeps the family's `model_type` with a ReLU activation, so stock transformers loads the same
+folder as a dense ReLU model; `auto_map` points AutoModelForCausalLM here, to `Sparse<Base>` (for example
+`SparseLlamaForCausalLM`), built on first access from `transformers.<Base>`.
+
+SparseMLP keeps the parameter names (gate_proj / up_proj / down_proj, or Phi-3's fused gate_up_proj), so
+state dicts load unchanged, and it calls those modules whenever gradients may flow (training, LoRA). At
+inference on CUDA with Triton it runs the TwELL kernels through `twell_ffn`; anywhere else the dense torch
+expression, identical to the stock model's.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn as nn
+import transformers
+
+try:
+    from .twell_ops import twell_ffn
+except Exception:  # triton missing, or an older folder without the kernel files: dense torch path
+    twell_ffn = None
+
+logger = logging.getLogger("sparsify")
+BACKENDS = ("auto", "twell", "dense")
+_announced: set[str] = set()
+
+
+def _announce(path: str, reason: str) -> None:
+    """Log which FFN path runs, once per process and path, so users can see it in their logs."""
+    if path not in _announced:
+        _announced.add(path)
+        logger.info("sparsify: FFN path = %s (%s)", path, reason)
+
+
+class SparseMLP(nn.Module):
+    """relu(gate_proj(x)) * up_proj(x) -> down_proj, with a TwELL kernel path for CUDA inference.
+
+    `ffn_backend` ("auto" | "twell" | "dense") is passed to twell_ffn; "dense" also skips the kernels.
+    `last_path` records which path the last forward took ("twell_ffn:<backend>" or "torch").
+    """
+
+    def __init__(self, mlp: nn.Module):
+        super().__init__()
+        self.fused = hasattr(mlp, "gate_up_proj")
+        if self.fused:  # Phi-3: one [2F, d] projection, gate first
+            self.gate_up_proj = mlp.gate_up_proj
+        else:
+            self.gate_proj = mlp.gate_proj
+            self.up_proj = mlp.up_proj
+        self.down_proj = mlp.down_proj
+        self.ffn_backend = "auto"
+        self.last_path = ""
+        self._down_t = None  # cached [F, d] copy of down_proj.weight for the kernels, keyed by version
+
+    def _projections(self) -> list[nn.Module]:
+        return [self.gate_up_proj, self.down_proj] if self.fused else [self.gate_proj, self.up_proj, self.down_proj]
+
+    def _kernel_reason(self, x: torch.Tensor) -> str | None:
+        """None when the TwELL path may run; otherwise why the dense torch path runs instead."""
+        if twell_ffn is None:
+            return "triton or the kernel files are not available"
+        if not x.is_cuda:
+            return "input is not on a CUDA device"
+        if self.ffn_backend == "dense":
+            return "ffn_backend='dense'"
+        if torch.is_grad_enabled() and (self.training or any(p.requires_grad for p in self.parameters())):
+            return "gradients enabled (training path calls the nn.Linear modules)"
+        if any(type(m) is not nn.Linear or m.bias is not None for m in self._projections()):
+            return "projections carry biases or adapters"
+        return None
+
+    def _weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.fused:
+            w = self.gate_up_proj.weight  # [2F, d]
+            f = w.shape[0] // 2
+            return w[:f], w[f:], self.down_proj.weight
+        return self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        reason = self._kernel_reason(x)
+        if reason is None:
+            w_gate, w_up, w_down = self._weights()  # [F, d], [F, d], [d, F]
+            key = (w_down.data_ptr(), w_down._version)
+            if self._down_t is None or self._down_t[0] != key:
+                self._down_t = (key, w_down.t().contiguous())  # [F, d]: one contiguous row per neuron
+            self.last_path = f"twell_ffn:{self.ffn_backend}"
+            _announce(self.last_path, "CUDA inference with Triton")
+            return twell_ffn(x, w_gate, w_up, w_down, backend=self.ffn_backend, w_down_t=self._down_t[1])
+        self.last_path = "torch"
+        _announce("torch", reason)
+        if self.fused:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(up * torch.relu(gate))
+        return self.down_proj(torch.relu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def sparsify_mlps(model: nn.Module) -> int:
+    """Replace every gated MLP module in `model` by a SparseMLP sharing its projections; returns the count."""
+    targets = [(name, m) for name, m in model.named_modules()
+               if not isinstance(m, SparseMLP) and hasattr(m, "down_proj")
+               and (hasattr(m, "gate_up_proj") or (hasattr(m, "gate_proj") and hasattr(m, "up_proj")))]
+    for name, mlp in targets:
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, SparseMLP(mlp))
+    return len(targets)
+
+
+def set_ffn_backend(model: nn.Module, backend: str) -> None:
+    """Set `ffn_backend` on every SparseMLP of `model` ("auto", "twell" or "dense")."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    for m in model.modules():
+        if isinstance(m, SparseMLP):
+            m.ffn_backend = backend
+
+
+_classes: dict[str, type] = {}
+
+
+def _sparse_class(base_name: str) -> type:
+    base = getattr(transformers, base_name)
+
+    def __init__(self, config, *args, **kwargs):
+        base.__init__(self, config, *args, **kwargs)
+        sparsify_mlps(self)
+
+    cls = type(f"Sparse{base_name}", (base,), {
+        "__init__": __init__, "__module__": __name__, "__doc__": f"{base_name} with SparseMLP FFNs.",
+        "set_ffn_backend": set_ffn_backend,
+    })
+    return cls
+
+
+def __getattr__(name: str) -> type:
+    """`Sparse<Base>` for any transformers `<Base>` causal LM, built once on first access (PEP 562)."""
+    if name.startswith("Sparse") and name.endswith("ForCausalLM"):
+        if name not in _classes:
+            _classes[name] = _sparse_class(name[len("Sparse"):])
+        return _classes[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
