@@ -1,0 +1,180 @@
+"""convert: bad inputs give one clear paragraph (exit 2, no traceback), output is atomic, dtype casts."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from sparsify.convert import check_safetensors, convert
+from sparsify.errors import SparsifyError
+from sparsify.folder import atomic_dir
+
+TINY = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, max_position_embeddings=32, bos_token_id=1, eos_token_id=2)
+
+
+@pytest.fixture
+def llama_dir(tmp_path):
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**TINY)).save_pretrained(tmp_path / "llama")
+    return tmp_path / "llama"
+
+
+def run_cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "sparsify", *map(str, args)], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=300)
+
+
+def assert_clean_error(proc, *phrases):
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr, proc.stderr
+    for phrase in phrases:
+        assert phrase in proc.stderr, (phrase, proc.stderr)
+
+
+def test_cli_converts_and_refuses_existing_output(llama_dir, tmp_path):
+    proc = run_cli("convert", llama_dir, "-o", tmp_path / "out", "-q")
+    assert proc.returncode == 0, proc.stderr
+    assert "silu -> relu" in proc.stdout
+    again = run_cli("convert", llama_dir, "-o", tmp_path / "out", "-q")
+    assert_clean_error(again, "already exists", "--overwrite")
+    assert run_cli("convert", llama_dir, "-o", tmp_path / "out", "-q", "--overwrite").returncode == 0
+
+
+def test_cli_non_gated_model_names_supported_families(tmp_path):
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64)).save_pretrained(tmp_path / "gpt2")
+    proc = run_cli("convert", tmp_path / "gpt2", "-o", tmp_path / "out")
+    assert_clean_error(proc, "'gpt2' cannot be converted", "not gated", "Supported families", "Llama", "Qwen2")
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_unknown_family(llama_dir, tmp_path):
+    config = json.loads((llama_dir / "config.json").read_text())
+    (llama_dir / "config.json").write_text(json.dumps({**config, "model_type": "mystery"}))
+    proc = run_cli("convert", llama_dir, "-o", tmp_path / "out")
+    assert_clean_error(proc, "'mystery' is not a supported gated-MLP family", "Mistral (mistral)")
+
+
+def test_cli_missing_path(tmp_path):
+    proc = run_cli("convert", tmp_path / "nope", "-o", tmp_path / "out")
+    assert_clean_error(proc, "does not exist", "local folder", "Hub id")
+    proc = run_cli("convert", tmp_path / "model.gguf", "-o", tmp_path / "out")
+    assert_clean_error(proc, "does not exist")
+
+
+def test_cli_hub_id_offline(tmp_path):
+    proc = run_cli("convert", "someone/some-model-that-is-not-cached", "-o", tmp_path / "out",
+                   env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
+    assert_clean_error(proc, "not reachable", "pass the local folder", "hf download someone/some-model")
+
+
+def test_cli_unsupported_dtype(llama_dir, tmp_path):
+    proc = run_cli("convert", llama_dir, "-o", tmp_path / "out", "--dtype", "int8")
+    assert proc.returncode == 2 and "invalid choice: 'int8'" in proc.stderr
+    with pytest.raises(SparsifyError, match="--dtype 'int8' is not supported; choose one of auto, bf16"):
+        convert(llama_dir, tmp_path / "out", dtype="int8")
+
+
+def test_truncated_safetensors_refused_and_nothing_written(llama_dir, tmp_path):
+    shard = llama_dir / "model.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) - 100])
+    proc = run_cli("convert", llama_dir, "-o", tmp_path / "out")
+    assert_clean_error(proc, "model.safetensors is truncated or corrupt", "Download it again")
+    assert not (tmp_path / "out").exists()
+    assert [p for p in tmp_path.iterdir() if p.name.startswith(".out")] == []  # no temp folder left either
+
+
+def test_corrupt_safetensors_header(tmp_path):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes((20).to_bytes(8, "little") + b"{not json at all!!}!")
+    with pytest.raises(SparsifyError, match="header is not JSON"):
+        check_safetensors(bad)
+    bad.write_bytes(b"\x01\x02")
+    with pytest.raises(SparsifyError, match="truncated or corrupt"):
+        check_safetensors(bad)
+
+
+def test_corrupt_and_truncated_gguf(tmp_path):
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"NOTGGUF" + bytes(100))
+    proc = run_cli("convert", fake, "-o", tmp_path / "out")
+    assert_clean_error(proc, "is not a GGUF file")
+    fake.write_bytes(b"GGUF" + bytes(60))  # right magic, truncated body
+    proc = run_cli("convert", fake, "-o", tmp_path / "out")
+    assert_clean_error(proc, "cannot read", "truncated or corrupt")
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_shard_listed_in_index(llama_dir, tmp_path):
+    (llama_dir / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors"}}))
+    with pytest.raises(SparsifyError, match="missing weight shards.*model-00001-of-00002"):
+        convert(llama_dir, tmp_path / "out", progress=False)
+
+
+def test_sharded_source_copied_with_index(tmp_path):
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**TINY))
+    model.save_pretrained(tmp_path / "src", max_shard_size="20KB")
+    shards = sorted((tmp_path / "src").glob("*.safetensors"))
+    assert len(shards) > 1
+    out = convert(tmp_path / "src", tmp_path / "out", progress=False)
+    for s in shards:
+        assert (out / s.name).read_bytes() == s.read_bytes()
+    assert (out / "model.safetensors.index.json").is_file()
+    AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+
+
+def test_dtype_cast_bf16(llama_dir, tmp_path):
+    out = convert(llama_dir, tmp_path / "out", dtype="bf16", progress=False)
+    weights = load_file(out / "model.safetensors")
+    src = load_file(llama_dir / "model.safetensors")
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+    for k in src:
+        assert torch.equal(weights[k], src[k].to(torch.bfloat16)), k
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_output_inside_source_refused(llama_dir):
+    with pytest.raises(SparsifyError, match="would overwrite the source"):
+        convert(llama_dir, llama_dir / "sub", progress=False)
+
+
+def test_atomic_dir_failure_leaves_previous_output(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep").write_text("old")
+    with pytest.raises(RuntimeError):
+        with atomic_dir(out, overwrite=True) as tmp:
+            (tmp / "half").write_text("new")
+            raise RuntimeError("crash mid-write")
+    assert (out / "keep").read_text() == "old" and not (out / "half").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_ctrl_c_leaves_no_output(tmp_path):
+    """A SIGINT while weights are being written leaves neither OUT nor a temp folder behind."""
+    torch.manual_seed(0)
+    big = {f"w{i}": torch.randn(1024, 1024) for i in range(48)}  # ~200 MB: slow enough to interrupt
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file(big, src / "model.safetensors")
+    (src / "config.json").write_text(json.dumps({**LlamaConfig(**TINY).to_dict(), "model_type": "llama"}))
+    proc = subprocess.Popen([sys.executable, "-m", "sparsify", "convert", str(src), "-o", str(tmp_path / "out"),
+                             "--dtype", "fp16"], stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not any(p.name.startswith(".out.tmp") for p in tmp_path.iterdir()):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

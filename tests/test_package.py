@@ -1,0 +1,45 @@
+"""Packaging invariants: kernels only as sparsify.kernels; model-folder code flat and self-contained."""
+
+import ast
+import subprocess
+import sys
+
+from sparsify.folder import shipped_code_files
+
+ALLOWED = {"torch", "triton", "transformers", "__future__", "math", "os", "typing", "dataclasses", "functools",
+           "logging", "warnings", "itertools", "collections", "enum", "contextlib", "json", "time", "re"}
+
+
+def test_kernels_importable_only_as_sparsify_kernels(tmp_path):
+    """Outside the repo root, our kernels/ folder must not be reachable as a top-level `kernels`."""
+    code = ("import importlib.util, pathlib, sparsify.kernels as k; s = importlib.util.find_spec('kernels'); "
+            "ours = pathlib.Path(k.__file__).parent; "
+            "print('clash' if s and s.origin and pathlib.Path(s.origin).parent == ours else 'ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_shipped_code_is_flat_and_self_contained():
+    files = shipped_code_files()
+    names = {f.name for f in files}
+    assert "modeling_sparsify.py" in names and "twell_ops.py" in names
+    problems = []
+    for f in files:
+        tree = ast.parse(f.read_text())
+        guarded = {id(n) for t in ast.walk(tree) if isinstance(t, ast.Try) for n in ast.walk(t)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level > 0:
+                if node.level != 1 or node.module is None or "." in node.module or f"{node.module}.py" not in names:
+                    problems.append(f"{f.name}:{node.lineno} relative import must be `from .sibling import x`")
+            elif isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in guarded:
+                mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
+                problems += [f"{f.name}:{node.lineno} imports {m}" for m in mods if m.split(".")[0] not in ALLOWED]
+    assert not problems, "\n".join(problems)
+
+
+def test_cli_help_lists_every_stage():
+    out = subprocess.run([sys.executable, "-m", "sparsify", "--help"], capture_output=True, text=True).stdout
+    for cmd in ("convert", "finetune", "eval", "push", "demo"):
+        assert cmd in out
+    out = subprocess.run([sys.executable, "-m", "sparsify", "convert", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "--overwrite" in out.stdout and "--dtype" in out.stdout
