@@ -85,6 +85,17 @@ def bench(fn, rep_ms: int) -> float:
     return float(do_bench(fn, warmup=max(5, rep_ms // 4), rep=rep_ms, return_mode="median"))
 
 
+def graph_ms(fn, rep_ms: int, calls: int = 10) -> float:
+    """GPU time of fn without Python launch overhead: `calls` calls captured in one CUDA graph."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    return bench(g.replay, rep_ms) / calls
+
+
 def run_shape(d: int, f: int, ms: list[int], args, info: dict) -> list[dict]:
     from sparsify.kernels import twell_ops, twell_triton as tt
     from sparsify.kernels.twell_reference import ffn_dense
@@ -101,13 +112,14 @@ def run_shape(d: int, f: int, ms: list[int], args, info: dict) -> list[dict]:
         x[:, 0] = 1.0
         rep = args.rep_ms
         dense_ms = bench(lambda: ffn_dense(x, w_gate, w_up, w_down), rep)
+        dense_graph = graph_ms(lambda: ffn_dense(x, w_gate, w_up, w_down), rep) if m <= 256 else None
         gate_ms = bench(lambda: torch.nn.functional.linear(x, w_gate), rep)
         for sparsity in args.sparsities:
             for pattern in PATTERNS:
                 set_sparsity(w_gate, sparsity, pattern)
                 twell_ops._state.clear()  # a fresh layer for the auto dispatcher
                 row = dict(info, d=d, F=f, M=m, sparsity=sparsity, pattern=pattern, dtype="bf16",
-                           dense_ms=dense_ms, cublas_gate_ms=gate_ms)
+                           dense_ms=dense_ms, cublas_gate_ms=gate_ms, dense_graph_ms=dense_graph)
                 try:
                     row.update(measure(x, w_gate, w_up, w_down, w_down_t, rep, tt, twell_ops, ffn_dense))
                 except Exception as e:  # noqa: BLE001 - record and keep going
@@ -138,13 +150,18 @@ def measure(x, w_gate, w_up, w_down, w_down_t, rep, tt, twell_ops, ffn_dense) ->
     k2_ms = bench(lambda: tt.updown(x, packed, w_gate, w_up, w_down_t), rep)
     twell_ms = bench(lambda: twell_ops.twell_ffn(x, w_gate, w_up, w_down, backend="twell", w_down_t=w_down_t), rep)
     auto_ms = bench(lambda: twell_ops.twell_ffn(x, w_gate, w_up, w_down, backend="auto", w_down_t=w_down_t), rep)
+    if m <= 256:  # launch-bound sizes: also time without Python overhead (decode runs in CUDA graphs)
+        twell_graph = graph_ms(lambda: twell_ops.twell_ffn(x, w_gate, w_up, w_down, backend="twell", w_down_t=w_down_t), rep)
+        auto_graph = graph_ms(lambda: twell_ops.twell_ffn(x, w_gate, w_up, w_down, backend="auto", w_down_t=w_down_t), rep)
+    else:
+        twell_graph = auto_graph = None
     gathered = pairs * 2 * d * x.element_size()  # W_up row + W_down^T row per (token, active neuron)
     return dict(
         measured_zeros=1 - nnz / (m * f), nnz_mean=per_tok.mean().item(), nnz_max=per_tok.max().item(),
         overflow_tiles=int(ovf.sum()), err_twell=(out.float() - ref).abs().max().item(),
         err_plain_bf16=(plain - ref).abs().max().item(),
         k1_ms=k1_ms, k2_ms=k2_ms, twell_ms=twell_ms, auto_ms=auto_ms, auto_backend=twell_ops.last_backend(),
-        k2_gather_GBps=gathered / k2_ms / 1e6,
+        k2_gather_GBps=gathered / k2_ms / 1e6, twell_graph_ms=twell_graph, auto_graph_ms=auto_graph,
     )
 
 
@@ -156,7 +173,11 @@ def fmt_row(r: dict) -> str:
             f"| auto {r['auto_ms']:.4f} ({r['dense_ms']/r['auto_ms']:.2f}x, {r['auto_backend']}) "
             f"| K1 {r['k1_ms']:.4f} / gate {r['cublas_gate_ms']:.4f} ({r['k1_ms']/r['cublas_gate_ms']:.2f}) "
             f"| K2 {r['k2_ms']:.4f} {r['k2_gather_GBps']:.0f} GB/s | nnz/tok {r['nnz_mean']:.1f} "
-            f"| ovf {r['overflow_tiles']} | err {r['err_twell']:.2e}/{r['err_plain_bf16']:.2e} |")
+            f"| ovf {r['overflow_tiles']} | err {r['err_twell']:.2e}/{r['err_plain_bf16']:.2e} |" + (
+                "" if r.get("twell_graph_ms") is None else
+                f" graph: dense {r['dense_graph_ms']:.4f} twell {r['twell_graph_ms']:.4f} "
+                f"({r['dense_graph_ms']/r['twell_graph_ms']:.2f}x) auto {r['auto_graph_ms']:.4f} "
+                f"({r['dense_graph_ms']/r['auto_graph_ms']:.2f}x) |"))
 
 
 def sweep(info: dict, rep: int) -> list[dict]:
@@ -172,15 +193,20 @@ def sweep(info: dict, rep: int) -> list[dict]:
         wu = torch.randn_like(wg) / d**0.5
         wdt = torch.randn_like(wg) / f**0.5
         set_sparsity(wg, 0.99, "skewed")
-        for bm, bk, w, s in [(128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 4, 3), (64, 64, 4, 4), (128, 128, 8, 3)]:
+        out.append(dict(info, kind="cublas_gate", d=d, F=f, ms=bench(lambda: torch.nn.functional.linear(x, wg), rep)))
+        print(out[-1], flush=True)
+        for bm, bk, w, s, pack in [(128, 64, 8, 3, True), (128, 64, 8, 3, False), (128, 64, 8, 4, True),
+                                   (128, 64, 4, 4, True), (64, 64, 4, 4, True), (128, 32, 4, 5, True),
+                                   (64, 128, 4, 3, True), (128, 128, 8, 3, False)]:
             try:
-                t = bench(lambda: tt.gate_pack(x, wg, BLOCK_M=bm, BLOCK_K=bk, num_warps=w, num_stages=s), rep)
+                t = bench(lambda: tt.gate_pack(x, wg, BLOCK_M=bm, BLOCK_K=bk, num_warps=w, num_stages=s,
+                                               PACK=pack), rep)
             except Exception as e:  # noqa: BLE001
                 t = f"{type(e).__name__}"
-            out.append(dict(info, kind="k1", d=d, F=f, BLOCK_M=bm, BLOCK_K=bk, warps=w, stages=s, ms=t))
-            print(out[-1]["kind"], d, f, bm, bk, w, s, t, flush=True)
+            out.append(dict(info, kind="k1", d=d, F=f, BLOCK_M=bm, BLOCK_K=bk, warps=w, stages=s, pack=pack, ms=t))
+            print(out[-1]["kind"], d, f, bm, bk, w, s, pack, t, flush=True)
         packed = tt.gate_pack(x, wg)
-        for e, w in [(4, 4), (4, 8), (8, 8), (8, 16), (16, 16), (2, 8)]:
+        for e, w in [(4, 4), (4, 2), (2, 4), (2, 2), (8, 4), (4, 8)]:
             try:
                 t = bench(lambda: tt.updown(x, packed, wg, wu, wdt, E=e, num_warps=w), rep)
             except Exception as ex:  # noqa: BLE001

@@ -41,7 +41,6 @@ MARGIN = 0.97  # twell must be at least 3% faster than dense at calibration
 
 _last_backend: str | None = None
 _logged: dict[tuple, str] = {}
-_wdt_cache: dict[tuple, torch.Tensor] = {}
 
 
 def last_backend() -> str | None:
@@ -52,7 +51,7 @@ def last_backend() -> str | None:
 def _note(key: tuple, backend: str, why: str) -> None:
     global _last_backend
     _last_backend = backend
-    if _logged.get(key) != backend:
+    if _logged.get(key, None) is not backend:
         _logged[key] = backend
         log.info("twell_ffn %s -> %s (%s)", key, backend, why)
 
@@ -63,12 +62,15 @@ def transpose_down(w_down: torch.Tensor) -> torch.Tensor:
 
 
 def _cached_down_t(w_down: torch.Tensor) -> torch.Tensor:
-    key = (w_down.data_ptr(), w_down.shape, w_down.dtype, w_down.device, w_down._version)
-    wdt = _wdt_cache.get(key)
-    if wdt is None:
-        if len(_wdt_cache) >= 512:
-            _wdt_cache.clear()
-        wdt = _wdt_cache[key] = transpose_down(w_down)
+    """Transposed copy stored ON the weight tensor (a data_ptr key goes stale when memory is reused)."""
+    hit = getattr(w_down, "_twell_down_t", None)
+    if hit is not None and hit[0] == w_down._version:
+        return hit[1]
+    wdt = transpose_down(w_down)
+    try:
+        w_down._twell_down_t = (w_down._version, wdt)
+    except (AttributeError, RuntimeError):  # some tensor subclasses refuse attributes
+        pass
     return wdt
 
 
@@ -130,35 +132,56 @@ def _calibrate(st: _LayerState, x2d, w_gate, w_up, w_down, w_down_t) -> None:
     st.times = {"dense_ms": t_dense, "twell_ms": t_twell, "density": st.density}
 
 
+def _layer_states(w_gate: torch.Tensor) -> dict:
+    """Per-layer dispatcher state, stored on W_gate itself (data_ptr keys go stale on reuse)."""
+    states = getattr(w_gate, "_twell_auto", None)
+    if states is None:
+        states = {}
+        try:
+            w_gate._twell_auto = states
+        except (AttributeError, RuntimeError):
+            states = _state.setdefault((w_gate.data_ptr(), tuple(w_gate.shape)), states)
+    return states
+
+
 def _auto(x2d, w_gate, w_up, w_down, w_down_t) -> torch.Tensor:
     m, f = x2d.shape[0], w_gate.shape[0]
-    key = (w_gate.data_ptr(), tuple(w_gate.shape), x2d.dtype, _next_bucket(m))
-    st = _state.setdefault(key, _LayerState())
+    bucket = 1 << max(0, (m - 1).bit_length())
+    st = _layer_states(w_gate).get(bucket)
+    if st is None:
+        st = _layer_states(w_gate)[bucket] = _LayerState()
+    key = (tuple(w_gate.shape), x2d.dtype, bucket)
     if torch.cuda.is_current_stream_capturing():
         backend = st.decision or "dense"
-        _note(key[1:], backend, "graph capture: frozen decision")
+        _note(key, backend, "graph capture: frozen decision")
         return _run(backend, x2d, w_gate, w_up, w_down, w_down_t)
     st.calls += 1
-    _poll(st)
+    if st.pending is not None:
+        _poll(st)
     if st.density is None:  # first call of this layer/bucket: one synchronous count
         st.density = float(gate_pack(x2d, w_gate).cnt.sum().item()) / (m * f)
-    drift = st.density0 is not None and abs(math.log(max(st.density, 1e-6) / max(st.density0, 1e-6))) > math.log(DRIFT)
-    if st.decision is None or (drift and st.retunes < MAX_RETUNE):
+    if st.decision is None or (st.retunes < MAX_RETUNE and _drifted(st)):
         st.retunes += st.decision is not None
         _calibrate(st, x2d, w_gate, w_up, w_down, w_down_t)
-        _note(key[1:], st.decision, f"timed {st.times}")
+        _note(key, st.decision, f"timed {st.times}")
     refresh = st.calls % REFRESH == 0 and st.pending is None
     if st.decision == "twell":
-        _note(key[1:], "twell", "auto")
+        _note(key, "twell", "auto")
         packed = gate_pack(x2d, w_gate)
         if refresh:
             _count_async(st, packed.cnt.sum(dtype=torch.int64), m * f)
         return updown(x2d, packed, w_gate, w_up, w_down_t)
-    _note(key[1:], "dense", "auto")
+    _note(key, "dense", "auto")
     g = torch.nn.functional.linear(x2d, w_gate)  # [M, F]
     if refresh:
         _count_async(st, (g > 0).sum(), m * f)
     return torch.nn.functional.linear(torch.relu(g) * torch.nn.functional.linear(x2d, w_up), w_down)
+
+
+def _drifted(st: _LayerState) -> bool:
+    if st.density0 is None:
+        return False
+    return abs(math.log(max(st.density, 1e-6) / max(st.density0, 1e-6))) > math.log(DRIFT)
 
 
 def _next_bucket(m: int) -> int:
@@ -172,18 +195,17 @@ def _run(backend, x2d, w_gate, w_up, w_down, w_down_t) -> torch.Tensor:
 
 
 def _impl(x2d, w_gate, w_up, w_down, w_down_t, backend: str) -> torch.Tensor:
-    key = (tuple(w_gate.shape), x2d.dtype, x2d.device.type)
     if backend == "dense" or not _triton_ok(x2d) or x2d.shape[0] == 0:
-        _note(key, "dense", "requested" if backend == "dense" else "no triton/CUDA for this tensor")
+        _note(("dense", backend), "dense", "requested" if backend == "dense" else "no triton/CUDA for this tensor")
         return ffn_dense(x2d, w_gate, w_up, w_down)
     if w_down_t is None:
         w_down_t = _cached_down_t(w_down)
     if backend == "auto" and x2d.is_cuda:
         return _auto(x2d, w_gate, w_up, w_down, w_down_t)
     if backend == "auto":  # CPU interpreter: correct but slow, never chosen automatically
-        _note(key, "dense", "auto on CPU")
+        _note(("cpu", "auto"), "dense", "auto on CPU")
         return ffn_dense(x2d, w_gate, w_up, w_down)
-    _note(key, "twell", "requested")
+    _note(("twell", "requested"), "twell", "requested")
     return twell_ffn_triton(x2d, w_gate, w_up, w_down_t)
 
 
@@ -248,17 +270,18 @@ def twell_ffn(
         [..., d] in x's dtype. When autograd needs gradients, the dense torch path runs (inference-only
         kernels); `last_backend()` tells which path ran.
     """
-    _check(x, w_gate, w_up, w_down, backend)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w_gate, w_up, w_down)):
-        _note((tuple(w_gate.shape), x.dtype, "grad"), "dense", "gradients needed")
+    d = x.shape[-1]
+    if (backend not in BACKENDS or w_gate.shape[-1] != d or w_up.shape != w_gate.shape
+            or w_down.shape[0] != d or w_down.shape[-1] != w_gate.shape[0]
+            or w_gate.dtype != x.dtype or w_up.dtype != x.dtype or w_down.dtype != x.dtype):
+        _check(x, w_gate, w_up, w_down, backend)  # builds the full message
+    if torch.is_grad_enabled() and (x.requires_grad or w_gate.requires_grad or w_up.requires_grad
+                                    or w_down.requires_grad):
+        _note(("grad",), "dense", "gradients needed")
         return ffn_dense(x, w_gate, w_up, w_down)
-    lead = x.shape[:-1]
-    x2d = x.reshape(-1, x.shape[-1])
-    if x2d.stride(-1) != 1:
-        x2d = x2d.contiguous()
-    w_gate, w_up = w_gate.contiguous(), w_up.contiguous()
+    x2d = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, d).contiguous()
     if torch.compiler.is_compiling():  # opaque op for dynamo / inductor
-        out = _op(x2d, w_gate, w_up, w_down, w_down_t, backend)
+        out = _op(x2d, w_gate.contiguous(), w_up.contiguous(), w_down, w_down_t, backend)
     else:  # eager (and CUDA-graph capture): skip the custom-op dispatch, ~20 us a call
-        out = _impl(x2d, w_gate, w_up, w_down, w_down_t, backend)
-    return out.reshape(*lead, w_down.shape[0])
+        out = _impl(x2d, w_gate.contiguous(), w_up.contiguous(), w_down, w_down_t, backend)
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], w_down.shape[0])

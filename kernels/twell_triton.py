@@ -43,7 +43,8 @@ if HAS_TRITON:
         x_ptr, wg_ptr, cnt_ptr, col_ptr, val_ptr,
         M, F, D, NT, stride_xm, stride_wf,
         BLOCK_M: tl.constexpr, T: tl.constexpr, BLOCK_K: tl.constexpr, S: tl.constexpr,
-        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_MN: tl.constexpr, IEEE: tl.constexpr,
+        PACK: tl.constexpr = True,
     ):
         # grouped launch order: GROUP_M row blocks share W_gate tiles in L2
         pid = tl.program_id(0)
@@ -63,7 +64,10 @@ if HAS_TRITON:
         b_ptrs = wg_ptr + offs_n.to(tl.int64)[None, :] * stride_wf + offs_k[:, None]  # [BK, T]
         acc = tl.zeros([BLOCK_M, T], dtype=tl.float32)
         for k in range(0, tl.cdiv(D, BLOCK_K)):
-            if EVEN_K:
+            if EVEN_K and EVEN_MN:  # no masks: lets the loads pipeline freely
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            elif EVEN_K:
                 a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
                 b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
             else:
@@ -82,13 +86,25 @@ if HAS_TRITON:
         act_i = active.to(tl.int32)
         pos = tl.cumsum(act_i, 1) - 1  # [BM, T]
         cnt = tl.sum(act_i, 1)  # [BM] true count, may exceed S (overflow marker)
-        base = (offs_m.to(tl.int64) * NT + pid_n) * S  # [BM]
-        keep = active & (pos < S)
-        dst = base[:, None] + pos  # [BM, T]
-        cols = tl.zeros([BLOCK_M, T], dtype=tl.int32) + offs_n[None, :]
-        tl.store(col_ptr + dst, cols, mask=keep)
-        tl.store(val_ptr + dst, acc, mask=keep)
+        if PACK:  # PACK=False (benchmark only) isolates the GEMM + count cost of the epilogue
+            base = (offs_m.to(tl.int64) * NT + pid_n) * S  # [BM]
+            keep = active & (pos < S)
+            dst = base[:, None] + pos  # [BM, T]
+            cols = tl.zeros([BLOCK_M, T], dtype=tl.int32) + offs_n[None, :]
+            tl.store(col_ptr + dst, cols, mask=keep)
+            tl.store(val_ptr + dst, acc, mask=keep)
         tl.store(cnt_ptr + offs_m.to(tl.int64) * NT + pid_n, cnt, mask=m_ok)
+
+    @triton.jit
+    def _k2_entries(col_ptr, val_ptr, row, NT, S: tl.constexpr, p, K, cum, start, tiles):
+        """Column (int64) and relu(gate) of the row's entries of rank p [E]; tile found by prefix sum."""
+        p_ok = p < K
+        t = tl.sum((cum[None, :] <= p[:, None]).to(tl.int32), 1)  # [E] tile of each entry
+        st = tl.sum(tl.where(tiles[None, :] == t[:, None], start[None, :], 0), 1)  # [E]
+        slot = (row * NT + t) * S + (p - st)  # [E]
+        j = tl.load(col_ptr + slot, mask=p_ok, other=0).to(tl.int64)
+        g = tl.load(val_ptr + slot, mask=p_ok, other=0.0)
+        return j, g, p_ok
 
     @triton.jit
     def _k2_updown(
@@ -112,19 +128,18 @@ if HAS_TRITON:
         K = tl.sum(sc, 0)
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
         lane = tl.arange(0, E)
-        for k0 in range(split * E, K, E * SPLIT):
-            p = k0 + lane  # [E] entry ranks in the row
-            p_ok = p < K
-            t = tl.sum((cum[None, :] <= p[:, None]).to(tl.int32), 1)  # [E] tile of each entry
-            st = tl.sum(tl.where(tiles[None, :] == t[:, None], start[None, :], 0), 1)  # [E]
-            slot = (row * NT + t) * S + (p - st)  # [E]
-            j = tl.load(col_ptr + slot, mask=p_ok, other=0).to(tl.int64)  # [E]
-            g = tl.load(val_ptr + slot, mask=p_ok, other=0.0)  # [E] relu(gate), fp32
+        step = E * SPLIT
+        # (col, val) of the first chunk; inside the loop the next chunk's pair is fetched while the
+        # current chunk's weight rows are in flight (one memory latency per chunk instead of two)
+        j, g, p_ok = _k2_entries(col_ptr, val_ptr, row, NT, S, split * E + lane, K, cum, start, tiles)
+        for k0 in range(split * E, K, step):
             m2 = p_ok[:, None] & d_ok[None, :]
             wu = tl.load(wu_ptr + j[:, None] * D + offs_d[None, :], mask=m2, other=0.0)  # [E, BD]
             wd = tl.load(wdt_ptr + j[:, None] * D + offs_d[None, :], mask=m2, other=0.0)  # [E, BD]
-            h = g * tl.sum(wu.to(tl.float32) * x[None, :], 1)  # [E]
+            jn, gn, pn_ok = _k2_entries(col_ptr, val_ptr, row, NT, S, k0 + step + lane, K, cum, start, tiles)
+            h = g * tl.sum(wu.to(tl.float32) * x[None, :], 1)  # [E] never leaves registers
             acc += tl.sum(h[:, None] * wd.to(tl.float32), 0)
+            j, g, p_ok = jn, gn, pn_ok
 
         n_ovf = tl.sum(ovf.to(tl.int32), 0)
         if n_ovf > 0:  # lossless path: recompute overflowed tiles densely (rare by design)
@@ -181,20 +196,26 @@ def gate_pack(x2d: torch.Tensor, w_gate: torch.Tensor, **overrides) -> TwellPack
     _k1_gate_pack[grid](
         x2d, w_gate, cnt, col, val, m, f, d, nt, x2d.stride(0), w_gate.stride(0),
         BLOCK_M=cfg["BLOCK_M"], T=t, BLOCK_K=cfg["BLOCK_K"], S=s, GROUP_M=8,
-        EVEN_K=(d % cfg["BLOCK_K"] == 0), IEEE=(x2d.dtype == torch.float32),
+        EVEN_K=(d % cfg["BLOCK_K"] == 0), EVEN_MN=(m % cfg["BLOCK_M"] == 0 and f % t == 0),
+        IEEE=(x2d.dtype == torch.float32), PACK=cfg.get("PACK", True),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return TwellPacked(cnt=cnt, col=col, val=val, tile=t, n_cols=f)
 
 
 def k2_config(m: int, d: int) -> dict:
-    """E rows per gather chunk and warps: keep E * next_pow2(d) <= 16K elements per gathered tile."""
+    """E rows per gather chunk, warps, and decode split.
+
+    Round-1 sweep (H200, M = 16384, 99% skewed, eval/results/kernels-h200-r1.json): at d = 2048,
+    E = 4 / 4 warps took 2.57 ms against 4.49 ms for E = 8 / 8 warps; at d = 4096, E = 4 with 4 or 8
+    warps were best (8.34 / 8.38 ms), larger E was slower (register pressure).
+    """
     bd = _next_pow2(d)
-    e = max(2, min(16, 16384 // bd))
-    warps = 4 if bd <= 1024 else 8
+    e = 8 if bd <= 1024 else 4
+    warps = 4
     split = 1
     if m <= 16:  # decode: spread each row's entries over programs so more SMs pull rows
-        split = max(1, min(16, 128 // max(m, 1)))
+        split = max(2, min(64, 256 // max(m, 1)))
     return dict(E=e, num_warps=warps, SPLIT=split)
 
 

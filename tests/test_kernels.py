@@ -261,3 +261,13 @@ def test_gpu_auto_cuda_graph_and_compile():
     compiled = torch.compile(lambda a: twell_ops.twell_ffn(a, wg, wu, wd, backend="twell", w_down_t=wdt))
     bf16_rule(compiled(x), x, wg, wu, wd, "torch.compile")
     bf16_rule(eager, x, wg, wu, wd, "auto eager")
+
+
+def test_down_transpose_cache_follows_in_place_updates():
+    """The cached W_down^T lives on the tensor and is rebuilt when the weight changes in place."""
+    x, wg, wu, wd = make_case(3, 16, 64, 0.5, seed=13)
+    first = twell_ops.twell_ffn(x, wg, wu, wd, backend="twell")
+    with torch.no_grad():
+        wd.mul_(2.0)
+    second = twell_ops.twell_ffn(x, wg, wu, wd, backend="twell")
+    assert_close(second, 2 * first, what="after w_down.mul_(2)", **FP32)
