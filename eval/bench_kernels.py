@@ -239,7 +239,7 @@ def main() -> int:
     args = p.parse_args()
     args.sparsities = [float(s) for s in args.sparsities.split(",")]
     if args.tests:
-        rc = subprocess.call([sys.executable, "-m", "pytest", "-q", "-x", "-m", "gpu", "-p", "no:cacheprovider",
+        rc = subprocess.call([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                               str(ROOT / "tests" / "test_kernels.py")], cwd=ROOT)
         print(f"GPU tests exit code {rc}", flush=True)
     info = env_info()
