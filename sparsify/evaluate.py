@@ -59,6 +59,12 @@ class TaskSpec:
 
     names: list[str] = field(default_factory=list)
     include_paths: list[str] = field(default_factory=list)
+    registered: bool = False  # some names are lm-eval's own tasks (index its ~10k YAML files: ~5 s)
+
+    def manager(self) -> Any:
+        from lm_eval.tasks import TaskManager
+
+        return TaskManager(include_path=self.include_paths or None, include_defaults=self.registered)
 
 
 @dataclass
@@ -139,7 +145,7 @@ def resolve_tasks(tasks: list[str] | None, tmp: Path) -> TaskSpec:
     relative data_files rewritten against the YAML's own folder; `!function` helpers are copied beside it.
     """
     if tasks is None:
-        return TaskSpec(names=list(PAPER_TASKS))
+        return TaskSpec(names=list(PAPER_TASKS), registered=True)
     spec = TaskSpec()
     for i, item in enumerate(t for t in tasks if t and t.lower() != "none"):
         path = Path(item).expanduser()
@@ -155,6 +161,7 @@ def resolve_tasks(tasks: list[str] | None, tmp: Path) -> TaskSpec:
             spec.include_paths.append(str(copy))
         else:
             spec.names.append(item)
+            spec.registered = True
     return spec
 
 
@@ -218,9 +225,7 @@ def check_tasks(spec: TaskSpec) -> None:
     """Build every task once before any model loads, so missing data fails fast with a clear message."""
     if not spec.names:
         return
-    from lm_eval.tasks import TaskManager
-
-    manager = TaskManager(include_path=spec.include_paths or None)
+    manager = spec.manager()
     for name in spec.names:
         try:
             manager.load([name])
@@ -288,11 +293,9 @@ def accuracy(model: Any, tok: Any, spec: TaskSpec, limit: int | None, batch_size
     """lm-eval in-process on the loaded model; returns {task: {metric: value, "samples": n}}."""
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
 
     lm = HFLM(pretrained=model, tokenizer=tok, batch_size=batch_size)
-    manager = TaskManager(include_path=spec.include_paths or None)
-    out = simple_evaluate(model=lm, tasks=list(spec.names), task_manager=manager, limit=limit,
+    out = simple_evaluate(model=lm, tasks=list(spec.names), task_manager=spec.manager(), limit=limit,
                           bootstrap_iters=0, log_samples=False)
     results: dict[str, dict] = {}
     for task, metrics in out["results"].items():
@@ -697,6 +700,7 @@ def model_info(model: Any, spec: ModelSpec) -> dict:
     cfg = model.config
     return {
         "name": spec.name, "source": spec.source + (f"/{spec.gguf_file}" if spec.gguf_file else ""),
+        "path": str(Path(spec.source).resolve()) if Path(spec.source).exists() else None,
         "class": type(model).__name__, "model_type": getattr(cfg, "model_type", None),
         "activation": getattr(cfg, "hidden_act", None) or getattr(cfg, "hidden_activation", None),
         "layers": getattr(cfg, "num_hidden_layers", None), "hidden_size": getattr(cfg, "hidden_size", None),

