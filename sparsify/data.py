@@ -73,11 +73,19 @@ class TokenData:
                 range(first, first + count)]
         return torch.from_numpy(np.stack(rows).astype(np.int64))
 
-    def validation_batches(self, batch_size: int, max_batches: int) -> Iterator[torch.Tensor]:
-        """The first max_batches * batch_size validation sequences, always the same: [B, seq_len + 1]."""
-        n = min(self.n_validation, batch_size * max_batches)
-        for start in range(0, n, batch_size):
-            rows = [self._window(self.validation, j) for j in range(start, min(start + batch_size, n))]
+    def validation_batches(self, batch_size: int, max_batches: int, rank: int = 0, world: int = 1
+                           ) -> Iterator[torch.Tensor]:
+        """This rank's share of the first batch_size * max_batches * world validation sequences: [B, seq_len + 1].
+
+        The set is fixed (the same whatever the process count for the same global batch) and every rank gets
+        the same number of batches, as FSDP needs; sum the losses over ranks.
+        """
+        n_batches = min(self.n_validation // batch_size, max_batches * world) // world * world
+        if n_batches == 0:
+            raise SparsifyError(f"{self.n_validation} validation sequences cannot fill one batch of "
+                                f"{batch_size} on each of {world} processes; add validation text.")
+        for b in range(rank, n_batches, world):
+            rows = [self._window(self.validation, j) for j in range(b * batch_size, (b + 1) * batch_size)]
             yield torch.from_numpy(np.stack(rows).astype(np.int64))
 
 

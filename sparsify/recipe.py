@@ -120,7 +120,7 @@ class TrainSection:
     keep_checkpoints: int = doc(2, "Checkpoints kept on disk (oldest removed first).")
     log_every: int = doc(10, "Log metrics (metrics.jsonl, TensorBoard, progress bar) every this many steps.")
     eval_every: int = doc(0, "Validation perplexity every this many steps (always at start and end); 0 = start/end only.")
-    eval_batches: int = doc(16, "Micro-batches of validation text per evaluation.")
+    eval_batches: int = doc(16, "Validation micro-batches per process per evaluation (always the same sequences).")
     gradient_checkpointing: bool = doc(False, "Recompute activations in backward to save memory.")
     compile: bool = doc(False, "torch.compile the model (GPU: faster after a ~1 min compile).")
     bf16: bool = doc(True, "bf16 autocast on GPU (weights and optimizer stay fp32). Ignored on CPU.")

