@@ -1,0 +1,297 @@
+"""`sparsify push`: publish a model folder to the Hugging Face Hub with a model card built from its report.
+
+    push("out/ft", "me/SmolLM2-135M-relu-sparse", dry_run=True)   # lists what would go up
+
+Only the folder's own model files go up (weights, index, configs, tokenizer, the flat modeling/kernel code,
+README, recipe/sparsity JSON/YAML); training checkpoints, logs, plots, caches and stray files stay home.
+The token comes from the usual Hugging Face places (HF_TOKEN, `hf auth login` cache) and is never printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import SparsifyError
+
+# Top-level files that belong to a model folder. Anything else (sub-folders such as checkpoints/,
+# hidden files, caches, logs, plots, pickles) is skipped and listed with the reason.
+MODEL_FILES = (
+    "*.safetensors", "model.safetensors.index.json", "config.json", "generation_config.json",
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+    "*.py",  # modeling_*.py, configuration_*.py and the flat kernel files beside them (trust_remote_code)
+    "README.md", "LICENSE", "LICENSE.*", "NOTICE",
+    "recipe.yaml", "recipe.yml", "recipe.json", "sparsity.json", "sparsify*.json",
+)
+STRAY = ("*.tmp", "*.temp", "*~", "*.swp", "*.pyc", "*.lock", "*.partial")
+REPORT_PLACES = ("report.json", "report/report.json", "eval/report.json", "../report.json", "../report/report.json")
+
+
+@dataclass
+class PushPlan:
+    """What push uploads: files (relative names), skipped files with reasons, and the model card text."""
+
+    folder: Path
+    repo_id: str
+    files: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    card: str = ""
+    report: Path | None = None
+    url: str | None = None
+
+
+def select_files(folder: Path) -> tuple[list[str], dict[str, str]]:
+    """Split the folder into files to upload and skipped files (with why); sub-folders are skipped whole."""
+    files, skipped = [], {}
+    for path in sorted(folder.iterdir()):
+        name = path.name
+        if path.is_dir():
+            skipped[name + "/"] = "sub-folder (checkpoints, caches and logs are not part of the model)"
+        elif name.startswith("."):
+            skipped[name] = "hidden file"
+        elif any(fnmatch.fnmatch(name, p) for p in STRAY):
+            skipped[name] = "temporary or cache file"
+        elif any(fnmatch.fnmatch(name, p) for p in MODEL_FILES):
+            files.append(name)
+        else:
+            skipped[name] = "not a model file (weights, config, tokenizer, code, README, recipe)"
+    return files, skipped
+
+
+def check_folder(folder: Path, files: list[str]) -> None:
+    """A pushable folder has config.json and complete safetensors weights; collects every problem."""
+    problems = []
+    if not folder.is_dir():
+        raise SparsifyError(f"{folder}: no such folder. Pass a model folder written by `sparsify convert`/`finetune`.")
+    if "config.json" not in files:
+        problems.append("config.json is missing")
+    if not any(f.endswith(".safetensors") for f in files):
+        problems.append("no *.safetensors weights")
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        missing = sorted(shards - set(files))
+        if missing:
+            problems.append(f"shards named in model.safetensors.index.json are missing: {', '.join(missing)}")
+    if problems:
+        raise SparsifyError(f"{folder} is not a complete model folder: {'; '.join(problems)}. Push the folder "
+                            "written by `sparsify convert` or `sparsify finetune` (its final model, not a checkpoint).")
+
+
+def find_report(folder: Path, report: str | Path | None = None) -> Path | None:
+    """An explicit report, else report.json in or next to the folder (first of REPORT_PLACES)."""
+    if report is not None:
+        path = Path(report)
+        path = path / "report.json" if path.is_dir() else path
+        if not path.is_file():
+            raise SparsifyError(f"--report {report}: no such report.json. Write one with `sparsify eval MODEL --out DIR`.")
+        return path
+    return next((folder / p for p in REPORT_PLACES if (folder / p).is_file()), None)
+
+
+def pick_model_row(report: dict, folder: Path) -> dict | None:
+    """The report row describing this folder: by source path, else the only row, else None."""
+    rows = report.get("models", [])
+    here = folder.resolve()
+    for row in rows:
+        if row.get("path") and Path(row["path"]) == here:
+            return row
+    return rows[0] if len(rows) == 1 else None
+
+
+# ------------------------------------------------------------------------------------------------- card
+def model_card(repo_id: str, config: dict, report: dict | None, row: dict | None) -> str:
+    """README.md for the Hub: metadata (model-index from the report), what the model is, how to load it
+    (trust_remote_code, pinned revision), and the measured accuracy, sparsity and speed."""
+    import yaml
+
+    prov = config.get("sparsify") or {}
+    meta: dict[str, Any] = {"library_name": "transformers", "pipeline_tag": "text-generation",
+                            "tags": ["sparsify", "relu", "activation-sparsity", "twell"]}
+    source = str(prov.get("source", ""))
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", source) and not Path(source).exists():
+        meta["base_model"] = source
+    if row and row.get("accuracy"):
+        meta["model-index"] = [{"name": repo_id.split("/")[-1], "results": _index_results(row["accuracy"])}]
+    front = yaml.safe_dump(meta, sort_keys=False, allow_unicode=True)
+    parts = [f"---\n{front}---", f"# {repo_id.split('/')[-1]}", _about(config, prov), _load_section(repo_id)]
+    if row:
+        parts.append(_results_section(report or {}, row))
+    else:
+        parts.append("No `sparsify eval` report was found next to this folder, so no measured numbers are shown. "
+                     "Run `sparsify eval FOLDER --out FOLDER/report` before pushing to include them.")
+    return "\n\n".join(parts) + "\n"
+
+
+def _index_results(accuracy: dict[str, dict]) -> list[dict]:
+    """model-index entries: one per lm-eval task, its metrics (acc, acc_norm, bits_per_byte, ...)."""
+    results = []
+    for task, metrics in sorted(accuracy.items()):
+        values = [{"type": k, "value": round(float(v), 4), "name": k} for k, v in sorted(metrics.items()) if k != "samples"]
+        if values:
+            results.append({"task": {"type": "text-generation", "name": "Text Generation"},
+                            "dataset": {"name": task, "type": task},
+                            "metrics": values,
+                            "source": {"name": "sparsify eval (lm-eval-harness, in-process)",
+                                       "url": "https://github.com/EleutherAI/lm-evaluation-harness"}})
+    return results
+
+
+def _about(config: dict, prov: dict) -> str:
+    family = config.get("model_type", "?")
+    act = config.get("hidden_act") or config.get("hidden_activation") or "?"
+    how = "ReLU swap + L1 continued pretraining" if prov.get("finetuned") else "ReLU swap, no continued pretraining"
+    lines = [f"A `{family}` model whose gated MLP uses `{act}`, so many FFN hidden activations are exactly zero; "
+             f"made with sparsify ({how}) and shipped with TwELL sparse GPU kernels "
+             "([paper](https://arxiv.org/abs/2603.23198))."]
+    if prov:
+        keys = ("source", "revision", "source_activation", "activation", "version")
+        lines.append("Provenance: " + ", ".join(f"{k} `{prov[k]}`" for k in keys if prov.get(k)) + ".")
+    return "\n\n".join(lines)
+
+
+def _load_section(repo_id: str) -> str:
+    return f"""## How to load
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+revision = "main"  # pin a commit hash here: remote code runs on your machine
+tok = AutoTokenizer.from_pretrained("{repo_id}", revision=revision, trust_remote_code=True)
+# TwELL sparse kernels on CUDA (needs triton); dense torch on CPU or without triton:
+model = AutoModelForCausalLM.from_pretrained("{repo_id}", revision=revision, trust_remote_code=True)
+# or stock transformers code only (a plain dense ReLU model, no custom code):
+dense = AutoModelForCausalLM.from_pretrained("{repo_id}", revision=revision)
+```
+
+`trust_remote_code=True` runs the modeling and kernel files in this repository. Read them, then pin
+`revision=` to the commit you read, so later pushes cannot change the code you execute."""
+
+
+def _results_section(report: dict, row: dict) -> str:
+    """The report's numbers for this model only; every number comes from report.json."""
+    from .report import _fmt, _table
+
+    parts = ["## Evaluation (`sparsify eval`)"]
+    if row.get("accuracy"):
+        rows = [[t, k, v] for t, m in sorted(row["accuracy"].items()) for k, v in sorted(m.items())]
+        parts.append(_table(["task", "metric", "value"], rows))
+    if row.get("perplexity"):
+        parts.append(_table(["text", "tokens", "perplexity", "bits per byte"],
+                            [[t, p["tokens"], p["perplexity"], p["bits_per_byte"]] for t, p in row["perplexity"].items()]))
+    summary = (row.get("sparsity") or {}).get("summary") or {}
+    if summary:
+        reuse = ", ".join(f"R({bt}) {_fmt(v, 2)}" for bt, v in (summary.get("reuse") or {}).items())
+        parts.append(f"Activation sparsity over {row['sparsity'].get('tokens')} tokens: {_fmt(summary['nnz_mean'], 1)} "
+                     f"non-zeros per token per layer on average ({_fmt(100 * summary['zeros'], 2)}% zeros), "
+                     f"{_fmt(100 * summary['dead_frac'], 1)}% dead neurons, largest (row, 256-tile) count "
+                     f"{summary['tile_max']} (TwELL holds 31 per tile; overflow rate {_fmt(summary['overflow_rate'], 4)}), "
+                     f"union reuse {reuse}.")
+    speed = row.get("speed") or {}
+    ratios = (speed.get("speedup") or {}).get("prefill") or []
+    if ratios:
+        parts.append(f"Speed on {speed['device']} ({speed['dtype']}), TwELL vs the same model dense, same run:\n\n"
+                     + _table(["batch", "seq", "TwELL / dense tokens/s"],
+                              [[r["batch"], r["seq"], r["twell_over_dense"]] for r in ratios]))
+    prov = report.get("provenance") or {}
+    if prov:
+        parts.append(f"Measured with sparsify {prov.get('sparsify')} (commit {str(prov.get('git_commit'))[:12]}), "
+                     f"{', '.join(f'{k} {v}' for k, v in (prov.get('versions') or {}).items() if v)}, on "
+                     f"{prov.get('gpu') or prov.get('device')}, {prov.get('date')}.")
+    return "\n\n".join(parts)
+
+
+# ------------------------------------------------------------------------------------------------- push
+def plan(folder: str | Path, repo_id: str, *, report: str | Path | None = None) -> PushPlan:
+    """Everything push would do, without touching the network."""
+    folder = Path(folder).expanduser()
+    if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo_id):
+        raise SparsifyError(f"--repo-id {repo_id!r}: expected user/name or org/name (letters, digits, '-', '_', '.').")
+    if not folder.is_dir():
+        raise SparsifyError(f"{folder}: no such folder. Pass a model folder written by `sparsify convert`/`finetune`.")
+    files, skipped = select_files(folder)
+    check_folder(folder, files)
+    config = json.loads((folder / "config.json").read_text())
+    report_path = find_report(folder, report)
+    data = json.loads(report_path.read_text()) if report_path else None
+    row = pick_model_row(data, folder) if data else None
+    card = model_card(repo_id, config, data, row)
+    return PushPlan(folder=folder, repo_id=repo_id, files=[f for f in files if f != "README.md"],
+                    skipped=skipped, card=card, report=report_path)
+
+
+def push(folder: str | Path, repo_id: str, *, private: bool = False, revision: str | None = None,
+         dry_run: bool = False, report: str | Path | None = None) -> PushPlan:
+    """Create the repo (if needed) and upload the model files plus a generated README.md in one commit.
+
+    Args:
+        folder: model folder written by `sparsify convert` or `sparsify finetune`.
+        repo_id: "user/name" on the Hub.
+        private: create the repo private (only when it does not exist yet).
+        revision: branch to commit to (created from main if missing); default main.
+        dry_run: only compute the plan (files, skipped, card); no token or network needed.
+        report: a report.json (or folder holding one); default: found in or next to the folder.
+    """
+    result = plan(folder, repo_id, report=report)
+    if dry_run:
+        return result
+    from huggingface_hub import CommitOperationAdd, HfApi, get_token
+
+    if get_token() is None:
+        raise SparsifyError("no Hugging Face token found: run `hf auth login` or set HF_TOKEN, then push again "
+                            "(use --dry-run to see what would be uploaded without one).")
+    api = HfApi()
+    ops = [CommitOperationAdd(path_in_repo=f, path_or_fileobj=str(result.folder / f)) for f in result.files]
+    ops.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=result.card.encode("utf-8")))
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        if revision and revision != "main":
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
+        info = api.create_commit(repo_id, operations=ops, revision=revision,
+                                 commit_message=f"Upload {result.folder.name} with sparsify")
+    except Exception as e:  # HTTP, auth and offline errors all end up here; the token is never in them
+        raise SparsifyError(f"upload to {repo_id} failed: {type(e).__name__}: {e}. Check the token's write "
+                            "access (`hf auth whoami`), the repo id, and that the Hub is reachable.") from None
+    result.url = getattr(info, "commit_url", None) or f"https://huggingface.co/{repo_id}"
+    return result
+
+
+# --------------------------------------------------------------------------------------------------- CLI
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Upload a model folder to the Hugging Face Hub: creates the repo, uploads only the model's own files "
+        "(weights, configs, tokenizer, modeling/kernel code, recipe) and a model card built from a "
+        "`sparsify eval` report found in or next to the folder. The token comes from HF_TOKEN or "
+        "`hf auth login` and is never printed."
+    )
+    parser.add_argument("folder", metavar="MODEL_DIR", help="model folder from `sparsify convert` or `finetune`")
+    parser.add_argument("--repo-id", required=True, help="target repository, user/name or org/name")
+    parser.add_argument("--private", action="store_true", help="create the repository private")
+    parser.add_argument("--revision", default=None, help="branch to push to (created if missing; default main)")
+    parser.add_argument("--report", default=None, help="report.json (or its folder) for the card; default: "
+                        f"first of {', '.join(REPORT_PLACES)} relative to MODEL_DIR")
+    parser.add_argument("--dry-run", action="store_true", help="list what would be uploaded and write nothing")
+
+
+def main(args: argparse.Namespace) -> int:
+    result = push(args.folder, args.repo_id, private=args.private, revision=args.revision,
+                  dry_run=args.dry_run, report=args.report)
+    sizes = {f: (result.folder / f).stat().st_size for f in result.files}
+    print(f"{'would upload' if args.dry_run else 'uploaded'} to {result.repo_id}"
+          f"{f' (branch {args.revision})' if args.revision else ''}:")
+    for f in result.files:
+        print(f"  {f}  ({sizes[f] / 2**20:.1f} MiB)")
+    print(f"  README.md  (model card, {'from ' + str(result.report) if result.report else 'no eval report found'})")
+    for f, why in result.skipped.items():
+        print(f"  skipped {f}: {why}")
+    if args.dry_run:
+        print("\n--- README.md ---\n" + result.card)
+    else:
+        print(f"done: {result.url}")
+    return 0

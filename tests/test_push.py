@@ -1,0 +1,149 @@
+"""sparsify push: file selection, model card from a report, and the upload calls (HfApi replaced)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sparsify import cli
+from sparsify import push as push_mod
+from sparsify.errors import SparsifyError
+
+MODEL_FILES = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json",
+               "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "chat_template.jinja", "modeling_sparsify.py", "twell_ops.py", "twell_triton.py", "recipe.yaml",
+               "sparsity.json"]
+STRAYS = [".DS_Store", "model.safetensors.tmp", "notes.txt~", "metrics.jsonl", "loss.png", "optimizer.pt"]
+
+
+def _folder(tmp_path: Path, with_report: bool = True) -> Path:
+    folder = tmp_path / "smol-ft"
+    folder.mkdir()
+    for name in MODEL_FILES + STRAYS + ["README.md"]:
+        (folder / name).write_bytes(b"x")
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": MODEL_FILES[0], "b": MODEL_FILES[1]}}))
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_act": "relu",
+        "sparsify": {"source": "HuggingFaceTB/SmolLM2-135M", "source_activation": "silu", "activation": "relu",
+                     "version": "0.1.0"}}))
+    for sub in ("checkpoints/step-100", "__pycache__"):
+        (folder / sub).mkdir(parents=True)
+        (folder / sub / "model.safetensors").write_bytes(b"x")
+    if with_report:
+        (folder / "report").mkdir()
+        (folder / "report" / "report.json").write_text(json.dumps(_report(folder)))
+    return folder
+
+
+def _report(folder: Path) -> dict:
+    row = {"name": "ft", "source": str(folder), "path": str(folder.resolve()),
+           "accuracy": {"sparsify_tech_qa": {"acc": 0.4125, "acc_norm": 0.375, "samples": 80}},
+           "perplexity": {"sample.txt": {"tokens": 737, "perplexity": 12.5, "bits_per_byte": 1.02}},
+           "sparsity": {"tokens": 738, "summary": {"nnz_mean": 41.2, "zeros": 0.9732, "dead_frac": 0.31, "tile_max": 19,
+                                                   "overflow_rate": 0.0, "reuse": {"16": 3.1, "128": 9.8}}},
+           "speed": {"available": True, "device": "NVIDIA H200", "dtype": "bfloat16",
+                     "speedup": {"prefill": [{"batch": 8, "seq": 2048, "twell_over_dense": 1.21}], "decode": []}}}
+    other = {**row, "name": "orig", "path": "/elsewhere", "accuracy": {"sparsify_tech_qa": {"acc": 0.5, "samples": 80}}}
+    return {"provenance": {"sparsify": "0.1.0", "git_commit": "abc123def4567890", "versions": {"torch": "2.11.0"},
+                           "gpu": "NVIDIA H200", "device": "cuda", "date": "2026-11-30T12:00:00Z"},
+            "models": [other, row]}
+
+
+def test_selection_keeps_model_files_and_skips_strays(tmp_path):
+    folder = _folder(tmp_path)
+    files, skipped = push_mod.select_files(folder)
+    assert sorted(files) == sorted(MODEL_FILES + ["README.md"])
+    assert set(skipped) == set(STRAYS) | {"checkpoints/", "__pycache__/", "report/"}
+    assert "hidden" in skipped[".DS_Store"] and "sub-folder" in skipped["checkpoints/"]
+
+
+def test_card_from_report_has_model_index_and_pinned_loading(tmp_path):
+    folder = _folder(tmp_path)
+    plan = push_mod.plan(folder, "me/smol-sparse")
+    assert plan.report == folder / "report" / "report.json"
+    assert "README.md" not in plan.files  # the generated card replaces the folder's README
+    front, body = plan.card.split("---\n")[1], plan.card.split("---\n", 2)[2]
+    meta = yaml.safe_load(front)
+    assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M" and "sparsify" in meta["tags"]
+    (result,) = meta["model-index"][0]["results"]
+    assert meta["model-index"][0]["name"] == "smol-sparse"
+    assert result["dataset"]["name"] == "sparsify_tech_qa"
+    assert {m["type"]: m["value"] for m in result["metrics"]} == {"acc": 0.4125, "acc_norm": 0.375}  # this row, not "orig"
+    assert 'from_pretrained("me/smol-sparse", revision=revision, trust_remote_code=True)' in body
+    assert "pin" in body and "revision" in body
+    assert "41.2 non-zeros per token" in body and "97.32% zeros" in body and "NVIDIA H200" in body
+    assert "| 8 | 2048 | 1.210 |" in body
+    assert "abc123def456" in body
+
+
+def test_card_without_report_says_so(tmp_path):
+    plan = push_mod.plan(_folder(tmp_path, with_report=False), "me/x")
+    assert plan.report is None and "model-index" not in plan.card
+    assert "No `sparsify eval` report" in plan.card and "trust_remote_code=True" in plan.card
+
+
+def test_incomplete_folder_and_bad_repo_id_are_clear_errors(tmp_path):
+    folder = _folder(tmp_path)
+    (folder / MODEL_FILES[1]).unlink()
+    with pytest.raises(SparsifyError, match="model-00002-of-00002.safetensors"):
+        push_mod.plan(folder, "me/x")
+    with pytest.raises(SparsifyError, match="user/name"):
+        push_mod.plan(folder, "not a repo")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(SparsifyError, match="config.json is missing; no \\*.safetensors"):
+        push_mod.plan(empty, "me/x")
+
+
+def test_push_uploads_exactly_the_plan_in_one_commit(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    calls = []
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: "hf_secret_token_value")
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo",
+                        lambda self, repo_id, **kw: calls.append(("create_repo", repo_id, kw)))
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_branch",
+                        lambda self, repo_id, **kw: calls.append(("create_branch", repo_id, kw)))
+
+    def create_commit(self, repo_id, operations, **kw):
+        calls.append(("create_commit", repo_id, kw, {op.path_in_repo: op.path_or_fileobj for op in operations}))
+        return type("Info", (), {"commit_url": f"https://huggingface.co/{repo_id}/commit/1"})()
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_commit", create_commit)
+    folder = _folder(tmp_path)
+    result = push_mod.push(folder, "me/smol", private=True, revision="v1")
+    assert [c[0] for c in calls] == ["create_repo", "create_branch", "create_commit"]
+    assert calls[0][2]["private"] is True and calls[1][2]["branch"] == "v1" and calls[2][2]["revision"] == "v1"
+    uploaded = calls[2][3]
+    assert set(uploaded) == set(MODEL_FILES) | {"README.md"}
+    assert uploaded["config.json"] == str(folder / "config.json")
+    assert uploaded["README.md"] == result.card.encode()
+    assert result.url.endswith("/commit/1")
+
+
+def test_push_without_token_fails_before_any_network_call(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", lambda *a, **k: pytest.fail("network call"))
+    with pytest.raises(SparsifyError, match="hf auth login"):
+        push_mod.push(_folder(tmp_path), "me/smol")
+
+
+def test_cli_dry_run_lists_files_and_never_prints_the_token(tmp_path, monkeypatch, capsys):
+    import huggingface_hub
+
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_token_value")
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_commit", lambda *a, **k: pytest.fail("dry run uploaded"))
+    folder = _folder(tmp_path)
+    assert cli.main(["push", str(folder), "--repo-id", "me/smol", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "would upload to me/smol" in out and "model-00001-of-00002.safetensors" in out
+    assert "skipped checkpoints/" in out and "skipped .DS_Store" in out
+    assert "hf_secret_token_value" not in out
+    assert cli.main(["push", str(tmp_path / "missing"), "--repo-id", "me/smol", "--dry-run"]) == 2
+    assert "no such folder" in capsys.readouterr().err
