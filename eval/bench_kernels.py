@@ -149,7 +149,12 @@ def measure(x, w_gate, w_up, w_down, w_down_t, rep, tt, twell_ops, ffn_dense) ->
     k1_ms = bench(lambda: tt.gate_pack(x, w_gate), rep)
     k2_ms = bench(lambda: tt.updown(x, packed, w_gate, w_up, w_down_t), rep)
     twell_ms = bench(lambda: twell_ops.twell_ffn(x, w_gate, w_up, w_down, backend="twell", w_down_t=w_down_t), rep)
-    auto_ms = bench(lambda: twell_ops.twell_ffn(x, w_gate, w_up, w_down, backend="auto", w_down_t=w_down_t), rep)
+    # auto vs dense measured back to back, twice, alternating: same-run noise between two separate dense
+    # measurements was up to 8% in round 2, larger than the 3% the dispatcher is held to
+    auto_fn = lambda: twell_ops.twell_ffn(x, w_gate, w_up, w_down, backend="auto", w_down_t=w_down_t)  # noqa: E731
+    auto_fn()
+    pairs_t = [(bench(lambda: ffn_dense(x, w_gate, w_up, w_down), rep), bench(auto_fn, rep)) for _ in range(2)]
+    dense_adj, auto_ms = min(a for a, _ in pairs_t), min(b for _, b in pairs_t)
     if m <= 256:  # launch-bound sizes: also time without Python overhead (decode runs in CUDA graphs)
         twell_graph = graph_ms(lambda: twell_ops.twell_ffn(x, w_gate, w_up, w_down, backend="twell", w_down_t=w_down_t), rep)
         auto_graph = graph_ms(lambda: twell_ops.twell_ffn(x, w_gate, w_up, w_down, backend="auto", w_down_t=w_down_t), rep)
@@ -161,7 +166,7 @@ def measure(x, w_gate, w_up, w_down, w_down_t, rep, tt, twell_ops, ffn_dense) ->
         overflow_tiles=int(ovf.sum()), err_twell=(out.float() - ref).abs().max().item(),
         err_plain_bf16=(plain - ref).abs().max().item(),
         k1_ms=k1_ms, k2_ms=k2_ms, twell_ms=twell_ms, auto_ms=auto_ms, auto_backend=twell_ops.last_backend(),
-        k2_gather_GBps=gathered / k2_ms / 1e6, twell_graph_ms=twell_graph, auto_graph_ms=auto_graph,
+        dense_adjacent_ms=dense_adj, k2_gather_GBps=gathered / k2_ms / 1e6, twell_graph_ms=twell_graph, auto_graph_ms=auto_graph,
     )
 
 
@@ -170,7 +175,7 @@ def fmt_row(r: dict) -> str:
     if "error" in r:
         return f"| {head} | ERROR {r['error'][:120]} |"
     return (f"| {head} | dense {r['dense_ms']:.4f} | twell {r['twell_ms']:.4f} ({r['dense_ms']/r['twell_ms']:.2f}x) "
-            f"| auto {r['auto_ms']:.4f} ({r['dense_ms']/r['auto_ms']:.2f}x, {r['auto_backend']}) "
+            f"| auto {r['auto_ms']:.4f} ({r['dense_adjacent_ms']/r['auto_ms']:.2f}x vs adjacent dense, {r['auto_backend']}) "
             f"| K1 {r['k1_ms']:.4f} / gate {r['cublas_gate_ms']:.4f} ({r['k1_ms']/r['cublas_gate_ms']:.2f}) "
             f"| K2 {r['k2_ms']:.4f} {r['k2_gather_GBps']:.0f} GB/s | nnz/tok {r['nnz_mean']:.1f} "
             f"| ovf {r['overflow_tiles']} | err {r['err_twell']:.2e}/{r['err_plain_bf16']:.2e} |" + (
@@ -195,9 +200,9 @@ def sweep(info: dict, rep: int) -> list[dict]:
         set_sparsity(wg, 0.99, "skewed")
         out.append(dict(info, kind="cublas_gate", d=d, F=f, ms=bench(lambda: torch.nn.functional.linear(x, wg), rep)))
         print(out[-1], flush=True)
-        for bm, bk, w, s, pack in [(128, 64, 8, 3, True), (128, 64, 8, 3, False), (128, 64, 8, 4, True),
-                                   (128, 64, 4, 4, True), (64, 64, 4, 4, True), (128, 32, 4, 5, True),
-                                   (64, 128, 4, 3, True), (128, 128, 8, 3, False)]:
+        # pack: 1 full epilogue, 0 GEMM + count only, 2 GEMM + scan without slot stores
+        for bm, bk, w, s, pack in [(64, 64, 4, 4, 1), (64, 64, 4, 4, 0), (64, 64, 4, 4, 2), (128, 64, 8, 3, 0),
+                                   (128, 64, 8, 3, 2), (64, 64, 4, 3, 1), (128, 64, 4, 4, 2)]:
             try:
                 t = bench(lambda: tt.gate_pack(x, wg, BLOCK_M=bm, BLOCK_K=bk, num_warps=w, num_stages=s,
                                                PACK=pack), rep)
@@ -206,7 +211,7 @@ def sweep(info: dict, rep: int) -> list[dict]:
             out.append(dict(info, kind="k1", d=d, F=f, BLOCK_M=bm, BLOCK_K=bk, warps=w, stages=s, pack=pack, ms=t))
             print(out[-1]["kind"], d, f, bm, bk, w, s, pack, t, flush=True)
         packed = tt.gate_pack(x, wg)
-        for e, w in [(4, 4), (4, 2), (2, 4), (2, 2), (8, 4), (4, 8)]:
+        for e, w in [(4, 4), (4, 2), (8, 8)]:
             try:
                 t = bench(lambda: tt.updown(x, packed, wg, wu, wdt, E=e, num_warps=w), rep)
             except Exception as ex:  # noqa: BLE001

@@ -8,9 +8,12 @@ relu(x @ w_gate.T) * (x @ w_up.T) @ w_down.T for x [..., d].
 Backends:
 - "dense": three cuBLAS GEMMs in the input dtype (also the path whenever gradients are needed).
 - "twell": K1 (gate GEMM + ReLU + TwELL pack) then K2 (fused up/down) from twell_triton.py.
-- "auto": per layer (W_gate's storage) and per power-of-two bucket of M, the first call measures the
-  density, then times both paths once (CUDA events, like an autotuner) and keeps the faster one; twell
-  must win by > 3% to be chosen, so auto is never measurably slower than dense. A density estimate is
+- "auto": per layer (state kept on the W_gate tensor) and per power-of-two bucket of M, the first eager
+  call measures the density, then times both paths once (CUDA events, like an autotuner) and keeps the
+  faster one; twell must win by > 3% to be chosen, so auto is never measurably slower than dense. For
+  M <= GRAPH_TIMED_M it also times both paths replayed from CUDA graphs: eager decode is bound by
+  Python launch overhead (dense wins), graph replay by GPU time (twell wins), and calls captured into a
+  CUDA graph use the graph-timed decision. A density estimate is
   refreshed every REFRESH calls WITHOUT a host sync (device count -> pinned buffer -> read when its
   event has completed); when it drifts by more than DRIFT, the layer is re-timed (at most MAX_RETUNE
   times). Inside CUDA-graph capture nothing is timed or counted: the last decision is used (dense if
@@ -38,6 +41,7 @@ REFRESH = 16  # calls between density refreshes (async, no host sync)
 DRIFT = 1.25  # relative density change that triggers a re-timing
 MAX_RETUNE = 8  # re-timings per (layer, M bucket)
 MARGIN = 0.97  # twell must be at least 3% faster than dense at calibration
+GRAPH_TIMED_M = 256  # up to this M, also time both paths inside CUDA graphs (decode is CPU-bound eagerly)
 
 _last_backend: str | None = None
 _logged: dict[tuple, str] = {}
@@ -84,7 +88,8 @@ def _triton_ok(x: torch.Tensor) -> bool:
 
 @dataclass
 class _LayerState:
-    decision: str | None = None
+    decision: str | None = None  # eager calls (CPU launch overhead included in the timing)
+    graph_decision: str | None = None  # calls captured in CUDA graphs (GPU time only)
     density0: float | None = None  # density at the last timing
     density: float | None = None  # latest estimate
     calls: int = 0
@@ -124,36 +129,58 @@ def _time(fn, reps: int = 5) -> float:
     return sorted(ts)[len(ts) // 2]
 
 
+def _graph_time(fn, calls: int = 5) -> float:
+    """GPU time of fn per call, replayed from a CUDA graph (no Python launch overhead)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    t = _time(graph.replay) / calls
+    del graph
+    return t
+
+
 def _calibrate(st: _LayerState, x2d, w_gate, w_up, w_down, w_down_t) -> None:
-    t_dense = _time(lambda: ffn_dense(x2d, w_gate, w_up, w_down))
-    t_twell = _time(lambda: twell_ffn_triton(x2d, w_gate, w_up, w_down_t))
+    dense = lambda: ffn_dense(x2d, w_gate, w_up, w_down)  # noqa: E731
+    twell = lambda: twell_ffn_triton(x2d, w_gate, w_up, w_down_t)  # noqa: E731
+    t_dense, t_twell = _time(dense), _time(twell)
     st.decision = "twell" if t_twell < MARGIN * t_dense else "dense"
-    st.density0 = st.density
+    st.graph_decision = st.decision
     st.times = {"dense_ms": t_dense, "twell_ms": t_twell, "density": st.density}
+    if x2d.shape[0] <= GRAPH_TIMED_M:  # launch-bound sizes: eager and graph replay rank differently
+        g_dense, g_twell = _graph_time(dense), _graph_time(twell)
+        st.graph_decision = "twell" if g_twell < MARGIN * g_dense else "dense"
+        st.times.update(graph_dense_ms=g_dense, graph_twell_ms=g_twell)
+    st.density0 = st.density
 
 
 def _layer_states(w_gate: torch.Tensor) -> dict:
-    """Per-layer dispatcher state, stored on W_gate itself (data_ptr keys go stale on reuse)."""
-    states = getattr(w_gate, "_twell_auto", None)
-    if states is None:
-        states = {}
-        try:
-            w_gate._twell_auto = states
-        except (AttributeError, RuntimeError):
-            states = _state.setdefault((w_gate.data_ptr(), tuple(w_gate.shape)), states)
+    """Per-layer dispatcher state, stored on W_gate itself (data_ptr keys go stale on reuse) and
+    dropped when W_gate is modified in place (its density may have changed)."""
+    held = getattr(w_gate, "_twell_auto", None)
+    if held is not None and held[0] == w_gate._version:
+        return held[1]
+    states: dict = {}
+    try:
+        w_gate._twell_auto = (w_gate._version, states)
+    except (AttributeError, RuntimeError):
+        states = _state.setdefault((w_gate.data_ptr(), tuple(w_gate.shape), w_gate._version), states)
     return states
 
 
 def _auto(x2d, w_gate, w_up, w_down, w_down_t) -> torch.Tensor:
     m, f = x2d.shape[0], w_gate.shape[0]
     bucket = 1 << max(0, (m - 1).bit_length())
-    st = _layer_states(w_gate).get(bucket)
+    states = _layer_states(w_gate)
+    st = states.get(bucket)
     if st is None:
-        st = _layer_states(w_gate)[bucket] = _LayerState()
+        st = states[bucket] = _LayerState()
     key = (tuple(w_gate.shape), x2d.dtype, bucket)
     if torch.cuda.is_current_stream_capturing():
-        backend = st.decision or "dense"
-        _note(key, backend, "graph capture: frozen decision")
+        backend = st.graph_decision or "dense"
+        _note(key, backend, "graph capture: decision timed in graph replay")
         return _run(backend, x2d, w_gate, w_up, w_down, w_down_t)
     st.calls += 1
     if st.pending is not None:
