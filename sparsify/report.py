@@ -136,6 +136,10 @@ def _speed_tables(models: list[dict]) -> str:
 
 
 def _provenance(report: dict) -> str:
+    if report.get("merged_from"):
+        return "\n".join(f"- {_provenance({'provenance': m['provenance']})} From `{m['report']}`: "
+                         + "; ".join(f"{n}: {', '.join(s)}" for n, s in m["sections"].items())
+                         for m in report["merged_from"])
     p = report["provenance"]
     versions = ", ".join(f"{k} {v}" for k, v in p["versions"].items() if v)
     commit = (p.get("git_commit") or "unknown")[:12] + (" (dirty)" if p.get("git_dirty") else "")
@@ -210,3 +214,56 @@ def _plot_accuracy(ax: Any, models: list[dict]) -> bool:
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tasks))], tasks, rotation=20, fontsize=8)
     ax.set(ylabel="accuracy", ylim=(0, 1), title="Accuracy (lm-eval acc)")
     return True
+
+
+# --------------------------------------------------------------------------------------------------- merge
+SECTIONS = ("accuracy", "perplexity", "sparsity", "speed")
+
+
+def merge_reports(reports: list[dict], names: list[str]) -> dict:
+    """Combine reports of the same models measured on different machines (e.g. accuracy with lm-eval on a
+    CPU box, sparsity and speed on a GPU box without lm-eval). Models are matched by name; a section comes
+    from the first report where it is non-empty (accuracy tasks are unioned); each report's provenance is
+    kept with the sections it contributed."""
+    merged: dict[str, dict] = {}
+    sources = []
+    for report, name in zip(reports, names):
+        contributed: dict[str, list[str]] = {}
+        for row in report["models"]:
+            target = merged.setdefault(row["name"], {k: v for k, v in row.items() if k not in SECTIONS})
+            for section in SECTIONS:
+                value = row.get(section) or {}
+                if section == "accuracy" and value:
+                    new = {t: r for t, r in value.items() if t not in target.setdefault("accuracy", {})}
+                    target["accuracy"].update(new)
+                    if new:
+                        contributed.setdefault(row["name"], []).append(section)
+                elif value and not target.get(section):
+                    target[section] = value
+                    contributed.setdefault(row["name"], []).append(section)
+                else:
+                    target.setdefault(section, {})
+        sources.append({"report": name, "provenance": report["provenance"], "sections": contributed})
+    return {"sparsify_report": 1, "provenance": reports[0]["provenance"], "merged_from": sources,
+            "settings": [r.get("settings") for r in reports], "models": list(merged.values())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m sparsify.report merge A/report.json B/report.json --out DIR` (or one file: re-render)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m sparsify.report",
+                                     description="Re-render or merge sparsify eval reports (report.md + plots).")
+    parser.add_argument("reports", nargs="+", help="report.json files (or folders holding one)")
+    parser.add_argument("--out", required=True, help="output folder")
+    args = parser.parse_args(argv)
+    paths = [Path(p) / "report.json" if Path(p).is_dir() else Path(p) for p in args.reports]
+    reports = [json.loads(p.read_text()) for p in paths]
+    report = merge_reports(reports, [str(p) for p in paths]) if len(reports) > 1 else reports[0]
+    write_report(report, Path(args.out))
+    print(f"wrote {Path(args.out) / 'report.json'}, report.md and {len(report['plots'])} plots")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

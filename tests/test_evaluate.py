@@ -260,3 +260,30 @@ def test_converted_smollm2_eval_report(tmp_path):
     assert 0.3 < row["sparsity"]["summary"]["zeros"] < 0.98
     assert row["perplexity"]["sample_text.txt"]["bits_per_byte"] > 1
     assert {"report.json", "report.md", "sparsity_per_layer.png", "accuracy.png"} <= {p.name for p in out.iterdir()}
+
+
+# ------------------------------------------------------------------- GPU box without lm-eval, then merge
+def test_run_without_lm_eval_or_matplotlib_then_merge_with_accuracy(tiny_folders, tmp_path):
+    """The H200 has no lm_eval/datasets/matplotlib: `--tasks none` must work there; accuracy measured
+    elsewhere is merged in afterwards and the plots are drawn then."""
+    import subprocess
+    import sys
+
+    from sparsify import report as rp
+
+    gpu_like = tmp_path / "gpu"
+    code = ("import sys; sys.modules['lm_eval'] = None; sys.modules['matplotlib'] = None; sys.modules['datasets'] = None\n"
+            "from sparsify.evaluate import evaluate\n"
+            f"evaluate(['m={tiny_folders[0]}'], tasks=[], texts=[{str(TEXT)!r}], out={str(gpu_like)!r}, window=128)\n")
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    gpu = json.loads((gpu_like / "report.json").read_text())
+    assert gpu["plots"] == [] and gpu["models"][0]["accuracy"] == {} and gpu["models"][0]["sparsity"]["tokens"] > 0
+    ev.evaluate([f"m={tiny_folders[0]}"], tasks=[str(TASKS / "tech_qa.yaml")], texts=[], limit=4, out=tmp_path / "cpu")
+    assert rp.main([str(tmp_path / "cpu"), str(gpu_like), "--out", str(tmp_path / "merged")]) == 0
+    merged = json.loads((tmp_path / "merged" / "report.json").read_text())
+    (row,) = merged["models"]
+    assert row["accuracy"]["sparsify_tech_qa"]["samples"] == 4
+    assert row["sparsity"] == gpu["models"][0]["sparsity"] and row["perplexity"] == gpu["models"][0]["perplexity"]
+    assert [m["sections"] for m in merged["merged_from"]] == [{"m": ["accuracy"]}, {"m": ["perplexity", "sparsity"]}]
+    assert set(merged["plots"]) == {"sparsity_per_layer.png", "accuracy.png"}
+    assert "From `" in (tmp_path / "merged" / "report.md").read_text()
