@@ -31,7 +31,9 @@ from .recipe import DataSection
 FORMAT = "sparsify-tokens/1"
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".text"}
 BUILDERS = {**{s: "text" for s in TEXT_SUFFIXES}, ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-HOLDOUT_BLOCK = 8192  # tokens per held-out block: validation is whole blocks, so little of it borders training text
+# Tokens per held-out block (at most; small corpora use N/100 so the fraction is honoured): validation is whole
+# blocks of contiguous text, so little of it borders training text.
+HOLDOUT_BLOCK = 8192
 
 
 # ----------------------------------------------------------------------------------------------- reading
@@ -248,16 +250,17 @@ def _write_stream(sources: list[Source], cfg: DataSection, tokenizer: Any, path:
 
 
 def _hold_out(folder: Path, dtype: Any, fraction: float, seed: int) -> tuple[int, int]:
-    """Moves a seeded random `fraction` of train.bin, in blocks of HOLDOUT_BLOCK tokens, to validation.bin."""
+    """Moves a seeded random `fraction` of train.bin, in blocks of contiguous tokens, to validation.bin."""
     tokens = np.fromfile(folder / "train.bin", dtype=dtype)
-    n_blocks = -(-len(tokens) // HOLDOUT_BLOCK)
+    block = max(64, min(HOLDOUT_BLOCK, len(tokens) // 100))
+    n_blocks = -(-len(tokens) // block)
     k = max(1, round(fraction * n_blocks)) if fraction > 0 else 0
     if k >= n_blocks:
         raise SparsifyError(f"data.train has only {len(tokens)} tokens: too little to hold out "
                             f"data.validation_fraction={fraction}; add text or give data.validation files.")
     held = np.zeros(n_blocks, dtype=bool)
     held[np.random.default_rng(seed).choice(n_blocks, size=k, replace=False)] = True
-    per_token = np.repeat(held, HOLDOUT_BLOCK)[: len(tokens)]  # [N] True = validation
+    per_token = np.repeat(held, block)[: len(tokens)]  # [N] True = validation
     tokens[~per_token].tofile(folder / "train.bin")
     tokens[per_token].tofile(folder / "validation.bin")
     return int((~per_token).sum()), int(per_token.sum())
