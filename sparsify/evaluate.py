@@ -460,14 +460,25 @@ def _tokenize(tok: Any, text: str, max_tokens: int | None) -> tuple[list[int], i
 
 
 def texts_section(model: Any, tok: Any, texts: list[Path], window: int, max_tokens: int | None) -> tuple[dict, dict]:
-    """Perplexity per text file and one sparsity profile over all of them (same forward passes)."""
+    """Perplexity per text file and one sparsity profile over all of them (same forward passes).
+
+    Remote-code models run their dense torch FFN here: the TwELL kernels never call down_proj, so its hook
+    would see nothing (the kernels compute the same function; speed is measured separately).
+    """
     recorder = SparsityRecorder(down_projs(model))
+    set_ffn_backend(model, "dense")
     try:
         ppl = {p.name: text_pass(model, tok, p.read_text(encoding="utf-8", errors="replace"),
                                  window, max_tokens, recorder) for p in texts}
     finally:
         recorder.remove()
-    return ppl, recorder.summary()
+        set_ffn_backend(model, "auto")
+    profile = recorder.summary()
+    missed = [i for i, layer in enumerate(profile["layers"]) if layer["tokens"] != profile["tokens"]]
+    if missed:
+        raise SparsifyError(f"sparsity profile: layers {missed} saw a different number of tokens than layer 0; "
+                            "their down_proj was not called on every forward (an unknown fused MLP?).")
+    return ppl, profile
 
 
 def model_window(model: Any, window: int) -> int:
@@ -506,7 +517,8 @@ def speed_section(model: Any, tokens: Any, grid: SpeedGrid) -> dict:
     if model.device.type != "cuda":
         return {"available": False, "reason": "speed needs a CUDA GPU: CPU timings say nothing about the "
                 "TwELL kernels. Run `sparsify eval --speed` on a machine with an NVIDIA GPU."}
-    backends = ["dense", "twell"] if set_ffn_backend(model, "auto") else ["stock"]
+    # dense: torch FFN; twell: the sparse kernels forced; auto: the dispatcher's choice (what users get)
+    backends = ["dense", "twell", "auto"] if set_ffn_backend(model, "auto") else ["stock"]
     max_seq = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
     prefill, decode, share = [], [], {}
     for backend in backends:
@@ -515,11 +527,11 @@ def speed_section(model: Any, tokens: Any, grid: SpeedGrid) -> dict:
         for b in grid.batches:
             for s in sorted({min(s, max_seq) for s in grid.seqs}):
                 prefill.append({"backend": backend, "batch": b, "seq": s,
-                                **_guard_oom(_prefill_row, model, _text_batch(tokens, b, s), grid.repeats)})
+                                **_guard_oom(_prefill_row, model, _text_batch(tokens, b, s, model.device), grid.repeats)})
         for b in grid.decode_batches:
             decode.append({"backend": backend, "batch": b, "prompt": grid.decode_prompt, "new_tokens": grid.decode_tokens,
-                           **_guard_oom(_decode_row, model, _text_batch(tokens, b, grid.decode_prompt), grid)})
-        mid = _text_batch(tokens, grid.batches[len(grid.batches) // 2], min(max(grid.seqs), max_seq))
+                           **_guard_oom(_decode_row, model, _text_batch(tokens, b, grid.decode_prompt, model.device), grid)})
+        mid = _text_batch(tokens, grid.batches[len(grid.batches) // 2], min(max(grid.seqs), max_seq), model.device)
         share[backend] = _guard_oom(_ffn_share, model, mid)
     set_ffn_backend(model, "auto")
     return {"available": True, "backends": backends, "device": torch.cuda.get_device_name(model.device),
@@ -527,22 +539,39 @@ def speed_section(model: Any, tokens: Any, grid: SpeedGrid) -> dict:
             "ffn_share": share, "speedup": _speedups(prefill, decode)}
 
 
-def _text_batch(tokens: Any, batch: int, seq: int) -> Any:
+def _text_batch(tokens: Any, batch: int, seq: int, device: Any) -> Any:
+    """[B, S] consecutive text tokens (the text repeated when too short): each row a different passage."""
     import torch
 
     need = batch * seq
     reps = -(-need // tokens.numel())
-    return torch.cat([tokens] * reps)[:need].view(batch, seq).cuda()  # [B, S]
+    return torch.cat([tokens] * reps)[:need].view(batch, seq).to(device)  # [B, S]
 
 
 def _guard_oom(fn, *args) -> dict:
+    """Run one measurement; out-of-memory or a kernel refusing a shape becomes a row note, not a crash."""
     import torch
 
     try:
-        return fn(*args)
+        return {**fn(*args), "path": _ran_path(args[0])}
     except torch.cuda.OutOfMemoryError:
         torch.cuda.empty_cache()
         return {"error": "out of memory"}
+    except (RuntimeError, ValueError) as e:
+        return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+
+
+def _ran_path(model: Any) -> str | None:
+    """Which FFN path the last forward took: SparseMLP.last_path and twell_ops.last_backend() when present."""
+    import sys
+
+    paths = sorted({m.last_path for m in model.modules() if getattr(m, "last_path", "")})
+    for m in model.modules():
+        ffn = getattr(sys.modules.get(type(m).__module__), "twell_ffn", None)
+        ops = sys.modules.get(getattr(ffn, "__module__", ""), None)
+        if ops is not None and hasattr(ops, "last_backend"):
+            return ",".join(paths) + f" -> {ops.last_backend()}"
+    return ",".join(paths) or None
 
 
 def _forward(model: Any, ids: Any, **kw) -> Any:
@@ -638,14 +667,18 @@ def _ffn_share(model: Any, ids: Any) -> dict:
 
 
 def _speedups(prefill: list[dict], decode: list[dict]) -> dict:
-    """TwELL tokens/s over dense tokens/s for each shape measured with both (same run, same weights)."""
+    """twell and auto tokens/s over dense tokens/s for each shape measured with all (same run, same weights)."""
     def ratios(rows: list[dict], key: tuple[str, ...]) -> list[dict]:
-        dense = {tuple(r[k] for k in key): r for r in rows if r["backend"] == "dense" and "tokens_per_s" in r}
+        by = {(r["backend"], *(r[k] for k in key)): r.get("tokens_per_s") for r in rows}
         out = []
         for r in rows:
-            d = dense.get(tuple(r[k] for k in key))
-            if r["backend"] == "twell" and d and "tokens_per_s" in r:
-                out.append({**{k: r[k] for k in key}, "twell_over_dense": r["tokens_per_s"] / d["tokens_per_s"]})
+            if r["backend"] != "dense" or not r.get("tokens_per_s"):
+                continue
+            shape = tuple(r[k] for k in key)
+            twell, auto = by.get(("twell", *shape)), by.get(("auto", *shape))
+            if twell or auto:
+                out.append({**dict(zip(key, shape)), "twell_over_dense": twell / r["tokens_per_s"] if twell else None,
+                            "auto_over_dense": auto / r["tokens_per_s"] if auto else None})
         return out
 
     return {"prefill": ratios(prefill, ("batch", "seq")), "decode": ratios(decode, ("batch",))}

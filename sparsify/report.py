@@ -120,16 +120,17 @@ def _speed_tables(models: list[dict]) -> str:
         if not speed.get("available"):
             blocks.append(f"**{m['name']}**: {speed.get('reason')}")
             continue
-        rows = [[r["backend"], r["batch"], r["seq"], r.get("tokens_per_s"), r.get("ms"), r.get("peak_mem_gb"), r.get("error")]
-                for r in speed["prefill"]]
+        rows = [[r["backend"], r["batch"], r["seq"], r.get("tokens_per_s"), r.get("ms"), r.get("peak_mem_gb"),
+                 r.get("error") or r.get("path")] for r in speed["prefill"]]
         rows += [[r["backend"], r["batch"], f"decode {r['new_tokens']} after {r['prompt']}", r.get("tokens_per_s"),
-                  r.get("ms"), r.get("peak_mem_gb"), r.get("error")] for r in speed["decode"]]
+                  r.get("ms"), r.get("peak_mem_gb"), r.get("error") or r.get("path")] for r in speed["decode"]]
         blocks.append(f"**{m['name']}** on {speed['device']} ({speed['dtype']})\n\n"
-                      + _table(["backend", "batch", "seq", "tokens/s", "ms", "peak GiB", "note"], rows))
-        ratios = [[f"prefill b{r['batch']} s{r['seq']}", r["twell_over_dense"]] for r in speed["speedup"]["prefill"]]
-        ratios += [[f"decode b{r['batch']}", r["twell_over_dense"]] for r in speed["speedup"]["decode"]]
+                      + _table(["backend", "batch", "seq", "tokens/s", "ms", "peak GiB", "FFN path / note"], rows))
+        ratios = [[f"prefill b{r['batch']} s{r['seq']}", r["twell_over_dense"], r["auto_over_dense"]]
+                  for r in speed["speedup"]["prefill"]]
+        ratios += [[f"decode b{r['batch']}", r["twell_over_dense"], r["auto_over_dense"]] for r in speed["speedup"]["decode"]]
         if ratios:
-            blocks.append(_table(["shape", "TwELL / dense tokens/s (same run)"], ratios))
+            blocks.append(_table(["shape", "twell / dense tokens/s", "auto / dense tokens/s"], ratios))
         shares = [[b, s.get("batch"), s.get("seq"), s.get("ffn_share")] for b, s in speed["ffn_share"].items()]
         blocks.append(_table(["backend", "batch", "seq", "FFN share of prefill time"], shares))
     return "\n\n".join(blocks)

@@ -224,16 +224,64 @@ def test_cli_two_models_side_by_side_write_json_md_and_plots(tiny_folders, tmp_p
     assert "| a | " in capsys.readouterr().out
 
 
-@pytest.mark.gpu
-def test_speed_section_on_cuda(tiny_folders):
-    from transformers import AutoTokenizer
+@pytest.fixture(scope="module")
+def tiny_sparse_folder(tmp_path_factory):
+    """A tiny SiLU Llama converted by sparsify: the remote-code model with SparseMLP (ffn_backend)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    model, tok = ev.load_model(ev.ModelSpec("t", str(tiny_folders[0])), "cuda", "auto")
+    from sparsify.convert import convert
+
+    tok = _tokenizer()
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, hidden_act="silu",
+                      max_position_embeddings=256, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    src = tmp_path_factory.mktemp("silu") / "src"
+    LlamaForCausalLM(cfg).save_pretrained(src)
+    tok.save_pretrained(src)
+    return convert(src, src.parent / "relu", progress=False)
+
+
+def test_converted_model_profiles_through_its_sparse_mlp(tiny_sparse_folder):
+    model, tok = ev.load_model(ev.ModelSpec("t", str(tiny_sparse_folder)), "cpu", "auto")
+    assert ev.set_ffn_backend(model, "auto") == 2  # the remote-code SparseMLPs
+    ppl, profile = ev.texts_section(model, tok, [TEXT], window=128, max_tokens=200)
+    assert profile["tokens"] == 200 and len(profile["layers"]) == 2
+    assert all(m.ffn_backend == "auto" for m in ev.mlps(model))  # restored after the dense-path profile
+    assert ppl["sample_text.txt"]["tokens"] == 199
+
+
+def test_speedups_pair_backends_by_shape():
+    prefill = [{"backend": b, "batch": 1, "seq": 64, "tokens_per_s": v} for b, v in
+               (("dense", 100.0), ("twell", 120.0), ("auto", 125.0))]
+    prefill += [{"backend": "dense", "batch": 8, "seq": 64, "tokens_per_s": 400.0},
+                {"backend": "twell", "batch": 8, "seq": 64, "error": "out of memory"},
+                {"backend": "auto", "batch": 8, "seq": 64, "tokens_per_s": 380.0}]
+    decode = [{"backend": "stock", "batch": 1, "tokens_per_s": 50.0}]
+    got = ev._speedups(prefill, decode)
+    assert got["prefill"] == [{"batch": 1, "seq": 64, "twell_over_dense": 1.2, "auto_over_dense": 1.25},
+                              {"batch": 8, "seq": 64, "twell_over_dense": None, "auto_over_dense": 0.95}]
+    assert got["decode"] == []  # a stock model has nothing to compare
+
+
+def test_text_batch_uses_consecutive_real_tokens():
+    tokens = torch.arange(10)
+    batch = ev._text_batch(tokens, 3, 4, "cpu")  # needs 12 tokens: the text repeats
+    assert batch.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 0, 1]]
+
+
+@pytest.mark.gpu
+def test_speed_section_on_cuda(tiny_sparse_folder):
+    """Run by the lead on the H200: every backend measured, ratios formed, the auto path restored."""
+    model, tok = ev.load_model(ev.ModelSpec("t", str(tiny_sparse_folder)), "cuda", "auto")
     grid = ev.SpeedGrid(batches=(1, 4), seqs=(64,), decode_batches=(1,), decode_prompt=16, decode_tokens=4, repeats=3)
     speed = ev.speed_section(model, ev.speed_tokens(tok, [TEXT]), grid)
-    assert speed["available"] and speed["backends"] == ["stock"]  # stock Llama: no TwELL modules
-    assert all(r["tokens_per_s"] > 0 and r["peak_mem_gb"] > 0 for r in speed["prefill"] + speed["decode"])
-    assert 0 < speed["ffn_share"]["stock"]["ffn_share"] < 1
+    assert speed["available"] and speed["backends"] == ["dense", "twell", "auto"]
+    rows = speed["prefill"] + speed["decode"]
+    assert len(speed["prefill"]) == 6 and all(r["tokens_per_s"] > 0 and r["peak_mem_gb"] > 0 for r in rows), rows
+    assert [r["path"] for r in speed["prefill"] if r["backend"] == "twell"][0].startswith("twell_ffn:twell")
+    assert len(speed["speedup"]["prefill"]) == 2 and 0 < speed["ffn_share"]["dense"]["ffn_share"] < 1
+    assert all(m.ffn_backend == "auto" for m in ev.mlps(model))
 
 
 # ------------------------------------------------------------------------------ real SmolLM2 (slow)

@@ -46,7 +46,7 @@ def _report(folder: Path) -> dict:
            "sparsity": {"tokens": 738, "summary": {"nnz_mean": 41.2, "zeros": 0.9732, "dead_frac": 0.31, "tile_max": 19,
                                                    "overflow_rate": 0.0, "reuse": {"16": 3.1, "128": 9.8}}},
            "speed": {"available": True, "device": "NVIDIA H200", "dtype": "bfloat16",
-                     "speedup": {"prefill": [{"batch": 8, "seq": 2048, "twell_over_dense": 1.21}], "decode": []}}}
+                     "speedup": {"prefill": [{"batch": 8, "seq": 2048, "twell_over_dense": 1.21, "auto_over_dense": 1.25}], "decode": []}}}
     other = {**row, "name": "orig", "path": "/elsewhere", "accuracy": {"sparsify_tech_qa": {"acc": 0.5, "samples": 80}}}
     return {"provenance": {"sparsify": "0.1.0", "git_commit": "abc123def4567890", "versions": {"torch": "2.11.0"},
                            "gpu": "NVIDIA H200", "device": "cuda", "date": "2026-11-30T12:00:00Z"},
@@ -76,7 +76,7 @@ def test_card_from_report_has_model_index_and_pinned_loading(tmp_path):
     assert 'from_pretrained("me/smol-sparse", revision=revision, trust_remote_code=True)' in body
     assert "pin" in body and "revision" in body
     assert "41.2 non-zeros per token" in body and "97.32% zeros" in body and "NVIDIA H200" in body
-    assert "| 8 | 2048 | 1.210 |" in body
+    assert "| 8 | 2048 | 1.210 | 1.250 |" in body
     assert "abc123def456" in body
 
 
