@@ -599,6 +599,8 @@ def _setup(recipe: Recipe, dist: Dist, model_dir: Path, data: Any) -> Run:
                             "LoRA (adapters are small) or lora.r=0 for a sharded full fine-tune.")
     model = load_student(model_dir, recipe, dist)
     teacher = load_teacher(model_dir, dist) if recipe.distill.kd > 0 else None
+    if teacher is not None and recipe.train.compile:
+        teacher.compile()
     probe = SparsityProbe(model, recipe.sparsity.normalization)
     train_model = wrap_model(model, recipe, dist)
     opt, sched = build_optimizer(model, recipe, total_steps_of(recipe, dist), dist)

@@ -69,25 +69,17 @@ class SparsityProbe:
         return torch.stack(self.l1).mean()
 
     def step_stats(self, reduce=None) -> "StepStats":
-        """Stats of the micro-batches since the last call (one optimizer step); resets them.
+        """Stats of the micro-batches since the last call (one optimizer step), on the device; resets them.
 
         `reduce(tensor, op)` all-reduces across processes ("sum" or "max") so every rank sees the same stats.
+        No host sync here: reading a StepStats property does that, at logged steps only.
         """
-        nnz, active = self.nnz_sum, self.active.to(torch.uint8)
-        tokens = torch.tensor(float(self.token_sum), dtype=torch.float64, device=nnz.device)
+        nnz, active = self.nnz_sum, self.active.to(torch.uint8)  # [L], [L, F]
+        tokens = torch.full_like(nnz, float(self.token_sum))
         if reduce is not None:
             nnz, tokens, active = reduce(nnz, "sum"), reduce(tokens, "sum"), reduce(active, "max")
-        width = active.shape[1]
-        per_token = (nnz / tokens).cpu()  # [L] mean non-zeros per token
-        stats = StepStats(
-            nonzeros=per_token.tolist(),
-            zeros=(1 - per_token / width).tolist(),
-            dead=(active == 0).sum(1).cpu().tolist(),
-            width=width,
-            inactive=active == 0,  # [L, F]
-        )
-        self.nnz_sum, self.active, self.token_sum = None, None, 0
-        return stats
+        self.reset()
+        return StepStats(per_token=nnz / tokens, inactive=active == 0)
 
     def reset(self) -> None:
         """Drops the step's counters without reading them (no device sync)."""
@@ -100,21 +92,36 @@ class SparsityProbe:
 
 @dataclass
 class StepStats:
-    """Per-layer sparsity of one optimizer step."""
+    """Per-layer sparsity of one optimizer step (device tensors; the properties copy to the host)."""
 
-    nonzeros: list[float]  # mean non-zeros of h per token, per layer
-    zeros: list[float]  # fraction of h exactly 0, per layer
-    dead: list[int]  # neurons that never fired during the step, per layer
-    width: int  # F
-    inactive: torch.Tensor = field(repr=False)  # [L, F] bool
+    per_token: torch.Tensor  # [L] mean non-zeros of h per token
+    inactive: torch.Tensor  # [L, F] bool: neurons that never fired during the step
+
+    @property
+    def width(self) -> int:
+        return self.inactive.shape[1]
+
+    @property
+    def nonzeros(self) -> list[float]:
+        return self.per_token.cpu().tolist()
+
+    @property
+    def zeros(self) -> list[float]:
+        """Fraction of h exactly 0, per layer."""
+        return (1 - self.per_token / self.width).cpu().tolist()
+
+    @property
+    def dead(self) -> list[int]:
+        return self.inactive.sum(1).cpu().tolist()
 
     @property
     def sparsity(self) -> float:
-        return sum(self.zeros) / len(self.zeros)
+        """Fraction of zeros, mean over layers."""
+        return float(1 - self.per_token.mean() / self.width)
 
     @property
     def mean_nonzeros(self) -> float:
-        return sum(self.nonzeros) / len(self.nonzeros)
+        return float(self.per_token.mean())
 
 
 def l1_coefficient(cfg: SparsitySection, step: int) -> float:
@@ -150,24 +157,28 @@ class Plateau:
 
 
 @torch.no_grad()
-def reinit_dead(model: nn.Module, inactive: torch.Tensor, step: int, seed: int) -> int:
+def reinit_dead(model: nn.Module, inactive: torch.Tensor, step: int, seed: int) -> None:
     """The paper's mitigation: gate rows j of neurons inactive the whole step get 0.9 W[j] + 0.1 N(0, 0.02^2).
 
-    The noise comes from a generator seeded by (seed, step), so every process (DDP replicas, FSDP shards) and
-    a resumed run draw the same numbers. Returns the number of neurons re-initialised.
+    Runs on the weights' device without a host sync (it happens every step). The noise of layer l at step s
+    comes from a generator seeded by (seed, s, l), drawn for all F rows, so every process (DDP replicas, FSDP
+    shards) and a resumed run draw the same numbers.
     """
-    total = 0
     for layer, mlp in enumerate(mlp_modules(model)):
-        dead = inactive[layer].cpu()  # [F]
-        n = int(dead.sum())
-        if n == 0:
-            continue
-        total += n
         w = _gate_weight(mlp)
-        gen = torch.Generator().manual_seed((seed * 1_000_003 + step) * 1009 + layer)
-        noise = torch.randn(n, w.shape[-1], generator=gen) * 0.02  # [n, d], row i for the i-th dead neuron
-        _blend_rows(w, dead, noise)
-    return total
+        local = w.to_local() if _is_dtensor(w) else w  # FSDP2: this rank's rows of the full weight
+        gen = torch.Generator(device=local.device).manual_seed((seed * 1_000_003 + step) * 1009 + layer)
+        full_rows = inactive.shape[1]
+        noise = torch.randn(full_rows, local.shape[-1], generator=gen, device=local.device) * 0.02  # [F, d]
+        dead = inactive[layer].to(local.device)  # [F]
+        if _is_dtensor(w):  # torch.chunk sharding on dim 0, as fully_shard does
+            offset = w.device_mesh.get_local_rank() * math.ceil(w.shape[0] / w.device_mesh.size())
+            rows = torch.arange(offset, offset + local.shape[0], device=local.device)  # global row ids
+            keep = rows < full_rows  # a fused gate_up keeps its up rows after F: never touched
+            dead = torch.where(keep, dead[rows.clamp(max=full_rows - 1)], False)  # [local rows]
+            noise = noise[rows.clamp(max=full_rows - 1)]
+        blended = 0.9 * local.float() + 0.1 * noise  # [rows, d]
+        local.copy_(torch.where(dead[:, None], blended, local.float()).to(local.dtype))
 
 
 def _gate_weight(mlp: nn.Module) -> torch.Tensor:
@@ -180,21 +191,3 @@ def _gate_weight(mlp: nn.Module) -> torch.Tensor:
 
 def _is_dtensor(t: torch.Tensor) -> bool:
     return type(t).__name__ == "DTensor"
-
-
-def _blend_rows(w: torch.Tensor, dead: torch.Tensor, noise: torch.Tensor) -> None:
-    """w[j] <- 0.9 w[j] + 0.1 noise[k] for the k-th dead j; w may be an FSDP2 DTensor sharded on dim 0."""
-    dead_rows = torch.nonzero(dead).flatten()  # [n] global row ids, in the order of noise's rows
-    if _is_dtensor(w):
-        target = w.to_local()  # rows [offset, offset + local rows) of the full weight
-        rank, world = w.device_mesh.get_local_rank(), w.device_mesh.size()
-        offset = rank * math.ceil(w.shape[0] / world)  # torch.chunk sharding, as fully_shard does
-        mine = (dead_rows >= offset) & (dead_rows < offset + target.shape[0])
-        rows, noise = dead_rows[mine] - offset, noise[mine]
-    else:
-        target, rows = w, dead_rows
-    if rows.numel() == 0:
-        return
-    idx = rows.to(target.device)
-    blended = 0.9 * target[idx].float() + 0.1 * noise.to(target.device)  # [n, d]
-    target[idx] = blended.to(target.dtype)

@@ -81,7 +81,7 @@ def test_reinit_blends_only_dead_gate_rows_deterministically():
     inactive = torch.zeros(2, 40, dtype=torch.bool)
     inactive[0, [3, 17]] = True
     inactive[1, 39] = True
-    assert reinit_dead(model, inactive, step=5, seed=1) == 3
+    reinit_dead(model, inactive, step=5, seed=1)
     after = [layer.mlp.gate_proj.weight.detach().clone() for layer in model.model.layers]
     for layer in range(2):
         changed = (after[layer] != before[layer]).any(1)
