@@ -271,3 +271,35 @@ def test_down_transpose_cache_follows_in_place_updates():
         wd.mul_(2.0)
     second = twell_ops.twell_ffn(x, wg, wu, wd, backend="twell")
     assert_close(second, 2 * first, what="after w_down.mul_(2)", **FP32)
+
+
+def test_auto_dispatcher_logic_on_cpu(monkeypatch, caplog):
+    """The CUDA-only dispatcher, driven on CPU: times once, follows the decision, refreshes density
+    asynchronously every REFRESH calls, re-times on drift, and uses the graph decision under capture."""
+    x, wg, wu, wd = make_case(20, 16, 64, 0.9, seed=14)  # M > 16: prefill config, cheap in the interpreter
+    wdt = twell_ops.transpose_down(wd)
+    timed, counted = [], []
+
+    def fake_calibrate(st, *args):
+        timed.append(st.density)
+        st.decision, st.graph_decision, st.density0 = "twell", "dense", st.density
+
+    def fake_count(st, nnz, elements):
+        counted.append(int(nnz))
+        st.density = 4 * st.density0  # the layer got denser: must trigger a re-timing
+        st.retune = True
+
+    monkeypatch.setattr(twell_ops, "_calibrate", fake_calibrate)
+    monkeypatch.setattr(twell_ops, "_count_async", fake_count)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    want = ref.ffn_reference(x, wg, wu, wd)
+    with caplog.at_level("INFO", logger="sparsify.kernels"):
+        for _ in range(twell_ops.REFRESH + 1):
+            assert_close(twell_ops._auto(x, wg, wu, wd, wdt), want, what="auto", **FP32)
+    assert twell_ops.last_backend() == "twell"
+    density = float((x @ wg.t() > 0).float().mean())
+    assert timed[0] == pytest.approx(density) and len(counted) == 1 and len(timed) == 2, (timed, counted)
+    assert sum("-> twell" in r.message for r in caplog.records) == 1, "the backend is logged once"
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    twell_ops._auto(x, wg, wu, wd, wdt)
+    assert twell_ops.last_backend() == "dense", "under graph capture the graph-timed decision is used"
