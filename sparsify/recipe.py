@@ -373,7 +373,7 @@ def recipe_to_dict(recipe: Recipe) -> dict:
 
 def dump_recipe(recipe: Recipe) -> str:
     """The resolved recipe as YAML; load_recipe(dump_recipe(r)) == r."""
-    return yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False, default_flow_style=None, width=120)
+    return yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False, default_flow_style=False, width=120)
 
 
 def format_help() -> str:

