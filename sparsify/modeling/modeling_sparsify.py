@@ -22,7 +22,7 @@ import torch.nn as nn
 import transformers
 
 try:
-    from .twell_ops import twell_ffn
+    from .twell_ops import last_backend, twell_ffn
 except Exception:  # triton missing, or an older folder without the kernel files: dense torch path
     twell_ffn = None
 
@@ -42,7 +42,8 @@ class SparseMLP(nn.Module):
     """relu(gate_proj(x)) * up_proj(x) -> down_proj, with a TwELL kernel path for CUDA inference.
 
     `ffn_backend` ("auto" | "twell" | "dense") is passed to twell_ffn; "dense" also skips the kernels.
-    `last_path` records which path the last forward took ("twell_ffn:<backend>" or "torch").
+    `last_path` records which path the last forward took: "twell_ffn:twell" / "twell_ffn:dense" (what the
+    kernels' dispatcher actually ran) or "torch" (the nn.Linear modules).
     """
 
     def __init__(self, mlp: nn.Module):
@@ -56,7 +57,8 @@ class SparseMLP(nn.Module):
         self.down_proj = mlp.down_proj
         self.ffn_backend = "auto"
         self.last_path = ""
-        self._down_t = None  # cached [F, d] copy of down_proj.weight for the kernels, keyed by version
+        self._views = None  # Phi-3: cached gate/up views of gate_up_proj.weight (the kernels' per-layer
+        # dispatcher state lives on the W_gate tensor object, so it must be the same object every call)
 
     def _projections(self) -> list[nn.Module]:
         return [self.gate_up_proj, self.down_proj] if self.fused else [self.gate_proj, self.up_proj, self.down_proj]
@@ -76,22 +78,23 @@ class SparseMLP(nn.Module):
         return None
 
     def _weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self.fused:
-            w = self.gate_up_proj.weight  # [2F, d]
+        if not self.fused:
+            return self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
+        w = self.gate_up_proj.weight  # [2F, d], gate rows first
+        key = (w.data_ptr(), w._version)
+        if self._views is None or self._views[0] != key:
             f = w.shape[0] // 2
-            return w[:f], w[f:], self.down_proj.weight
-        return self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
+            self._views = (key, w[:f], w[f:])  # [F, d] each
+        return self._views[1], self._views[2], self.down_proj.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         reason = self._kernel_reason(x)
         if reason is None:
             w_gate, w_up, w_down = self._weights()  # [F, d], [F, d], [d, F]
-            key = (w_down.data_ptr(), w_down._version)
-            if self._down_t is None or self._down_t[0] != key:
-                self._down_t = (key, w_down.t().contiguous())  # [F, d]: one contiguous row per neuron
-            self.last_path = f"twell_ffn:{self.ffn_backend}"
-            _announce(self.last_path, "CUDA inference with Triton")
-            return twell_ffn(x, w_gate, w_up, w_down, backend=self.ffn_backend, w_down_t=self._down_t[1])
+            _announce(f"twell_ffn (backend={self.ffn_backend})", "CUDA inference with Triton")
+            y = twell_ffn(x, w_gate, w_up, w_down, backend=self.ffn_backend)  # caches W_down^T on w_down
+            self.last_path = f"twell_ffn:{last_backend()}"
+            return y
         self.last_path = "torch"
         _announce("torch", reason)
         if self.fused:
