@@ -107,8 +107,20 @@ def _sparsity_table(models: list[dict], names: list[str]) -> str:
     rows += [[f"union reuse R({bt})"] + [(s.get("reuse") or {}).get(bt) for s in sums] for bt in ("16", "32", "64", "128")]
     text = _table(["statistic"] + names, rows)
     tokens = [m.get("sparsity", {}).get("tokens") for m in models]
-    return text + f"\n\nTokens profiled: {', '.join(f'{n}: {t}' for n, t in zip(names, tokens))}. " \
-        "Per-layer values are in report.json and sparsity_per_layer.png."
+    text += f"\n\nTokens profiled: {', '.join(f'{n}: {t}' for n, t in zip(names, tokens))}. Zeros are exact " \
+        "zeros of h; dead = never active on these tokens; R(BT) = active pairs / sum over blocks of BT " \
+        "consecutive tokens of the union of their active neurons (how often a gathered weight row is reused)."
+    return text + "".join(_layer_table(m) for m in models)
+
+
+def _layer_table(model: dict) -> str:
+    layers = [l for l in (model.get("sparsity") or {}).get("layers", []) if l.get("tokens")]
+    if not layers:
+        return ""
+    rows = [[i, l["nnz_mean"], l["nnz_p99"], l["nnz_max"], l["dead"], l["tile_max"], l["overflow_rate"],
+             l["reuse"]["16"], l["reuse"]["128"]] for i, l in enumerate(layers)]
+    table = _table(["layer", "nnz mean", "p99", "max", "dead", "tile max", "overflow", "R(16)", "R(128)"], rows)
+    return f"\n\n<details><summary>{model['name']}: per layer (F = {layers[0]['width']})</summary>\n\n{table}\n\n</details>"
 
 
 def _speed_tables(models: list[dict]) -> str:
