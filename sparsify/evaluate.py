@@ -562,15 +562,9 @@ def _guard_oom(fn, *args) -> dict:
 
 
 def _ran_path(model: Any) -> str | None:
-    """Which FFN path the last forward took: SparseMLP.last_path and twell_ops.last_backend() when present."""
-    import sys
-
+    """Which FFN path the last forward took, from SparseMLP.last_path ("twell_ffn:twell", "twell_ffn:dense"
+    as the kernels' dispatcher ran it, or "torch"); None for stock models."""
     paths = sorted({m.last_path for m in model.modules() if getattr(m, "last_path", "")})
-    for m in model.modules():
-        ffn = getattr(sys.modules.get(type(m).__module__), "twell_ffn", None)
-        ops = sys.modules.get(getattr(ffn, "__module__", ""), None)
-        if ops is not None and hasattr(ops, "last_backend"):
-            return ",".join(paths) + f" -> {ops.last_backend()}"
     return ",".join(paths) or None
 
 
