@@ -519,27 +519,39 @@ def speed_section(model: Any, tokens: Any, grid: SpeedGrid) -> dict:
                 "TwELL kernels. Run `sparsify eval --speed` on a machine with an NVIDIA GPU."}
     # dense: torch FFN; twell: the sparse kernels forced; auto: the dispatcher's choice (what users get)
     backends = ["dense", "twell", "auto"] if set_ffn_backend(model, "auto") else ["stock"]
-    max_seq = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
-    prefill, decode, share = [], [], {}
-    for backend in backends:
-        if backend != "stock":
-            set_ffn_backend(model, backend)
-        for b in grid.batches:
-            for s in sorted({min(s, max_seq) for s in grid.seqs}):
-                prefill.append({"backend": backend, "batch": b, "seq": s,
-                                **_guard_oom(_prefill_row, model, _text_batch(tokens, b, s, model.device), grid.repeats)})
-        for b in grid.decode_batches:
-            decode.append({"backend": backend, "batch": b, "prompt": grid.decode_prompt, "new_tokens": grid.decode_tokens,
-                           **_guard_oom(_decode_row, model, _text_batch(tokens, b, grid.decode_prompt, model.device), grid)})
-        mid = _text_batch(tokens, grid.batches[len(grid.batches) // 2], min(max(grid.seqs), max_seq), model.device)
-        share[backend] = _guard_oom(_ffn_share, model, mid)
+    seqs = sorted({min(s, int(getattr(model.config, "max_position_embeddings", 0) or s)) for s in grid.seqs})
+    dev = model.device
+    prefill, decode = [], []
+    for b in grid.batches:
+        for s in seqs:
+            prefill += [{"batch": b, "seq": s, **r} for r in
+                        _each_backend(model, backends, _prefill_row, _text_batch(tokens, b, s, dev), grid.repeats)]
+    for b in grid.decode_batches:
+        prompt = _text_batch(tokens, b, grid.decode_prompt, dev)
+        decode += [{"batch": b, "prompt": grid.decode_prompt, "new_tokens": grid.decode_tokens, **r}
+                   for r in _each_backend(model, backends, _decode_row, prompt, grid)]
+    mid = _text_batch(tokens, grid.batches[len(grid.batches) // 2], seqs[-1], dev)
+    share = {r.pop("backend"): r for r in _each_backend(model, backends, _ffn_share, mid) if not r.get("repeat")}
     set_ffn_backend(model, "auto")
-    return {"available": True, "backends": backends, "device": torch.cuda.get_device_name(model.device),
+    return {"available": True, "backends": backends, "device": torch.cuda.get_device_name(dev),
             "dtype": str(model.dtype).removeprefix("torch."), "prefill": prefill, "decode": decode,
             "ffn_share": share, "speedup": _speedups(prefill, decode)}
 
 
-def _text_batch(tokens: Any, batch: int, seq: int, device: Any) -> Any:
+def _each_backend(model: Any, backends: list[str], fn, *args) -> list[dict]:
+    """One shape under every backend back to back (same clocks, same cache state), then dense once more:
+    the two dense numbers' spread is the run's noise, reported next to the ratios."""
+    order = backends + (["dense"] if "dense" in backends else [])
+    rows = []
+    for i, backend in enumerate(order):
+        if backend != "stock":
+            set_ffn_backend(model, backend)
+        rows.append({"backend": backend, **({"repeat": True} if i == len(backends) else {}),
+                     **_guard_oom(fn, model, *args)})
+    return rows
+
+
+def _text_batch(tokens: Any, batch: int, seq: int, device: Any = "cpu") -> Any:
     """[B, S] consecutive text tokens (the text repeated when too short): each row a different passage."""
     import torch
 
@@ -663,16 +675,18 @@ def _ffn_share(model: Any, ids: Any) -> dict:
 def _speedups(prefill: list[dict], decode: list[dict]) -> dict:
     """twell and auto tokens/s over dense tokens/s for each shape measured with all (same run, same weights)."""
     def ratios(rows: list[dict], key: tuple[str, ...]) -> list[dict]:
-        by = {(r["backend"], *(r[k] for k in key)): r.get("tokens_per_s") for r in rows}
+        by = {(r["backend"], bool(r.get("repeat")), *(r[k] for k in key)): r.get("tokens_per_s") for r in rows}
         out = []
         for r in rows:
-            if r["backend"] != "dense" or not r.get("tokens_per_s"):
+            if r["backend"] != "dense" or r.get("repeat") or not r.get("tokens_per_s"):
                 continue
             shape = tuple(r[k] for k in key)
-            twell, auto = by.get(("twell", *shape)), by.get(("auto", *shape))
+            twell, auto, again = (by.get((b, rep, *shape)) for b, rep in (("twell", False), ("auto", False), ("dense", True)))
             if twell or auto:
-                out.append({**dict(zip(key, shape)), "twell_over_dense": twell / r["tokens_per_s"] if twell else None,
-                            "auto_over_dense": auto / r["tokens_per_s"] if auto else None})
+                dense = r["tokens_per_s"]
+                out.append({**dict(zip(key, shape)), "twell_over_dense": twell / dense if twell else None,
+                            "auto_over_dense": auto / dense if auto else None,
+                            "dense_noise": abs(again / dense - 1) if again else None})
         return out
 
     return {"prefill": ratios(prefill, ("batch", "seq")), "decode": ratios(decode, ("batch",))}

@@ -132,17 +132,20 @@ def _speed_tables(models: list[dict]) -> str:
         if not speed.get("available"):
             blocks.append(f"**{m['name']}**: {speed.get('reason')}")
             continue
-        rows = [[r["backend"], r["batch"], r["seq"], r.get("tokens_per_s"), r.get("ms"), r.get("peak_mem_gb"),
+        label = lambda r: r["backend"] + (" (again)" if r.get("repeat") else "")  # noqa: E731
+        rows = [[label(r), r["batch"], r["seq"], r.get("tokens_per_s"), r.get("ms"), r.get("peak_mem_gb"),
                  r.get("error") or r.get("path")] for r in speed["prefill"]]
-        rows += [[r["backend"], r["batch"], f"decode {r['new_tokens']} after {r['prompt']}", r.get("tokens_per_s"),
+        rows += [[label(r), r["batch"], f"decode {r['new_tokens']} after {r['prompt']}", r.get("tokens_per_s"),
                   r.get("ms"), r.get("peak_mem_gb"), r.get("error") or r.get("path")] for r in speed["decode"]]
         blocks.append(f"**{m['name']}** on {speed['device']} ({speed['dtype']})\n\n"
                       + _table(["backend", "batch", "seq", "tokens/s", "ms", "peak GiB", "FFN path / note"], rows))
-        ratios = [[f"prefill b{r['batch']} s{r['seq']}", r["twell_over_dense"], r["auto_over_dense"]]
+        ratios = [[f"prefill b{r['batch']} s{r['seq']}", r["twell_over_dense"], r["auto_over_dense"], r.get("dense_noise")]
                   for r in speed["speedup"]["prefill"]]
-        ratios += [[f"decode b{r['batch']}", r["twell_over_dense"], r["auto_over_dense"]] for r in speed["speedup"]["decode"]]
+        ratios += [[f"decode b{r['batch']}", r["twell_over_dense"], r["auto_over_dense"], r.get("dense_noise")]
+                   for r in speed["speedup"]["decode"]]
         if ratios:
-            blocks.append(_table(["shape", "twell / dense tokens/s", "auto / dense tokens/s"], ratios))
+            blocks.append(_table(["shape", "twell / dense tokens/s", "auto / dense tokens/s",
+                                  "noise (dense run twice)"], ratios))
         shares = [[b, s.get("batch"), s.get("seq"), s.get("ffn_share")] for b, s in speed["ffn_share"].items()]
         blocks.append(_table(["backend", "batch", "seq", "FFN share of prefill time"], shares))
     return "\n\n".join(blocks)
