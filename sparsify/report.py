@@ -206,7 +206,7 @@ def _plot_speed(ax: Any, models: list[dict]) -> bool:
     drawn = False
     for m in models:
         speed = m.get("speed") or {}
-        rows = [r for r in speed.get("prefill", []) if "tokens_per_s" in r]
+        rows = [r for r in speed.get("prefill", []) if "tokens_per_s" in r and not r.get("repeat")]
         if not rows:
             continue
         seq = max(r["seq"] for r in rows)
@@ -215,7 +215,12 @@ def _plot_speed(ax: Any, models: list[dict]) -> bool:
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=f"{m['name']} {backend} (seq {seq})")
                 drawn = True
-    ax.set(xlabel="batch", ylabel="prefill tokens/s", xscale="log", title="Prefill throughput")
+    from matplotlib.ticker import ScalarFormatter
+
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.set(xlabel="batch", ylabel="prefill tokens/s", title="Prefill throughput (same weights, same run)")
     return drawn
 
 

@@ -385,3 +385,20 @@ def test_speed_section_plumbing_with_cpu_stand_ins(tiny_sparse_folder, monkeypat
     assert set(speed["ffn_share"]) == {"dense", "twell", "auto"}
     assert all(0 < s["ffn_share"] < 1 for s in speed["ffn_share"].values())
     assert all(m.ffn_backend == "auto" for m in ev.mlps(model))
+
+
+def test_report_with_speed_rows_draws_speed_plot_and_tables(tmp_path):
+    from sparsify import report as rp
+
+    rows = [{"backend": b, "batch": bs, "seq": 512, "tokens_per_s": tps * bs, "ms": 1.0, "peak_mem_gb": 1.5,
+             "path": "torch" if b == "dense" else "twell_ffn:twell"}
+            for bs in (1, 8) for b, tps in (("dense", 100.0), ("twell", 130.0))]
+    rows.append({"backend": "dense", "repeat": True, "batch": 8, "seq": 512, "tokens_per_s": 780.0})
+    speed = {"available": True, "backends": ["dense", "twell"], "device": "GPU", "dtype": "bfloat16",
+             "prefill": rows, "decode": [], "ffn_share": {"dense": {"batch": 8, "seq": 512, "ffn_share": 0.4}},
+             "speedup": ev._speedups(rows, [])}
+    report = {"provenance": ev.provenance("cpu"), "models": [{"name": "m", "source": "x", "speed": speed}]}
+    rp.write_report(report, tmp_path)
+    assert report["plots"] == ["speed_vs_batch.png"]
+    md = (tmp_path / "report.md").read_text()
+    assert "| prefill b8 s512 | 1.300 | - | 0.025 |" in md and "dense (again)" in md and "| dense | 8 | 512 | 0.400 |" in md
