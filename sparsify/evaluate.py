@@ -696,9 +696,10 @@ def speed_tokens(tok: Any, texts: list[Path]) -> Any:
     """Real text for speed runs: the first --text file, else the sample text shipped with sparsify."""
     import torch
 
-    sample = Path(__file__).parent / "data" / "sample.txt"
-    source = texts[0] if texts else sample
-    if not source.is_file():
+    data = Path(__file__).parent / "data"
+    shipped = [data / "sample.txt", data / "python-howto-heldout.txt", *sorted(data.glob("*.txt"))]
+    source = texts[0] if texts else next((p for p in shipped if p.is_file()), None)
+    if source is None:
         raise SparsifyError("--speed needs real text (sparsity depends on it): pass --text FILE.")
     text = source.read_text(encoding="utf-8", errors="replace")[:400_000]
     return torch.tensor(tok(text, add_special_tokens=False)["input_ids"])  # [N]

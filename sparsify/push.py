@@ -117,8 +117,9 @@ def model_card(repo_id: str, config: dict, report: dict | None, row: dict | None
     source = str(prov.get("source", ""))
     if re.fullmatch(r"[\w.-]+/[\w.-]+", source) and not Path(source).exists():
         meta["base_model"] = source
-    if row and row.get("accuracy"):
-        meta["model-index"] = [{"name": repo_id.split("/")[-1], "results": _index_results(row["accuracy"])}]
+    results = _index_results(row) if row else []
+    if results:
+        meta["model-index"] = [{"name": repo_id.split("/")[-1], "results": results}]
     front = yaml.safe_dump(meta, sort_keys=False, allow_unicode=True)
     parts = [f"---\n{front}---", f"# {repo_id.split('/')[-1]}", _about(config, prov), _load_section(repo_id)]
     if row:
@@ -129,18 +130,27 @@ def model_card(repo_id: str, config: dict, report: dict | None, row: dict | None
     return "\n\n".join(parts) + "\n"
 
 
-def _index_results(accuracy: dict[str, dict]) -> list[dict]:
-    """model-index entries: one per lm-eval task, its metrics (acc, acc_norm, bits_per_byte, ...)."""
-    results = []
-    for task, metrics in sorted(accuracy.items()):
-        values = [{"type": k, "value": round(float(v), 4), "name": k} for k, v in sorted(metrics.items()) if k != "samples"]
-        if values:
-            results.append({"task": {"type": "text-generation", "name": "Text Generation"},
-                            "dataset": {"name": task, "type": task},
-                            "metrics": values,
-                            "source": {"name": "sparsify eval (lm-eval-harness, in-process)",
-                                       "url": "https://github.com/EleutherAI/lm-evaluation-harness"}})
-    return results
+def _index_results(row: dict) -> list[dict]:
+    """model-index entries: each lm-eval task with its metrics, each text with perplexity, bits per byte
+    and the activation sparsity measured on it, and the prefill speed-ups (all from report.json)."""
+    source = {"name": "sparsify eval", "url": "https://arxiv.org/abs/2603.23198"}
+
+    def entry(name: str, kind: str, metrics: dict[str, float | None]) -> dict | None:
+        values = [{"type": k, "value": round(float(v), 4), "name": k} for k, v in metrics.items() if v is not None]
+        return {"task": {"type": "text-generation", "name": "Text Generation"}, "dataset": {"name": name, "type": kind},
+                "metrics": values, "source": source} if values else None
+
+    results = [entry(task, task, {k: v for k, v in sorted(m.items()) if k != "samples"})
+               for task, m in sorted((row.get("accuracy") or {}).items())]
+    summary = (row.get("sparsity") or {}).get("summary") or {}
+    for text, ppl in sorted((row.get("perplexity") or {}).items()):
+        results.append(entry(text, "text", {"perplexity": ppl.get("perplexity"), "bits_per_byte": ppl.get("bits_per_byte"),
+                                            "ffn_activation_zeros": summary.get("zeros"),
+                                            "ffn_nonzeros_per_token": summary.get("nnz_mean")}))
+    speed = {f"prefill_b{r['batch']}_s{r['seq']}_auto_over_dense": r.get("auto_over_dense")
+             for r in ((row.get("speed") or {}).get("speedup") or {}).get("prefill", [])}
+    results.append(entry(f"prefill throughput on {(row.get('speed') or {}).get('device')}", "speed", speed))
+    return [r for r in results if r]
 
 
 def _about(config: dict, prov: dict) -> str:

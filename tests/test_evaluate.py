@@ -402,3 +402,28 @@ def test_report_with_speed_rows_draws_speed_plot_and_tables(tmp_path):
     assert report["plots"] == ["speed_vs_batch.png"]
     md = (tmp_path / "report.md").read_text()
     assert "| prefill b8 s512 | 1.300 | - | 0.025 |" in md and "dense (again)" in md and "| dense | 8 | 512 | 0.400 |" in md
+
+
+def test_local_task_with_function_helper_and_relative_data_runs(tmp_path, tiny_folders):
+    """A user's task folder anywhere: relative data_files and a `!function` helper beside the YAML."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    task_dir = tmp_path / "my_tasks" / "sub"
+    task_dir.mkdir(parents=True)
+    (task_dir / "data.jsonl").write_text("".join(json.dumps({"q": f"Is {i} even?", "a": i % 2}) + "\n" for i in range(5)))
+    (task_dir / "helpers.py").write_text(
+        "def process_docs(ds):\n    return ds.filter(lambda d: d['a'] == 0)\n")  # keeps 0, 2, 4
+    (task_dir / "even.yaml").write_text(
+        "task: my_even\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: data.jsonl\n"
+        "output_type: multiple_choice\ntest_split: test\nprocess_docs: !function helpers.process_docs\n"
+        "doc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\ndoc_to_choice: ['yes', 'no']\n"
+        "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
+    spec = ev.resolve_tasks([str(tmp_path / "my_tasks")], tmp_path / "resolved")
+    assert spec.names == ["my_even"] and not spec.registered
+    copied = (Path(spec.include_paths[0]) / "sub" / "even.yaml").read_text()
+    assert "!function" in copied and "helpers.process_docs" in copied and str(task_dir / "data.jsonl") in copied
+    assert (Path(spec.include_paths[0]) / "sub" / "helpers.py").is_file()
+    model = AutoModelForCausalLM.from_pretrained(tiny_folders[0]).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_folders[0])
+    got = ev.accuracy(model, tok, spec, limit=None, batch_size=4)
+    assert got["my_even"]["samples"] == 3 and got["my_even"]["acc"] in {i / 3 for i in range(4)}  # helper ran

@@ -69,10 +69,16 @@ def test_card_from_report_has_model_index_and_pinned_loading(tmp_path):
     front, body = plan.card.split("---\n")[1], plan.card.split("---\n", 2)[2]
     meta = yaml.safe_load(front)
     assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M" and "sparsify" in meta["tags"]
-    (result,) = meta["model-index"][0]["results"]
+    task, text, speed = meta["model-index"][0]["results"]
     assert meta["model-index"][0]["name"] == "smol-sparse"
-    assert result["dataset"]["name"] == "sparsify_tech_qa"
-    assert {m["type"]: m["value"] for m in result["metrics"]} == {"acc": 0.4125, "acc_norm": 0.375}  # this row, not "orig"
+    assert task["dataset"]["name"] == "sparsify_tech_qa"
+    assert {m["type"]: m["value"] for m in task["metrics"]} == {"acc": 0.4125, "acc_norm": 0.375}  # this row, not "orig"
+    assert text["dataset"]["name"] == "sample.txt"
+    assert {m["type"]: m["value"] for m in text["metrics"]} == {
+        "perplexity": 12.5, "bits_per_byte": 1.02, "ffn_activation_zeros": 0.9732, "ffn_nonzeros_per_token": 41.2}
+    assert speed["dataset"]["name"] == "prefill throughput on NVIDIA H200"
+    assert speed["metrics"] == [{"type": "prefill_b8_s2048_auto_over_dense", "value": 1.25,
+                                 "name": "prefill_b8_s2048_auto_over_dense"}]
     assert 'from_pretrained("me/smol-sparse", revision=revision, trust_remote_code=True)' in body
     assert "pin" in body and "revision" in body
     assert "41.2 non-zeros per token" in body and "97.32% zeros" in body and "NVIDIA H200" in body
