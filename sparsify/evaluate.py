@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import math
 import re
 import shutil
@@ -621,15 +622,18 @@ def _decode_row(model: Any, prompt: Any, grid: SpeedGrid) -> dict:
     """Greedy decode of grid.decode_tokens tokens after a prefilled prompt; only the decode steps timed."""
     import torch
 
+    # transformers >= 5.2x names the KV cache `cache` (`past_key_values` is deprecated); 5.17 only knows the latter
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
     def run() -> float:
         with torch.inference_mode():
             out = _forward(model, prompt, use_cache=True)
-            past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)  # [B, 1]
+            past, nxt = getattr(out, name), out.logits[:, -1:].argmax(-1)  # [B, 1]
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(grid.decode_tokens):
-                out = model(nxt, past_key_values=past, use_cache=True)
-                past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                out = model(nxt, use_cache=True, **{name: past})
+                past, nxt = getattr(out, name), out.logits[:, -1:].argmax(-1)
             end.record()
             end.synchronize()
         return start.elapsed_time(end)
