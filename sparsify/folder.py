@@ -42,7 +42,7 @@ def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         yield tmp
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
+        _normal_permissions(tmp)
         if out.exists():
             old = out.parent / f".{out.name}.old-{os.getpid()}"
             os.rename(out, old)
@@ -53,6 +53,18 @@ def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _normal_permissions(folder: Path) -> None:
+    """mkdtemp (and transformers' temp-file writes) leave 0700/0600; give what a plain copy would get."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for root, dirs, files in os.walk(folder):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), 0o777 & ~umask)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o666 & ~umask)
 
 
 def shipped_code_files() -> list[Path]:

@@ -178,3 +178,10 @@ def test_ctrl_c_leaves_no_output(tmp_path):
     assert proc.returncode == 130, err
     assert "interrupted" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_output_files_readable_by_others(llama_dir, tmp_path):
+    out = convert(llama_dir, tmp_path / "out", progress=False)
+    assert out.stat().st_mode & 0o055 == 0o055
+    for f in out.iterdir():
+        assert f.stat().st_mode & 0o044 == 0o044, f
