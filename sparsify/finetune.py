@@ -273,7 +273,9 @@ def train_step(run: Run) -> dict[str, torch.Tensor]:
     sums = {k: torch.zeros((), device=dist.device) for k in ("loss", "ce", "l1", "kd")}
     for micro in range(t.grad_accum):
         first = run.state.samples + (micro * dist.world + dist.rank) * t.batch_size
-        batch = run.data.train_batch(first, t.batch_size).to(dist.device, non_blocking=True)  # [B, T+1]
+        batch = run.data.train_batch(first, t.batch_size)  # [B, T+1]
+        if dist.device.type == "cuda":  # pinned: the copy overlaps the previous micro-batch's kernels
+            batch = batch.pin_memory().to(dist.device, non_blocking=True)
         inputs, targets = batch[:, :-1], batch[:, 1:]  # [B, T]
         last = micro == t.grad_accum - 1
         sync = contextlib.nullcontext() if last or not hasattr(run.train_model, "no_sync") else run.train_model.no_sync()
@@ -359,19 +361,13 @@ def _checkpoints(out: Path) -> list[Path]:
 
 
 def load_checkpoint(run: Run, folder: Path) -> None:
-    """Restores everything save_checkpoint wrote; under FSDP rank 0 reads and broadcasts."""
+    """Restores everything save_checkpoint wrote."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    fsdp = run.dist.world > 1 and run.recipe.train.distributed == "fsdp"
-    blob = None
-    if run.dist.main or not fsdp:  # DDP replicas each read the file; FSDP ranks get rank 0's by broadcast
-        blob = torch.load(folder / "state.pt", map_location="cpu", weights_only=False)
-    if fsdp:
-        holder = [{k: v for k, v in blob.items() if k not in ("model", "optimizer")} if run.dist.main else None]
-        torch.distributed.broadcast_object_list(holder, src=0)
-        tensors = (blob["model"], blob["optimizer"]) if run.dist.main else ({}, {})
-        blob = {**holder[0], "model": tensors[0], "optimizer": tensors[1]}
-    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=fsdp)
+    # Every rank maps the same file (mmap: one copy in the page cache, not one per rank); under FSDP each
+    # rank keeps its own shard of the full tensors.
+    blob = torch.load(folder / "state.pt", map_location="cpu", weights_only=False, mmap=True)
+    opts = StateDictOptions(full_state_dict=True)
     set_state_dict(run.model, run.opt, model_state_dict=blob["model"], optim_state_dict=blob["optimizer"], options=opts)
     run.sched.load_state_dict(blob["scheduler"])
     run.state = TrainState(**blob["state"])
@@ -681,7 +677,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = format_help()
     p.add_argument("recipe", help="recipe YAML file (see recipes/); every key is listed below")
     p.add_argument("overrides", nargs="*", metavar="SECTION.KEY=VALUE",
-                   help="recipe overrides, e.g. train.lr=3e-4 sparsity.l1=2e-2 output.dir=runs/x")
+                   help="recipe overrides, e.g. train.lr=3e-4 sparsity.l1=2e-2 output.dir=runs/x (put the --options "
+                        "before RECIPE or after the last override)")
     p.add_argument("--resume", action="store_true", help="continue the run in output.dir from its newest checkpoint")
     p.add_argument("--print-recipe", action="store_true", help="print the resolved recipe as YAML and exit")
     p.add_argument("--no-progress", action="store_true", help="no progress bars (logs still go to metrics.jsonl)")

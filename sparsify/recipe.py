@@ -40,7 +40,6 @@ class ModelSection:
         "(sparsify convert); a folder that is already ReLU is trained as is.",
     )
     revision: str | None = doc(None, "Hub revision (branch, tag or commit) when `source` is a Hub id.")
-    trust_remote_code: bool = doc(False, "Pass trust_remote_code=True when loading a Hub source.")
 
 
 @dataclass

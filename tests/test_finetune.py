@@ -8,6 +8,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -149,19 +150,37 @@ def test_resume_without_checkpoint_and_fresh_run_over_old_one_are_refused(tiny_s
         finetune(recipe, progress=False)
 
 
-def test_ddp_two_gloo_processes_match_single_process(reference, tiny_silu, tmp_path):
-    """batch 1 on each of 2 ranks reads the same sequences as batch 2 on one: the losses must agree."""
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe_dict(tiny_silu, tmp_path / "run", batch_size=1, distributed="ddp")))
+def torchrun(path: Path, *extra: str) -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "-m", "sparsify", "finetune", str(path), "--no-progress"],
+                           "-m", "sparsify", "finetune", "--no-progress", *extra, str(path)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    ref, got = metrics(reference), metrics(tmp_path / "run")
+
+
+def assert_same_run(ref: list[dict], got: list[dict], rel: float) -> None:
     assert [m["step"] for m in got] == [m["step"] for m in ref]
     for a, b in zip(ref, got):
         key = "loss" if "loss" in a else "val_loss"
-        # same sequences per step; only the order of float sums differs (measured: 1e-7 relative)
-        assert b[key] == pytest.approx(a[key], rel=1e-5), (a["step"], key, a[key], b[key])
-    assert (tmp_path / "run" / "model" / "model.safetensors").exists()
+        assert b[key] == pytest.approx(a[key], rel=rel, abs=0), (a["step"], key, a[key], b[key])
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_gloo_processes_match_single_process(reference, tiny_silu, tmp_path, mode):
+    """batch 1 on each of 2 ranks reads the same sequences as batch 2 on one: the losses must agree.
+
+    FSDP2 also resumes: its sharded state is gathered into the checkpoint and scattered back.
+    """
+    path = tmp_path / "recipe.yaml"
+    out = tmp_path / "run"
+    path.write_text(yaml.safe_dump(recipe_dict(tiny_silu, out, batch_size=1, distributed=mode)))
+    torchrun(path)
+    # same sequences per step; only the order of float sums differs (measured: 1e-7 relative)
+    assert_same_run(metrics(reference), metrics(out), rel=1e-5)
+    assert (out / "model" / "model.safetensors").exists()
+    if mode == "fsdp":
+        first = metrics(out)
+        for name in ("model", "checkpoints/step-00000040"):
+            shutil.rmtree(out / name)
+        torchrun(path, "--resume")  # from step 30
+        assert_same_run(first, metrics(out), rel=1e-6)
