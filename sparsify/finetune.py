@@ -460,11 +460,12 @@ def export(run: Run, model_dir: Path, out: Path, tokenizer: Any, history: list[d
 
     from .folder import save_model_folder
 
-    model_sd, _ = _full_state(run) if run.dist.world > 1 else (None, None)
+    fsdp = run.dist.world > 1 and run.recipe.train.distributed == "fsdp"
+    model_sd, _ = _full_state(run) if fsdp else (None, None)  # collective: every rank takes part
     target = out / "model"
     if run.dist.main:
-        model = run.model
-        if model_sd is not None:  # sharded or replicated: rebuild one plain CPU copy from the full state
+        model = run.model  # DDP replicas are whole models already
+        if fsdp:  # sharded: rebuild one plain CPU copy from the gathered state (FSDP excludes LoRA)
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
             model.load_state_dict(model_sd)
         if run.recipe.lora.r > 0:

@@ -29,7 +29,8 @@ class SparsityProbe:
     def __init__(self, model: nn.Module, normalization: str):
         self.mlps = mlp_modules(model)
         self.normalization = normalization
-        self.recording = False
+        self.recording = False  # between start() and take(): this micro-batch's forward
+        self.in_step = False  # between start() and the end of the step (backward may recompute forwards)
         self.l1: list[torch.Tensor] = []  # per layer, this forward: scalar with grad
         self.nnz: list[torch.Tensor] = []  # per layer, this forward: scalar count
         self.fired: list[torch.Tensor] = []  # per layer, this forward: [F] bool
@@ -40,21 +41,24 @@ class SparsityProbe:
         self.handles = [m.down_proj.register_forward_pre_hook(self._hook) for m in self.mlps]
 
     def _hook(self, module: nn.Module, args: tuple) -> None:
-        # Ignore forwards outside a training micro-step (evaluation, and the recompute of gradient checkpointing).
-        if not self.recording:
+        # Evaluation (no grad, or outside a training step) is not recorded.
+        if not (self.in_step and torch.is_grad_enabled()):
             return
         h = args[0]  # [B, T, F]
         a = h.abs()
         l1 = a.float().sum(-1).mean() if self.normalization == "sum_hidden" else a.float().mean()
         nz = h != 0  # [B, T, F]
-        self.l1.append(l1)
-        self.nnz.append(nz.sum().detach())
-        self.fired.append(nz.flatten(0, -2).any(0))  # [F]
+        # Gradient checkpointing re-runs this hook in backward: it must redo the same ops (non-reentrant
+        # checkpointing checks that recompute saves as many tensors as the forward) but keeps nothing.
+        if self.recording:
+            self.l1.append(l1)
+            self.nnz.append(nz.sum().detach())
+            self.fired.append(nz.flatten(0, -2).any(0))  # [F]
 
     def start(self) -> None:
         """Call before each training forward."""
         self.l1, self.nnz, self.fired = [], [], []
-        self.recording = True
+        self.recording = self.in_step = True
 
     def take(self, tokens: int) -> torch.Tensor:
         """Stops recording; folds this micro-batch into the step's stats; returns the L1 term (mean over layers)."""
@@ -82,8 +86,9 @@ class SparsityProbe:
         return StepStats(per_token=nnz / tokens, inactive=active == 0)
 
     def reset(self) -> None:
-        """Drops the step's counters without reading them (no device sync)."""
+        """Ends the step: drops its counters without reading them (no device sync)."""
         self.nnz_sum, self.active, self.token_sum = None, None, 0
+        self.in_step = False
 
     def remove(self) -> None:
         for handle in self.handles:

@@ -184,3 +184,44 @@ def test_two_gloo_processes_match_single_process(reference, tiny_silu, tmp_path,
             shutil.rmtree(out / name)
         torchrun(path, "--resume")  # from step 30
         assert_same_run(first, metrics(out), rel=1e-6)
+
+
+def test_lora_with_checkpointing_merges_at_export_and_plateau_stops(tiny_silu, tmp_path):
+    """LoRA adapters (peft) train through the same loop and are merged into plain weights at export; a loose
+    plateau tolerance ends the run early and says why."""
+    from safetensors.torch import load_file
+
+    from sparsify.finetune import finetune
+    from sparsify.recipe import load_recipe
+
+    recipe = load_recipe(recipe_dict(tiny_silu, tmp_path / "run", max_steps=30, save_every=0, log_every=2,
+                                     gradient_checkpointing=True),
+                         ["lora.r=4", "distill.kd=0", "sparsity.plateau_tolerance=0.5", "sparsity.plateau_window=6"])
+    model_dir = finetune(recipe, progress=False)
+    lines = [m for m in metrics(tmp_path / "run") if "sparsity" in m]
+    # logged at 2, 4, 6, 8: step 8 is the first with 6 steps of history (since step 2); nothing moves 50% in 6
+    assert lines[-1]["step"] == 8
+    stats = json.loads((model_dir / "sparsity.json").read_text())
+    assert stats["step"] == 8
+    assert json.loads((model_dir / "config.json").read_text())["sparsify"]["stopped"].startswith("plateau")
+    merged = load_file(model_dir / "model.safetensors")
+    original = load_file(tiny_silu / "model.safetensors")
+    assert not any("lora" in k for k in merged)
+    key = "model.layers.0.mlp.up_proj.weight"
+    assert merged[key].shape == original[key].shape and not torch.equal(merged[key], original[key])
+
+
+@pytest.mark.slow
+def test_compiled_matches_eager(tiny_silu, tmp_path):
+    """torch.compile (inductor on the CPU here) captures the down_proj hooks: same losses as eager."""
+    from sparsify.finetune import finetune
+    from sparsify.recipe import load_recipe
+
+    runs = []
+    for compiled in (False, True):
+        out = tmp_path / f"run-{compiled}"
+        finetune(load_recipe(recipe_dict(tiny_silu, out, max_steps=4, log_every=2, save_every=0, compile=compiled)),
+                 progress=False)
+        runs.append(metrics(out))
+    assert_same_run(runs[0], runs[1], rel=1e-4)
+    assert runs[1][-2]["sparsity"] == pytest.approx(runs[0][-2]["sparsity"], abs=1e-3)
