@@ -14,7 +14,7 @@ list, which dynamo replays as a side effect). Per micro-batch and layer the hook
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
