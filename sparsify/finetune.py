@@ -175,17 +175,21 @@ def load_teacher(model_dir: Path, dist: Dist) -> nn.Module:
 
 
 def wrap_model(model: nn.Module, recipe: Recipe, dist: Dist) -> nn.Module:
-    """DDP or FSDP2 under torchrun; torch.compile when asked. Returns the module to call for training."""
-    if recipe.train.compile:
-        model.compile()  # in place: parameter names (checkpoints, optimizer state) stay unprefixed
-    if dist.world == 1:
-        return model
-    if recipe.train.distributed == "fsdp":
+    """DDP or FSDP2 under torchrun; torch.compile when asked. Returns the module to call for training.
+
+    Compilation is in place (parameter names, hence checkpoints and optimizer state, stay unprefixed); FSDP2
+    shards first and compiles the sharded model, DDP wraps the compiled one (both are the documented orders).
+    """
+    fsdp = dist.world > 1 and recipe.train.distributed == "fsdp"
+    if fsdp:
         from torch.distributed.fsdp import fully_shard
 
         for layer in _decoder_layers(model):
             fully_shard(layer)
         fully_shard(model)
+    if recipe.train.compile:
+        model.compile()
+    if dist.world == 1 or fsdp:
         return model
     from torch.nn.parallel import DistributedDataParallel
 

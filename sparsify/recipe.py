@@ -318,6 +318,9 @@ def _check_values(r: Recipe) -> list[str]:
         e.append(f"train.min_lr_ratio: got {t.min_lr_ratio}; must be in [0, 1]")
     if not 0 <= r.data.validation_fraction < 0.5:
         e.append(f"data.validation_fraction: got {r.data.validation_fraction}; must be in [0, 0.5)")
+    if r.data.max_tokens is None and any(x.startswith("hub:") for x in r.data.train + r.data.validation):
+        e.append("data.max_tokens: not set while data.train streams a Hub dataset; set how many tokens to read, "
+                 "e.g. data.max_tokens=1_000_000_000")
     if not r.data.train:
         e.append("data.train: empty; list text files, globs or hub:NAME datasets, e.g. data.train=docs/*.txt")
     if r.sparsity.schedule == "ramp" and r.sparsity.ramp_steps == 0:
