@@ -110,6 +110,11 @@ def test_sparsity_rises_loss_finite_outputs_written(reference):
     assert config["hidden_act"] == "relu" and config["sparsify"]["finetuned"] is True
     model = AutoModelForCausalLM.from_pretrained(model_dir)  # stock load: the dense ReLU model
     assert type(model).__name__ == "LlamaForCausalLM"
+    ours = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=True)  # remote code: the sparse class
+    assert type(ours).__name__.startswith("Sparse")
+    ids = torch.tensor([[1, 200, 3000, 40000, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_sigkill_then_resume_matches_uninterrupted(reference, tiny_silu, tmp_path):

@@ -54,11 +54,13 @@ def test_bad_recipe_lists_every_problem_with_its_fix(tmp_path):
 
 def test_values_checked_once_types_are_right():
     with pytest.raises(SparsifyError) as e:
-        load_recipe({"train": {"lr": -1, "betas": [0.9], "seq_len": 0}, "sparsity": {"schedule": "ramp"}})
+        load_recipe({"train": {"lr": -1, "betas": [0.9], "seq_len": 0}, "sparsity": {"schedule": "ramp"},
+                     "data": {"validation": ["hub:HuggingFaceFW/fineweb-edu"]}})
     msg = str(e.value)
     for expected in ["train.lr: got -1.0; must be > 0", "train.seq_len: got 0; must be > 0",
                      "train.betas: got [0.9]; expected two numbers", "neither max_steps nor max_tokens",
-                     "data.train: empty", "sparsity.ramp_steps: 0 with schedule `ramp`"]:
+                     "data.train: empty", "sparsity.ramp_steps: 0 with schedule `ramp`",
+                     "data.max_tokens: not set while data.train streams a Hub dataset"]:
         assert expected in msg, f"missing {expected!r} in:\n{msg}"
 
 
