@@ -395,7 +395,7 @@ class MetricsLog:
         if not self.main:
             return
         if self.path.exists():  # resume: forget what happened after the checkpoint, it is about to be redone
-            kept = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln)["step"] <= from_step]
+            kept = [json.dumps(r) for r in _parse_lines(self.path) if r["step"] <= from_step]
             self.path.write_text("".join(ln + "\n" for ln in kept))
         if recipe.output.tensorboard and importlib.util.find_spec("tensorboard") is not None:
             from torch.utils.tensorboard import SummaryWriter
@@ -613,7 +613,18 @@ def _setup(recipe: Recipe, dist: Dist, model_dir: Path, data: Any) -> Run:
 
 def _read_history(out: Path) -> list[dict]:
     path = out / "metrics.jsonl"
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln] if path.exists() else []
+    return _parse_lines(path) if path.exists() else []
+
+
+def _parse_lines(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl; a line cut short by a kill (the last one) is dropped."""
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records
 
 
 def _loop(run: Run, log: MetricsLog, history: list[dict], progress: bool) -> None:
