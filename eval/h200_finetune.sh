@@ -38,6 +38,7 @@ fi
 if [ -z "${MODEL:-}" ] && ls .carry/g*/gguf.part.* >/dev/null 2>&1; then
     [ -f "$WORK/smollm2.gguf" ] || { cat .carry/g*/gguf.part.* > "$WORK/smollm2.gguf.part" && mv "$WORK/smollm2.gguf.part" "$WORK/smollm2.gguf"; }
     MODEL=$WORK/smollm2.gguf
+    JOINED=1
 fi
 
 # --- environment: carried wheels into a private folder; sparsify importable without pip-installing the repo
@@ -59,6 +60,12 @@ if importlib.util.find_spec("gguf") is None:
     print("gguf is not importable: carry .whl/gguf-0.19.0-py3-none-any.whl (needed to read the .gguf)")
 EOF
 
+if [ -n "${JOINED:-}" ] && ! python -c "import gguf, sys; gguf.GGUFReader(sys.argv[1])" "$MODEL" 2>/dev/null; then
+    rm -f "$MODEL"  # a part was missing (e.g. carried in a later call): join again next time
+    echo "the GGUF parts .carry/g*/gguf.part.* do not make a whole file (98,362,432 bytes for SmolLM2-135M Q4_1);" \
+         "carry all parts (they may come in separate calls: carried paths stay on a warm machine)" >&2
+    exit 2
+fi
 # The SiLU source is converted once (out/h200/converted, kept between modes); later runs start from that
 # ReLU folder, whose config records the source activation, so the SiLU teacher is rebuilt from it.
 MODEL=${MODEL:-smollm2-135m-gguf}
