@@ -467,13 +467,13 @@ def texts_section(model: Any, tok: Any, texts: list[Path], window: int, max_toke
     would see nothing (the kernels compute the same function; speed is measured separately).
     """
     recorder = SparsityRecorder(down_projs(model))
-    set_ffn_backend(model, "dense")
+    previous = set_ffn_backend(model, "dense")
     try:
         ppl = {p.name: text_pass(model, tok, p.read_text(encoding="utf-8", errors="replace"),
                                  window, max_tokens, recorder) for p in texts}
     finally:
         recorder.remove()
-        set_ffn_backend(model, "auto")
+        set_ffn_backend(model, previous)
     profile = recorder.summary()
     missed = [i for i, layer in enumerate(profile["layers"]) if layer["tokens"] != profile["tokens"]]
     if missed:
@@ -498,14 +498,13 @@ def mlps(model: Any) -> list[Any]:
         return [m for n, m in model.named_modules() if n.endswith(".mlp") and hasattr(m, "down_proj")]
 
 
-def set_ffn_backend(model: Any, backend: str) -> int:
-    """Set `ffn_backend` on every module that has it (sparsify remote-code MLPs); returns how many."""
-    count = 0
-    for module in model.modules():
-        if hasattr(module, "ffn_backend"):
-            module.ffn_backend = backend
-            count += 1
-    return count
+def set_ffn_backend(model: Any, backend: str | dict) -> dict:
+    """Set `ffn_backend` on every module that has it (sparsify remote-code MLPs): one backend for all, or a
+    dict module -> backend (what an earlier call returned, to restore). Returns the previous settings."""
+    previous = {m: m.ffn_backend for m in model.modules() if hasattr(m, "ffn_backend")}
+    for module in previous:
+        module.ffn_backend = backend[module] if isinstance(backend, dict) else backend
+    return previous
 
 
 def speed_section(model: Any, tokens: Any, grid: SpeedGrid) -> dict:
@@ -519,7 +518,8 @@ def speed_section(model: Any, tokens: Any, grid: SpeedGrid) -> dict:
         return {"available": False, "reason": "speed needs a CUDA GPU: CPU timings say nothing about the "
                 "TwELL kernels. Run `sparsify eval --speed` on a machine with an NVIDIA GPU."}
     # dense: torch FFN; twell: the sparse kernels forced; auto: the dispatcher's choice (what users get)
-    backends = ["dense", "twell", "auto"] if set_ffn_backend(model, "auto") else ["stock"]
+    previous = set_ffn_backend(model, "auto")
+    backends = ["dense", "twell", "auto"] if previous else ["stock"]
     seqs = sorted({min(s, int(getattr(model.config, "max_position_embeddings", 0) or s)) for s in grid.seqs})
     dev = model.device
     prefill, decode = [], []
@@ -533,7 +533,7 @@ def speed_section(model: Any, tokens: Any, grid: SpeedGrid) -> dict:
                    for r in _each_backend(model, backends, _decode_row, prompt, grid)]
     mid = _text_batch(tokens, grid.batches[len(grid.batches) // 2], seqs[-1], dev)
     share = {r.pop("backend"): r for r in _each_backend(model, backends, _ffn_share, mid) if not r.get("repeat")}
-    set_ffn_backend(model, "auto")
+    set_ffn_backend(model, previous)
     return {"available": True, "backends": backends, "device": torch.cuda.get_device_name(dev),
             "dtype": str(model.dtype).removeprefix("torch."), "prefill": prefill, "decode": decode,
             "ffn_share": share, "speedup": _speedups(prefill, decode)}
@@ -752,7 +752,7 @@ def model_info(model: Any, spec: ModelSpec) -> dict:
         "layers": getattr(cfg, "num_hidden_layers", None), "hidden_size": getattr(cfg, "hidden_size", None),
         "intermediate_size": getattr(cfg, "intermediate_size", None),
         "parameters": sum(p.numel() for p in model.parameters()),
-        "twell_capable": set_ffn_backend(model, "auto") > 0,
+        "twell_capable": any(hasattr(m, "ffn_backend") for m in model.modules()),
         "sparsify": getattr(cfg, "sparsify", None),
     }
 

@@ -28,6 +28,12 @@ except Exception:  # triton missing, or an older folder without the kernel files
 
 logger = logging.getLogger("sparsify")
 BACKENDS = ("auto", "twell", "dense")
+# Below this fraction of zeros in h the TwELL path lost to cuBLAS at every measured shape (H200,
+# eval/results/kernels-h200-r4.md: 95-98% zeros prefill 0.14-0.46x of dense), and the "auto" dispatcher's
+# own probing cost up to 40% of eager decode speed on SmolLM2-135M at 90% zeros
+# (eval/results/eval-smollm2-h200). So a model folder whose recorded sparsity is lower starts on "dense";
+# `config.sparsify.ffn_backend` or `model.set_ffn_backend(...)` overrides.
+AUTO_MIN_ZEROS = 0.98
 _announced: set[str] = set()
 
 
@@ -123,6 +129,18 @@ def set_ffn_backend(model: nn.Module, backend: str) -> None:
             m.ffn_backend = backend
 
 
+def default_backend(config) -> str:
+    """The FFN backend a model starts with: `sparsify.ffn_backend` if the folder pins one, else "auto" when
+    its recorded sparsity (fraction of zeros in h) reaches AUTO_MIN_ZEROS, else "dense"."""
+    info = getattr(config, "sparsify", None) or {}
+    if info.get("ffn_backend") in BACKENDS:
+        return info["ffn_backend"]
+    zeros = info.get("sparsity")
+    backend = "auto" if isinstance(zeros, (int, float)) and zeros >= AUTO_MIN_ZEROS else "dense"
+    _announce(f"default ffn_backend={backend}", f"recorded sparsity {zeros}; threshold {AUTO_MIN_ZEROS}")
+    return backend
+
+
 _classes: dict[str, type] = {}
 
 
@@ -132,6 +150,7 @@ def _sparse_class(base_name: str) -> type:
     def __init__(self, config, *args, **kwargs):
         base.__init__(self, config, *args, **kwargs)
         sparsify_mlps(self)
+        set_ffn_backend(self, default_backend(config))
 
     cls = type(f"Sparse{base_name}", (base,), {
         "__init__": __init__, "__module__": __name__, "__doc__": f"{base_name} with SparseMLP FFNs.",

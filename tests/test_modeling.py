@@ -1,0 +1,30 @@
+"""The exported modeling code's defaults (CPU): which FFN backend a loaded model starts with."""
+
+import json
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from sparsify.architectures import mlp_modules
+from sparsify.convert import convert
+
+from .test_architectures import make_source
+
+
+@pytest.mark.parametrize("recorded, expected", [(None, "dense"), (0.90, "dense"), (0.985, "auto"),
+                                                ({"ffn_backend": "twell", "sparsity": 0.5}, "twell")])
+def test_default_backend_follows_recorded_sparsity(recorded, expected, tmp_path):
+    make_source("llama", tmp_path / "src")
+    out = convert(tmp_path / "src", tmp_path / "out", progress=False)
+    config = json.loads((out / "config.json").read_text())
+    if isinstance(recorded, dict):
+        config["sparsify"].update(recorded)
+    elif recorded is not None:
+        config["sparsify"]["sparsity"] = recorded
+    (out / "config.json").write_text(json.dumps(config))
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    assert {m.ffn_backend for m in mlp_modules(model)} == {expected}
+    model.set_ffn_backend("auto")
+    assert {m.ffn_backend for m in mlp_modules(model)} == {"auto"}
+    with pytest.raises(ValueError, match="backend must be one of"):
+        model.set_ffn_backend("fast")
