@@ -49,7 +49,7 @@ run() {
   "$PY" -m pytest -q -m gpu tests/test_evaluate.py
   # held-out text (not in the fine-tuning data) for perplexity, the sparsity profile and speed inputs
   "$PY" -m sparsify eval "orig=$orig" "relu=$relu" "ft=$ft" --tasks "$tasks" \
-    --text sparsify/data/python-howto-heldout.txt --text-tokens 16384 --speed \
+    --text sparsify/corpus/python-howto-heldout.txt --text-tokens 16384 --speed \
     --speed-batches 1,8,32,64 --speed-seqs 512,2048 --decode-batches 1,16,64 --batch-size 32 --out "$out"
 }
 

