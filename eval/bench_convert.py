@@ -5,7 +5,7 @@ alternating order, `--reps` times each, after an os.sync() so one run's
 writeback does not land on the next; we report median wall time and the peak RSS of each child
 (os.wait4). Targets (issue 2): convert time <= 1.5x cp -r, peak RSS <= 1.5 GB.
 
-    python eval/bench_convert.py [--work /tmp/bench-convert] [--reps 3] [--out eval/results/convert-cpu.json]
+    python eval/bench_convert.py [--work /tmp/bench-convert] [--reps 5] [--out eval/results/convert-cpu.json]
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def timed(cmd: list[str]) -> tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", default="/tmp/bench-convert")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default="eval/results/convert-cpu.json")
     ap.add_argument("--make", metavar="DIR", help=argparse.SUPPRESS)  # internal: write the checkpoint, exit
     args = ap.parse_args()

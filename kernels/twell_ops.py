@@ -55,7 +55,7 @@ def last_backend() -> str | None:
 def _note(key: tuple, backend: str, why: str) -> None:
     global _last_backend
     _last_backend = backend
-    if _logged.get(key, None) is not backend:
+    if _logged.get(key) != backend:
         _logged[key] = backend
         log.info("twell_ffn %s -> %s (%s)", key, backend, why)
 
@@ -221,10 +221,6 @@ def _drifted(st: _LayerState) -> bool:
     if st.density0 is None:
         return False
     return abs(math.log(max(st.density, 1e-6) / max(st.density0, 1e-6))) > math.log(DRIFT)
-
-
-def _next_bucket(m: int) -> int:
-    return 1 << max(0, (m - 1).bit_length())
 
 
 def _run(backend, x2d, w_gate, w_up, w_down, w_down_t) -> torch.Tensor:

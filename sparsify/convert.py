@@ -55,8 +55,10 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, *, activation: str =
         raise SparsifyError(f"--dtype {dtype!r} is not supported; choose one of auto, bf16, fp16, fp32.")
     kind, path = resolve_source(src, revision)
     out = Path(out)
-    if out.absolute() == path.absolute() or path.absolute() in out.absolute().parents:
-        raise SparsifyError(f"output {out} would overwrite the source {path}; choose another -o/--output.")
+    src_real, out_real = path.resolve(), out.resolve()
+    if out_real == src_real or src_real in out_real.parents or out_real in src_real.parents:
+        raise SparsifyError(f"output {out} and source {path} overlap (one is, or contains, the other), so writing "
+                            "the output would destroy the source; choose an -o/--output outside the source.")
     provenance = {"source": str(src), "revision": revision or _snapshot_revision(path), "activation": activation,
                   "converted_by": f"sparsify {__version__}"}
     with atomic_dir(out, overwrite) as tmp:

@@ -31,7 +31,10 @@ ACT_FIELDS = ("hidden_act", "hidden_activation")
 @contextlib.contextmanager
 def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
     """Yield a fresh temporary folder beside `out`; on success it replaces `out`, on any failure
-    (exception, Ctrl-C) it is removed and `out` is left as it was."""
+    (exception, Ctrl-C) it is removed and `out` is left as it was.
+
+    Leftovers of a run killed with SIGKILL (`.NAME.tmp-*`, `.NAME.old-*` beside `out`) are removed on entry.
+    """
     out = Path(out).absolute()
     if out.exists() and not overwrite:
         raise SparsifyError(f"output folder {out} already exists; pass --overwrite to replace it, "
@@ -39,20 +42,50 @@ def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path
     if out.exists() and not out.is_dir():
         raise SparsifyError(f"output path {out} exists and is not a folder; choose another -o/--output.")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    for stale in [*out.parent.glob(f".{out.name}.tmp-*"), *out.parent.glob(f".{out.name}.old-*")]:
+        if _is_dead_leftover(stale):
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
     try:
         yield tmp
         _normal_permissions(tmp)
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.rename(out, old)
-            os.rename(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out)
+        _swap_in(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _is_dead_leftover(path: Path) -> bool:
+    """True for a `.NAME.tmp-PID-*` / `.NAME.old-PID` folder whose process no longer runs (a killed run's)."""
+    tag = path.name.split(".tmp-", 1)[1] if ".tmp-" in path.name else path.name.split(".old-", 1)[1]
+    try:
+        pid = int(tag.split("-", 1)[0])
+    except ValueError:
+        return False  # not one of ours: leave it alone
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, someone else's
+        return False
+    return False
+
+
+def _swap_in(tmp: Path, out: Path) -> None:
+    """Rename tmp to out; an existing out is moved aside first and moved back if the second rename fails."""
+    if not out.exists():
+        os.rename(tmp, out)
+        return
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    os.rename(out, old)
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        os.rename(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _normal_permissions(folder: Path) -> None:
@@ -105,7 +138,7 @@ tags: [sparsify, relu, activation-sparsity, twell]
 ---
 # {folder_name}
 
-A {family.name} model converted by [sparsify](https://github.com/) (`twell-sparsify` {prov.get('version', '')}):
+A {family.name} model converted by sparsify (PyPI: `twell-sparsify` {prov.get('version', '')}):
 the gated MLP activation is ReLU ({prov.get('source_activation', '?')} -> relu), so most FFN hidden
 activations are exactly zero{', after L1 continued pretraining' if prov.get('finetuned') else ''}.
 

@@ -143,9 +143,16 @@ def test_dtype_cast_bf16(llama_dir, tmp_path):
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
 
 
-def test_output_inside_source_refused(llama_dir):
-    with pytest.raises(SparsifyError, match="would overwrite the source"):
-        convert(llama_dir, llama_dir / "sub", progress=False)
+def test_output_overlapping_source_refused(llama_dir, tmp_path):
+    keep = tmp_path / "precious.txt"
+    keep.write_text("x")
+    for out in (llama_dir, llama_dir / "sub", tmp_path):  # same, inside, and a parent of the source
+        with pytest.raises(SparsifyError, match="overlap"):
+            convert(llama_dir, out, overwrite=True, progress=False)
+    (tmp_path / "link").symlink_to(llama_dir)
+    with pytest.raises(SparsifyError, match="overlap"):
+        convert(tmp_path / "link", llama_dir, overwrite=True, progress=False)
+    assert keep.read_text() == "x" and (llama_dir / "model.safetensors").is_file()
 
 
 def test_atomic_dir_failure_leaves_previous_output(tmp_path):
@@ -185,3 +192,27 @@ def test_output_files_readable_by_others(llama_dir, tmp_path):
     assert out.stat().st_mode & 0o055 == 0o055
     for f in out.iterdir():
         assert f.stat().st_mode & 0o044 == 0o044, f
+
+
+def test_killed_run_leftovers_are_cleaned_and_failed_swap_restores_output(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep").write_text("old")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()  # a pid that has exited
+    (tmp_path / f".out.tmp-{dead}-abc").mkdir()
+    (tmp_path / f".out.old-{dead}").mkdir()
+    (tmp_path / ".out.tmp-notours").mkdir()
+    real_rename = os.rename
+
+    def rename(a, b):  # the second rename (tmp -> out) fails after out was moved aside
+        if str(a).startswith(str(tmp_path / ".out.tmp-")) and str(b) == str(out):
+            raise OSError("disk went away")
+        return real_rename(a, b)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(OSError, match="disk went away"):
+        with atomic_dir(out, overwrite=True) as tmp:
+            (tmp / "new").write_text("new")
+    assert (out / "keep").read_text() == "old" and not (out / "new").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.tmp-notours", "out"]

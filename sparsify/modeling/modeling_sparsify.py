@@ -21,10 +21,14 @@ import torch
 import torch.nn as nn
 import transformers
 
-try:
+try:  # twell_ops imports without triton (its kernels then report unavailable): only a missing file lands here
     from .twell_ops import last_backend, twell_ffn
-except Exception:  # triton missing, or an older folder without the kernel files: dense torch path
+    from .twell_triton import HAS_TRITON
+
+    _KERNELS_MISSING = "" if HAS_TRITON else "triton is not installed"
+except ImportError as e:  # an older folder without the kernel files: dense torch path, reason logged
     twell_ffn = None
+    _KERNELS_MISSING = f"kernel files not importable: {e}"
 
 logger = logging.getLogger("sparsify")
 BACKENDS = ("auto", "twell", "dense")
@@ -71,8 +75,8 @@ class SparseMLP(nn.Module):
 
     def _kernel_reason(self, x: torch.Tensor) -> str | None:
         """None when the TwELL path may run; otherwise why the dense torch path runs instead."""
-        if twell_ffn is None:
-            return "triton or the kernel files are not available"
+        if _KERNELS_MISSING:
+            return _KERNELS_MISSING
         if not x.is_cuda:
             return "input is not on a CUDA device"
         if self.ffn_backend == "dense":
