@@ -26,8 +26,8 @@ DTYPES = {"auto": None, "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "flo
           "fp32": "float32", "float32": "float32"}
 ACTIVATIONS = ("relu",)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
-# What a Hub download fetches: config, tokenizer, generation config and safetensors weights only.
-HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja", "tokenizer*"]
+# What a Hub download fetches besides the weights: config, tokenizer, generation config.
+HUB_META_PATTERNS = ["*.json", "*.model", "*.txt", "*.tiktoken", "*.jinja", "tokenizer*"]
 # safetensors dtype -> bytes per element, to check that a header's offsets match its shapes
 ST_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                   "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
@@ -97,7 +97,8 @@ def _download(repo_id: str, revision: str | None) -> Path:
     from huggingface_hub import errors as hf_errors
 
     try:
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS))
+        weights = _hub_weight_files(repo_id, revision)
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_META_PATTERNS + weights))
     except hf_errors.GatedRepoError:
         raise SparsifyError(f"{repo_id} is gated on the Hugging Face Hub: accept its licence on the model page "
                             "and log in (`hf auth login` or HF_TOKEN), then run again.") from None
@@ -112,6 +113,25 @@ def _download(repo_id: str, revision: str | None) -> Path:
             "and the model is not in the local cache. Download it on a connected machine "
             f"(`hf download {repo_id} --local-dir DIR`) and pass the local folder DIR instead, "
             f"or a .gguf file. ({type(e).__name__})") from None
+
+
+def _hub_weight_files(repo_id: str, revision: str | None) -> list[str]:
+    """The safetensors files transformers would load: the shards of model.safetensors.index.json, else
+    model.safetensors. Repos that also ship other copies (Mistral's consolidated.safetensors, ~14 GB) are
+    not downloaded twice. Offline or unreachable, the listing is skipped and the cache decides."""
+    from huggingface_hub import HfApi, hf_hub_download
+    from huggingface_hub import errors as hf_errors
+
+    try:
+        files = set(HfApi().list_repo_files(repo_id, revision=revision))
+    except (hf_errors.RepositoryNotFoundError, hf_errors.RevisionNotFoundError):
+        raise  # GatedRepoError is a RepositoryNotFoundError: all three get their own message in _download
+    except Exception:  # offline or unreachable: snapshot_download serves the cache or says what is missing
+        return ["*.safetensors"]
+    if "model.safetensors.index.json" in files:
+        index = hf_hub_download(repo_id, "model.safetensors.index.json", revision=revision)
+        return sorted(set(json.loads(Path(index).read_text())["weight_map"].values()))
+    return ["model.safetensors"] if "model.safetensors" in files else ["*.safetensors"]
 
 
 def _snapshot_revision(path: Path) -> str | None:

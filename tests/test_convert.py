@@ -216,3 +216,19 @@ def test_killed_run_leftovers_are_cleaned_and_failed_swap_restores_output(tmp_pa
             (tmp / "new").write_text("new")
     assert (out / "keep").read_text() == "old" and not (out / "new").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == [".out.tmp-notours", "out"]
+
+
+@pytest.mark.parametrize("files, expected", [
+    ({"config.json", "model.safetensors", "consolidated.safetensors"}, ["model.safetensors"]),
+    ({"config.json", "model.safetensors.index.json", "model-1.safetensors", "model-2.safetensors",
+      "consolidated.safetensors"}, ["model-1.safetensors", "model-2.safetensors"]),
+    ({"config.json", "weights.safetensors"}, ["*.safetensors"]),
+])
+def test_hub_download_fetches_only_the_weights_transformers_loads(files, expected, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    index = tmp_path / "index.json"
+    index.write_text(json.dumps({"weight_map": {"a": "model-1.safetensors", "b": "model-2.safetensors"}}))
+    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", lambda self, repo, revision=None: sorted(files))
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo, name, revision=None: str(index))
+    assert sys.modules["sparsify.convert"]._hub_weight_files("org/model", None) == expected
