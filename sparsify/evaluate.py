@@ -9,7 +9,7 @@ Sections (each optional):
 - perplexity and bits per byte on text files: sliding windows, each token scored once.
 - sparsity profile on the same tokens: forward pre-hooks on every layer's mlp.down_proj capture
   h = act(gate) * up (its input in every supported family); per layer non-zeros per token, dead neurons,
-  the largest (row, tile) count against the TwELL slots and the union reuse R(BT) the kernels exploit.
+  the largest (row, tile) count against the TwELL slots (the kernels' prefill tile and slots) and the union reuse R(BT) the kernels exploit.
 - speed (CUDA only): prefill and decode tokens/s, the TwELL path against the same model dense, same run.
 
 Writes report.json (with provenance), report.md and PNG plots into the output folder (see sparsify.report).
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gc
 import inspect
+import json
 import math
 import re
 import shutil
@@ -33,8 +34,11 @@ from .errors import SparsifyError
 
 # The paper's accuracy suite (mean of these seven); needs the Hub.
 PAPER_TASKS = ("arc_easy", "arc_challenge", "hellaswag", "piqa", "winogrande", "openbookqa", "commonsense_qa")
-TILE = 256  # TwELL tile width T (columns of the intermediate dimension)
-SLOTS = 31  # value slots per (row, tile): 32 uint32 slots minus the count (C = 8)
+# The (row, tile) layout is the kernels' prefill one (sparsify.kernels.twell_reference TILE, SLOTS),
+# imported lazily so that `sparsify eval --help` does not import torch.
+# Weights dtype names, as `sparsify convert --dtype` accepts them -> torch dtype attribute.
+DTYPES = {"auto": None, "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+          "fp32": "float32", "float32": "float32"}
 REUSE_BLOCKS = (16, 32, 64, 128)  # token-block sizes BT for the union reuse R(BT)
 LOCAL_TASKS_HINT = "eval/tasks/ (in the sparsify repository)"
 OFFLINE_HINT = (
@@ -252,23 +256,59 @@ def pick_device(device: str | None) -> str:
     return device
 
 
-def load_model(spec: ModelSpec, device: str, dtype: str) -> tuple[Any, Any]:
-    """Load model + tokenizer (trust_remote_code: the sparsify modeling file runs when present)."""
+def torch_dtype(dtype: str, device: str) -> Any:
+    """`--dtype` name (auto, bf16/bfloat16, fp16/float16, fp32/float32) -> torch dtype for `device`."""
     import torch
+
+    if dtype not in DTYPES:
+        raise SparsifyError(f"--dtype {dtype!r} is not supported; choose one of auto, bf16, fp16, fp32.")
+    if DTYPES[dtype] is None:
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return getattr(torch, DTYPES[dtype])
+
+
+def is_sparsify_folder(spec: ModelSpec) -> bool:
+    """A local folder written by sparsify: config.json with a `sparsify` section and auto_map pointing
+    at our flat modeling_sparsify.py. Only such folders run their modeling code without --trust-remote-code."""
+    config = Path(spec.source) / "config.json"
+    if spec.gguf_file or not config.is_file():
+        return False
+    try:
+        cfg = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if not isinstance(cfg, dict):
+        return False
+    auto_map = cfg.get("auto_map")
+    return (isinstance(cfg.get("sparsify"), dict) and isinstance(auto_map, dict) and bool(auto_map)
+            and all(str(v).split("--")[-1].startswith("modeling_sparsify.") for v in auto_map.values()))
+
+
+def load_model(spec: ModelSpec, device: str, dtype: str, trust_remote_code: bool = False) -> tuple[Any, Any]:
+    """Load model + tokenizer. Modeling code shipped with the model runs only for sparsify folders (our own
+    modeling_sparsify.py) or when the user asked for it (`trust_remote_code`); others load stock."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch_dtype = {"auto": torch.bfloat16 if device.startswith("cuda") else torch.float32,
-                   "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    dt = torch_dtype(dtype, device)
+    trust = trust_remote_code or is_sparsify_folder(spec)
     extra = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
+    where = str(Path(spec.source) / spec.gguf_file) if spec.gguf_file else spec.source
     try:
-        tok = AutoTokenizer.from_pretrained(spec.source, trust_remote_code=True, **extra)
-        model = AutoModelForCausalLM.from_pretrained(spec.source, trust_remote_code=True, dtype=torch_dtype, **extra)
-    except OSError as e:
-        raise SparsifyError(f"model {spec.name} ({spec.source}): could not be loaded: {e}. Check the path, "
-                            "or for a Hub id that the Hub is reachable (HF_HUB_OFFLINE unset).") from None
+        tok = AutoTokenizer.from_pretrained(spec.source, trust_remote_code=trust, **extra)
+        model = AutoModelForCausalLM.from_pretrained(spec.source, trust_remote_code=trust, dtype=dt, **extra)
+    except SparsifyError:
+        raise
+    except Exception as e:  # corrupt .gguf (struct.error), config without tokenizer (ValueError), no Hub (OSError)...
+        msg = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+        hint = ("The .gguf file may be truncated or corrupt (download it again), or its architecture is not one "
+                "transformers can read; `sparsify convert` on it says which." if spec.gguf_file else
+                "Check that the folder holds config.json, tokenizer files and weights (as `sparsify convert` "
+                "writes them), or for a Hub id that the Hub is reachable (HF_HUB_OFFLINE unset). A model that "
+                "needs its own modeling code loads only with --trust-remote-code.")
+        raise SparsifyError(f"model {spec.name} ({where}) could not be loaded: {msg}. {hint}") from None
     if getattr(model, "hf_quantizer", None) is not None:  # GGUF weights come out dequantised already
         model.hf_quantizer = None
-    model.to(device=device, dtype=torch_dtype).eval()
+    model.to(device=device, dtype=dt).eval()
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return model, tok
@@ -276,17 +316,9 @@ def load_model(spec: ModelSpec, device: str, dtype: str) -> tuple[Any, Any]:
 
 def down_projs(model: Any) -> list[Any]:
     """Each layer's down_proj, in layer order: its input is h = act(gate) * up in every supported family."""
-    try:
-        from .architectures import mlp_modules
+    from .architectures import mlp_modules
 
-        return [m.down_proj for m in mlp_modules(model)]
-    except (ImportError, AttributeError, SparsifyError):
-        found = [m for n, m in model.named_modules() if n.endswith("mlp.down_proj")]
-        if not found:
-            raise SparsifyError(f"{type(model).__name__}: no `mlp.down_proj` modules, so the sparsity profile "
-                                "cannot be taken. Only gated families (Llama, Qwen2/3, Mistral, Gemma...) "
-                                "are supported.") from None
-        return found
+    return [m.down_proj for m in mlp_modules(model)]
 
 
 # --------------------------------------------------------------------------------------------- accuracy
@@ -333,11 +365,21 @@ class SparsityRecorder:
 
     def summary(self) -> dict:
         layers = [s.result() for s in self.layers]
-        return {"tokens": layers[0]["tokens"] if layers else 0, "layers": layers, "summary": _summarise(layers)}
+        tile, slots = kernel_layout()
+        return {"tokens": layers[0]["tokens"] if layers else 0, "tile": tile, "slots": slots,
+                "layers": layers, "summary": _summarise(layers)}
+
+
+def kernel_layout() -> tuple[int, int]:
+    """(tile width T, slots S) of the TwELL prefill layout the shipped kernels use."""
+    from .kernels.twell_reference import SLOTS, TILE
+
+    return TILE, SLOTS
 
 
 class _LayerStats:
     def __init__(self):
+        self.tile, self.slots = kernel_layout()
         self.nnz: list[Any] = []  # per-token counts, [t] int32 chunks
         self.neuron_hits = None  # [F] int64: tokens in which each neuron fired
         self.tile_max = 0
@@ -355,12 +397,12 @@ class _LayerStats:
         self.nnz.append(counts.to("cpu", torch.int32))
         hits = active.sum(dim=0, dtype=torch.int64).cpu()  # [F]
         self.neuron_hits = hits if self.neuron_hits is None else self.neuron_hits + hits
-        pad = (-width) % TILE
-        tiled = torch.nn.functional.pad(active, (0, pad)).view(rows, -1, TILE).sum(dim=2)  # [t, F/T]
+        pad = (-width) % self.tile
+        tiled = torch.nn.functional.pad(active, (0, pad)).view(rows, -1, self.tile).sum(dim=2)  # [t, F/T]
         self.tile_max = max(self.tile_max, int(tiled.max()) if rows else 0)
         self.tiles += tiled.numel()
-        self.overflow_tiles += int((tiled > SLOTS).sum())
-        self.overflow_rows += int((tiled > SLOTS).any(dim=1).sum())
+        self.overflow_tiles += int((tiled > self.slots).sum())
+        self.overflow_rows += int((tiled > self.slots).any(dim=1).sum())
         for bt in REUSE_BLOCKS:
             self._reuse(bt, active)
 
@@ -489,13 +531,10 @@ def model_window(model: Any, window: int) -> int:
 
 # ------------------------------------------------------------------------------------------------- speed
 def mlps(model: Any) -> list[Any]:
-    """Per-layer MLP modules in order (architectures table when available, else `*.mlp` by name)."""
-    try:
-        from .architectures import mlp_modules
+    """Per-layer gated MLP modules in order."""
+    from .architectures import mlp_modules
 
-        return list(mlp_modules(model))
-    except (ImportError, AttributeError, SparsifyError):
-        return [m for n, m in model.named_modules() if n.endswith(".mlp") and hasattr(m, "down_proj")]
+    return list(mlp_modules(model))
 
 
 def set_ffn_backend(model: Any, backend: str | dict) -> dict:
@@ -519,8 +558,20 @@ def speed_section(model: Any, tokens: Any, grid: SpeedGrid) -> dict:
                 "TwELL kernels. Run `sparsify eval --speed` on a machine with an NVIDIA GPU."}
     # dense: torch FFN; twell: the sparse kernels forced; auto: the dispatcher's choice (what users get)
     previous = set_ffn_backend(model, "auto")
-    backends = ["dense", "twell", "auto"] if previous else ["stock"]
-    seqs = sorted({min(s, int(getattr(model.config, "max_position_embeddings", 0) or s)) for s in grid.seqs})
+    try:
+        backends = ["dense", "twell", "auto"] if previous else ["stock"]
+        seqs = sorted({min(s, int(getattr(model.config, "max_position_embeddings", 0) or s)) for s in grid.seqs})
+        prefill, decode, share = _speed_rows(model, tokens, grid, backends, seqs)
+    finally:  # an error (or Ctrl-C) mid-run must not leave the model on a forced backend
+        set_ffn_backend(model, previous)
+    return {"available": True, "backends": backends, "device": torch.cuda.get_device_name(model.device),
+            "dtype": str(model.dtype).removeprefix("torch."), "prefill": prefill, "decode": decode,
+            "ffn_share": share, "speedup": _speedups(prefill, decode)}
+
+
+def _speed_rows(model: Any, tokens: Any, grid: SpeedGrid, backends: list[str],
+                seqs: list[int]) -> tuple[list[dict], list[dict], dict]:
+    """Prefill rows, decode rows and FFN time share, each shape under every backend."""
     dev = model.device
     prefill, decode = [], []
     for b in grid.batches:
@@ -533,10 +584,7 @@ def speed_section(model: Any, tokens: Any, grid: SpeedGrid) -> dict:
                    for r in _each_backend(model, backends, _decode_row, prompt, grid)]
     mid = _text_batch(tokens, grid.batches[len(grid.batches) // 2], seqs[-1], dev)
     share = {r.pop("backend"): r for r in _each_backend(model, backends, _ffn_share, mid) if not r.get("repeat")}
-    set_ffn_backend(model, previous)
-    return {"available": True, "backends": backends, "device": torch.cuda.get_device_name(dev),
-            "dtype": str(model.dtype).removeprefix("torch."), "prefill": prefill, "decode": decode,
-            "ffn_share": share, "speedup": _speedups(prefill, decode)}
+    return prefill, decode, share
 
 
 def _each_backend(model: Any, backends: list[str], fn, *args) -> list[dict]:
@@ -701,7 +749,7 @@ def speed_tokens(tok: Any, texts: list[Path]) -> Any:
     import torch
 
     data = Path(__file__).parent / "corpus"
-    shipped = [data / "sample.txt", data / "python-howto-heldout.txt", *sorted(data.glob("*.txt"))]
+    shipped = [data / "python-howto-heldout.txt", *sorted(data.glob("*.txt"))]
     source = texts[0] if texts else next((p for p in shipped if p.is_file()), None)
     if source is None:
         raise SparsifyError("--speed needs real text (sparsity depends on it): pass --text FILE.")
@@ -771,6 +819,7 @@ class EvalSettings:
     text_tokens: int | None = 16384
     device: str | None = None
     dtype: str = "auto"
+    trust_remote_code: bool = False  # run modeling code of models other than sparsify folders
     grid: SpeedGrid = field(default_factory=SpeedGrid)
 
 
@@ -787,11 +836,14 @@ def evaluate(models: list[str | Path], *, tasks: list[str] | None = None, texts:
         limit: at most this many examples per task.
         speed: time prefill/decode, TwELL vs dense (CUDA only; on CPU the section says so).
         out: output folder; files are replaced atomically.
-        **options: EvalSettings fields (batch_size, window, text_tokens, device, dtype, grid).
+        **options: EvalSettings fields (batch_size, window, text_tokens, device, dtype, trust_remote_code,
+            grid). dtype: auto, bf16/bfloat16, fp16/float16 or fp32/float32. trust_remote_code: run the
+            modeling code of Hub ids and folders other than sparsify's own (sparsify folders always run theirs).
     Returns:
         The report dict (what report.json holds).
     """
     settings = EvalSettings(tasks=tasks, texts=[str(t) for t in texts], limit=limit, speed=speed, **options)
+    torch_dtype(settings.dtype, "cpu")  # an unknown --dtype fails before any model is loaded
     specs = parse_models(list(models))
     text_paths = check_texts(settings.texts)
     device = pick_device(settings.device)
@@ -826,7 +878,7 @@ def _run_one(spec: ModelSpec, task_spec: TaskSpec, texts: list[Path], settings: 
     import torch
 
     bar.set_postfix_str(f"{spec.name}: loading")
-    model, tok = load_model(spec, device, settings.dtype)
+    model, tok = load_model(spec, device, settings.dtype, settings.trust_remote_code)
     row: dict[str, Any] = {**model_info(model, spec), "accuracy": {}, "perplexity": {}, "sparsity": {}, "speed": {}}
     bar.update()
     for stage in stages[1:]:
@@ -883,8 +935,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text-tokens", type=int, default=16384,
                         help="at most N tokens per text file (default: %(default)s; 0 = all)")
     parser.add_argument("--device", default=None, help="cuda, cuda:1 or cpu (default: cuda if available)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    parser.add_argument("--dtype", default="auto", choices=list(DTYPES),
                         help="weights dtype (auto: bfloat16 on CUDA, float32 on CPU)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="run the modeling code that a Hub model or a non-sparsify folder ships (only for "
+                             "models you trust); folders written by sparsify always run their own "
+                             "modeling_sparsify.py, other models load as stock transformers classes")
     parser.add_argument("--speed-batches", type=_ints, default=SpeedGrid.batches, help="prefill batch sizes, e.g. 1,8,32")
     parser.add_argument("--speed-seqs", type=_ints, default=SpeedGrid.seqs, help="prefill sequence lengths, e.g. 512,2048")
     parser.add_argument("--decode-batches", type=_ints, default=SpeedGrid.decode_batches, help="decode batch sizes")
@@ -897,7 +953,8 @@ def main(args: argparse.Namespace) -> int:
     grid = SpeedGrid(batches=args.speed_batches, seqs=args.speed_seqs, decode_batches=args.decode_batches)
     report = evaluate(args.models, tasks=tasks, texts=args.text, limit=args.limit, speed=args.speed,
                       out=args.out, batch_size=args.batch_size, window=args.window,
-                      text_tokens=args.text_tokens or None, device=args.device, dtype=args.dtype, grid=grid)
+                      text_tokens=args.text_tokens or None, device=args.device, dtype=args.dtype,
+                      trust_remote_code=args.trust_remote_code, grid=grid)
     from .report import render_markdown
 
     print(render_markdown(report))

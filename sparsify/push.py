@@ -75,10 +75,15 @@ def check_folder(folder: Path, files: list[str]) -> None:
         problems.append("no *.safetensors weights")
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
-        missing = sorted(shards - set(files))
-        if missing:
-            problems.append(f"shards named in model.safetensors.index.json are missing: {', '.join(missing)}")
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+            shards = set(weight_map.values())
+        except (ValueError, AttributeError, TypeError) as e:  # not JSON, or not the {"weight_map": {...}} shape
+            problems.append(f"model.safetensors.index.json is not a valid shard index ({str(e)[:200]})")
+        else:
+            missing = sorted(shards - set(files))
+            if missing:
+                problems.append(f"shards named in model.safetensors.index.json are missing: {', '.join(missing)}")
     if problems:
         raise SparsifyError(f"{folder} is not a complete model folder: {'; '.join(problems)}. Push the folder "
                             "written by `sparsify convert` or `sparsify finetune` (its final model, not a checkpoint).")
@@ -198,10 +203,12 @@ def _results_section(report: dict, row: dict) -> str:
     summary = (row.get("sparsity") or {}).get("summary") or {}
     if summary:
         reuse = ", ".join(f"R({bt}) {_fmt(v, 2)}" for bt, v in (summary.get("reuse") or {}).items())
+        tile, slots = row["sparsity"].get("tile"), row["sparsity"].get("slots")  # the layout eval measured against
+        layout = (f"{tile}-column tile", f"TwELL holds {slots} per tile; ") if tile and slots else ("tile", "")
         parts.append(f"Activation sparsity over {row['sparsity'].get('tokens')} tokens: {_fmt(summary['nnz_mean'], 1)} "
                      f"non-zeros per token per layer on average ({_fmt(100 * summary['zeros'], 2)}% zeros), "
-                     f"{_fmt(100 * summary['dead_frac'], 1)}% dead neurons, largest (row, 256-tile) count "
-                     f"{summary['tile_max']} (TwELL holds 31 per tile; overflow rate {_fmt(summary['overflow_rate'], 4)}), "
+                     f"{_fmt(100 * summary['dead_frac'], 1)}% dead neurons, largest (row, {layout[0]}) count "
+                     f"{summary['tile_max']} ({layout[1]}overflow rate {_fmt(summary['overflow_rate'], 4)}), "
                      f"union reuse {reuse}.")
     speed = row.get("speed") or {}
     ratios = (speed.get("speedup") or {}).get("prefill") or []

@@ -102,8 +102,11 @@ def _sparsity_table(models: list[dict], names: list[str]) -> str:
         return ""
     keys = [("nnz_mean", "non-zeros per token (mean over layers)"), ("nnz_p99_max", "p99 non-zeros (worst layer)"),
             ("nnz_max", "max non-zeros per token"), ("zeros", "zeros (fraction)"), ("dead_frac", "dead neurons (fraction)"),
-            ("tile_max", "largest (row, tile) count (TwELL slots: 31)"), ("overflow_rate", "tiles over 31 slots")]
+            ("tile_max", "largest (row, tile) count"), ("overflow_rate", "(row, tile)s over the TwELL slots")]
     rows = [[label] + [s.get(k) for s in sums] for k, label in keys]
+    # the layout each profile was measured against (the kernels' prefill tile and slots), as recorded
+    rows += [[label] + [m.get("sparsity", {}).get(k) for m in models]
+             for k, label in (("tile", "TwELL tile width (columns)"), ("slots", "TwELL slots per (row, tile)"))]
     rows += [[f"union reuse R({bt})"] + [(s.get("reuse") or {}).get(bt) for s in sums] for bt in ("16", "32", "64", "128")]
     text = _table(["statistic"] + names, rows)
     tokens = [m.get("sparsity", {}).get("tokens") for m in models]
@@ -270,7 +273,9 @@ def merge_reports(reports: list[dict], names: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m sparsify.report merge A/report.json B/report.json --out DIR` (or one file: re-render)."""
+    """`python -m sparsify.report A/report.json B/report.json --out DIR` merges (one file: re-renders).
+
+    A missing report is a clear message and exit status 2 (argparse's convention for bad arguments)."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m sparsify.report",
@@ -279,7 +284,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output folder")
     args = parser.parse_args(argv)
     paths = [Path(p) / "report.json" if Path(p).is_dir() else Path(p) for p in args.reports]
-    reports = [json.loads(p.read_text()) for p in paths]
+    reports = []
+    for path in paths:
+        if not path.is_file():
+            parser.error(f"{path}: no such report.json. Pass report.json files or folders holding one "
+                         "(written by `sparsify eval --out DIR`).")
+        try:
+            reports.append(json.loads(path.read_text(encoding="utf-8")))
+        except ValueError as e:
+            parser.error(f"{path} is not valid JSON ({e}); pass report.json files written by `sparsify eval`.")
     report = merge_reports(reports, [str(p) for p in paths]) if len(reports) > 1 else reports[0]
     write_report(report, Path(args.out))
     print(f"wrote {Path(args.out) / 'report.json'}, report.md and {len(report['plots'])} plots")

@@ -62,24 +62,27 @@ def tiny_folders(tmp_path_factory):
 
 # ------------------------------------------------------------------------------- sparsity statistics
 def test_layer_stats_match_hand_computed_values():
-    # F = 300 (not a multiple of the 256 tile): tile 0 = columns 0..255, tile 1 = 256..299 (padded).
+    from sparsify.kernels.twell_reference import SLOTS, TILE
+
+    assert (TILE, SLOTS) == (128, 16)  # the kernels' prefill layout, which the numbers below assume
+    # F = 300 (not a multiple of the 128 tile): tiles 0..127, 128..255, 256..299 (padded) -> 3 per row.
     active = torch.zeros(4, 300, dtype=torch.bool)
-    active[0, :40] = True  # 40 in tile 0 -> overflows the 31 slots
-    active[1, 256:261] = True  # 5 in tile 1
-    active[2, [0, 1, 299]] = True
-    # row 3: nothing active
+    active[0, :40] = True  # 40 in tile 0 -> overflows the 16 slots
+    active[1, 256:261] = True  # 5 in tile 2
+    active[2, [0, 1, 299]] = True  # 2 in tile 0, 1 in tile 2
+    active[3, 128:145] = True  # 17 in tile 1 -> overflows 16 (but would fit the old 31-slot layout)
     stats = ev._LayerStats()
     stats.add(active)
     r = stats.result()
     assert r["tokens"] == 4 and r["width"] == 300
-    assert r["nnz_mean"] == pytest.approx((40 + 5 + 3 + 0) / 4)
+    assert r["nnz_mean"] == pytest.approx((40 + 5 + 3 + 17) / 4)
     assert r["nnz_max"] == 40
-    assert r["nnz_p99"] == pytest.approx(float(torch.quantile(torch.tensor([40.0, 5, 3, 0]), 0.99)))
-    assert r["density"] == pytest.approx(12 / 300)
-    assert r["dead"] == 300 - (40 + 5 + 1)  # columns 0..39, 256..260 and 299 ever fire
+    assert r["nnz_p99"] == pytest.approx(float(torch.quantile(torch.tensor([40.0, 5, 3, 17]), 0.99)))
+    assert r["density"] == pytest.approx(65 / 4 / 300)
+    assert r["dead"] == 300 - (40 + 17 + 5 + 1)  # columns 0..39, 128..144, 256..260 and 299 ever fire
     assert r["tile_max"] == 40
-    assert r["overflow_rate"] == pytest.approx(1 / 8)  # 4 rows x 2 tiles, one over 31
-    assert r["overflow_row_rate"] == pytest.approx(1 / 4)
+    assert r["overflow_rate"] == pytest.approx(2 / 12)  # 4 rows x 3 tiles, two over 16
+    assert r["overflow_row_rate"] == pytest.approx(2 / 4)
     assert r["reuse"] == {"16": None, "32": None, "64": None, "128": None}  # fewer tokens than a block
 
 
@@ -189,6 +192,88 @@ def test_unknown_task_and_bad_inputs_are_clear_errors(tmp_path, tiny_folders, ca
     assert "no such file" in capsys.readouterr().err
 
 
+def test_corrupt_gguf_and_tokenizerless_folder_are_clear_errors(tmp_path, capsys):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + bytes(range(60)))  # right magic, garbage header
+    with pytest.raises(SparsifyError, match=r"model broken \(.*broken\.gguf\) could not be loaded.*download it again"):
+        ev.load_model(ev.parse_models([str(bad)])[0], "cpu", "auto")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert cli.main(["eval", f"b={bare}", "--tasks", "none"]) == 2
+    err = capsys.readouterr().err
+    assert "model b (" in err and "could not be loaded" in err and "tokenizer files" in err and "Traceback" not in err
+
+
+def test_remote_code_runs_only_for_sparsify_folders_or_when_asked(tmp_path, tiny_sparse_folder, monkeypatch):
+    import transformers
+
+    seen = []
+
+    def fake(cls, source, trust_remote_code, **kw):
+        seen.append((cls, trust_remote_code))
+        raise RuntimeError("stop here")
+
+    for cls in ("AutoTokenizer", "AutoModelForCausalLM"):
+        monkeypatch.setattr(getattr(transformers, cls), "from_pretrained",
+                            classmethod(lambda c, src, trust_remote_code=None, **kw: fake(c.__name__, src, trust_remote_code, **kw)))
+    hub = ev.ModelSpec("h", "someone/model")
+    with pytest.raises(SparsifyError, match="stop here.*--trust-remote-code"):
+        ev.load_model(hub, "cpu", "auto")
+    assert seen == [("AutoTokenizer", False)]
+    with pytest.raises(SparsifyError):
+        ev.load_model(hub, "cpu", "auto", trust_remote_code=True)
+    assert seen[-1] == ("AutoTokenizer", True)
+    assert ev.is_sparsify_folder(ev.ModelSpec("s", str(tiny_sparse_folder)))
+    # remote code that is not ours (auto_map elsewhere), or ours without the sparsify section: not trusted
+    cfg = json.loads((tiny_sparse_folder / "config.json").read_text())
+    for name, change in (("other", {"auto_map": {"AutoModelForCausalLM": "evil.Model"}}), ("nosec", {"sparsify": None})):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({**cfg, **change}))
+        assert not ev.is_sparsify_folder(ev.ModelSpec(name, str(folder)))
+        with pytest.raises(SparsifyError):
+            ev.load_model(ev.ModelSpec(name, str(folder)), "cpu", "auto")
+        assert seen[-1] == ("AutoTokenizer", False)
+
+
+def test_dtype_aliases_and_unknown_dtype():
+    assert ev.torch_dtype("bf16", "cpu") is torch.bfloat16 and ev.torch_dtype("fp16", "cpu") is torch.float16
+    assert ev.torch_dtype("fp32", "cuda") is torch.float32 and ev.torch_dtype("auto", "cpu") is torch.float32
+    assert ev.torch_dtype("auto", "cuda") is torch.bfloat16 and ev.torch_dtype("bfloat16", "cpu") is torch.bfloat16
+    with pytest.raises(SparsifyError, match=r"--dtype 'int4'.*auto, bf16, fp16, fp32"):
+        ev.evaluate(["someone/model"], tasks=[], dtype="int4")
+
+
+def test_speed_section_restores_backends_when_a_run_fails(tiny_sparse_folder, monkeypatch):
+    class FakeDevice:
+        type = "cuda"
+
+    model, tok = ev.load_model(ev.ModelSpec("t", str(tiny_sparse_folder)), "cpu", "auto")
+    before = {m: m.ffn_backend for m in ev.mlps(model)}
+    assert set(before.values()) == {"dense"}  # the folder default, so a leftover "twell" shows
+    monkeypatch.setattr(type(model), "device", property(lambda self: FakeDevice()))
+    monkeypatch.setattr(ev, "_text_batch", lambda tokens, b, s, device: torch.zeros(b, s, dtype=torch.long))
+
+    def interrupted(model, backends, fn, *args):  # the first shape switches the backend, then Ctrl-C
+        ev.set_ffn_backend(model, "twell")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ev, "_each_backend", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ev.speed_section(model, torch.arange(100), ev.SpeedGrid(batches=(1,), seqs=(8,), decode_batches=(1,)))
+    assert {m: m.ffn_backend for m in ev.mlps(model)} == before
+
+
+def test_report_cli_missing_path_exits_2_with_a_message(tmp_path, capsys):
+    from sparsify import report as rp
+
+    with pytest.raises(SystemExit) as exc:
+        rp.main([str(tmp_path / "nope" / "report.json"), "--out", str(tmp_path / "out")])
+    assert exc.value.code == 2
+    assert "no such report.json" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
 def test_model_labels_and_duplicate_names(tiny_folders):
     specs = ev.parse_models([f"base={tiny_folders[0]}", str(tiny_folders[1]), str(tiny_folders[1])])
     assert [s.name for s in specs] == ["base", "tiny1", "tiny1-2"]
@@ -217,6 +302,7 @@ def test_cli_two_models_side_by_side_write_json_md_and_plots(tiny_folders, tmp_p
     assert prov["sparsify"] and prov["device"] == "cpu"
     md = (out / "report.md").read_text()
     assert "| statistic | a | b |" in md and "speed needs a CUDA GPU" in md
+    assert "| TwELL tile width (columns) | 128 | 128 |" in md and "| TwELL slots per (row, tile) | 16 | 16 |" in md
     assert set(report["plots"]) == {"sparsity_per_layer.png", "accuracy.png"}  # no speed data on CPU
     for name in report["plots"]:
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -247,6 +333,7 @@ def test_converted_model_profiles_through_its_sparse_mlp(tiny_sparse_folder):
     assert len(ev.set_ffn_backend(model, "auto")) == 2  # the remote-code SparseMLPs
     ppl, profile = ev.texts_section(model, tok, [TEXT], window=128, max_tokens=200)
     assert profile["tokens"] == 200 and len(profile["layers"]) == 2
+    assert (profile["tile"], profile["slots"]) == (128, 16)  # the kernels' prefill layout, recorded
     assert all(m.ffn_backend == "auto" for m in ev.mlps(model))  # restored after the dense-path profile
     assert ppl["sample_text.txt"]["tokens"] == 199
 

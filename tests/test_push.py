@@ -43,7 +43,7 @@ def _report(folder: Path) -> dict:
     row = {"name": "ft", "source": str(folder), "path": str(folder.resolve()),
            "accuracy": {"sparsify_tech_qa": {"acc": 0.4125, "acc_norm": 0.375, "samples": 80}},
            "perplexity": {"sample.txt": {"tokens": 737, "perplexity": 12.5, "bits_per_byte": 1.02}},
-           "sparsity": {"tokens": 738, "summary": {"nnz_mean": 41.2, "zeros": 0.9732, "dead_frac": 0.31, "tile_max": 19,
+           "sparsity": {"tokens": 738, "tile": 128, "slots": 16, "summary": {"nnz_mean": 41.2, "zeros": 0.9732, "dead_frac": 0.31, "tile_max": 19,
                                                    "overflow_rate": 0.0, "reuse": {"16": 3.1, "128": 9.8}}},
            "speed": {"available": True, "device": "NVIDIA H200", "dtype": "bfloat16",
                      "speedup": {"prefill": [{"batch": 8, "seq": 2048, "twell_over_dense": 1.21, "auto_over_dense": 1.25}], "decode": []}}}
@@ -82,6 +82,7 @@ def test_card_from_report_has_model_index_and_pinned_loading(tmp_path):
     assert 'from_pretrained("me/smol-sparse", revision=revision, trust_remote_code=True)' in body
     assert "pin" in body and "revision" in body
     assert "41.2 non-zeros per token" in body and "97.32% zeros" in body and "NVIDIA H200" in body
+    assert "(row, 128-column tile) count 19 (TwELL holds 16 per tile; overflow rate" in body  # from the report
     assert "| 8 | 2048 | 1.210 | 1.250 |" in body
     assert "abc123def456" in body
 
@@ -103,6 +104,16 @@ def test_incomplete_folder_and_bad_repo_id_are_clear_errors(tmp_path):
     empty.mkdir()
     with pytest.raises(SparsifyError, match="config.json is missing; no \\*.safetensors"):
         push_mod.plan(empty, "me/x")
+
+
+def test_malformed_shard_index_is_a_listed_problem(tmp_path):
+    folder = _folder(tmp_path)
+    (folder / "model.safetensors.index.json").write_text('{"weight_map": {"a": ')  # truncated JSON
+    with pytest.raises(SparsifyError, match="model.safetensors.index.json is not a valid shard index"):
+        push_mod.plan(folder, "me/x")
+    (folder / "model.safetensors.index.json").write_text("[1, 2]")  # JSON, but not an index
+    with pytest.raises(SparsifyError, match="not a valid shard index"):
+        push_mod.plan(folder, "me/x")
 
 
 def test_push_uploads_exactly_the_plan_in_one_commit(tmp_path, monkeypatch):
