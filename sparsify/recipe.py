@@ -67,7 +67,10 @@ class SparsitySection:
     l1: float = doc(
         2e-2,
         "Coefficient of the L1 penalty on h = relu(gate) * up (the input of down_proj). Pretrained models need far "
-        "more than the paper's from-scratch 2e-5 (see PROBES.md): 1e-2..3e-2 with sum_hidden.",
+        "more than the paper's from-scratch 2e-5. Measured on SmolLM2-135M with sum_hidden: 3e-4 moved nothing; "
+        "1e-2 -> 80% and 3e-2 -> 88% zeros after 13-38M tokens; 6e-2 with kd 1 -> 91.0% zeros after 50M tokens "
+        "(139 non-zeros per token per layer of 1536) at held-out perplexity 9.98 vs 10.60 for the original SiLU "
+        "model.",
     )
     normalization: Literal["sum_hidden", "mean"] = doc(
         "sum_hidden",
@@ -374,7 +377,7 @@ def recipe_to_dict(recipe: Recipe) -> dict:
 
 
 def dump_recipe(recipe: Recipe) -> str:
-    """The resolved recipe as YAML; load_recipe(dump_recipe(r)) == r."""
+    """The resolved recipe as YAML; load_recipe(yaml.safe_load(dump_recipe(r))) == r."""
     return yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False, default_flow_style=False, width=120)
 
 

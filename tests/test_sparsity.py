@@ -110,4 +110,8 @@ def test_plateau_rule():
     restored = Plateau(0.01, 20)
     restored.load_state_dict(p.state_dict())
     assert restored.history == p.history
+    assert restored.reached()  # a resumed run still sees the plateau under the same rule ...
+    looser = Plateau(0.0, 20)
+    looser.load_state_dict(p.state_dict())
+    assert not looser.reached() and not Plateau(0.01, 20).reached()  # ... but not with the rule switched off
     assert not any(Plateau(0.0, 20).update(s, 0.9) for s in range(0, 100, 5))  # tolerance 0: never stops
