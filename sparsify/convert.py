@@ -86,10 +86,15 @@ def resolve_source(src: str | os.PathLike, revision: str | None) -> tuple[str, P
         return "folder", path
     if path.exists():
         raise SparsifyError(f"{path} is neither a Hugging Face model folder nor a .gguf file.")
-    if text.endswith(".gguf") or text.startswith(("/", ".", "~")) or not re.fullmatch(r"[\w.-]+/[\w.-]+", text):
+    if text.endswith(".gguf") or text.startswith(("/", ".", "~")) or not is_hub_id(text):
         raise SparsifyError(f"source {text!r} does not exist. Pass an existing local folder, a .gguf file, "
                             "or a Hub id such as meta-llama/Llama-3.2-1B.")
     return "folder", _download(text, revision)
+
+
+def is_hub_id(text: str) -> bool:
+    """Shaped like a Hub repo id: owner/name, letters, digits, '-', '_' and '.' only."""
+    return re.fullmatch(r"[\w.-]+/[\w.-]+", text) is not None
 
 
 def _download(repo_id: str, revision: str | None) -> Path:
@@ -268,6 +273,20 @@ def _cast_shard(src: Path, dst: Path, dtype: str) -> None:
 
 def _convert_gguf(path: Path, tmp: Path, dtype: str | None) -> dict[str, Any]:
     """Dequantise a GGUF checkpoint through transformers and save it as safetensors + tokenizer."""
+    model, tokenizer = load_gguf(path, dtype or "float32")
+    family_for(model.config)
+    source_activation = activation_of(model.config)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    return {"_source_activation": source_activation}
+
+
+def load_gguf(path: Path, dtype: str = "float32") -> tuple[Any, Any]:
+    """(model, tokenizer) from a .gguf file, dequantised to `dtype` (a torch dtype name), ready to save.
+
+    Bad magic, a missing `gguf` package or a file transformers cannot read become a SparsifyError.
+    """
+    path = Path(path)
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise SparsifyError(f"{path} is not a GGUF file (bad magic bytes); check the file, or download it again.")
@@ -279,23 +298,16 @@ def _convert_gguf(path: Path, tmp: Path, dtype: str | None) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                     dtype=getattr(torch, dtype or "float32"))
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=getattr(torch, dtype))
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    except SparsifyError:
-        raise
     except Exception as e:
         msg = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
         raise SparsifyError(f"cannot read {path} as a GGUF checkpoint ({msg}). The file may be truncated or "
                             "corrupt (download it again), or its architecture is not one transformers can "
                             f"dequantise. Supported families: {supported_list()}.") from None
-    family_for(model.config)
-    source_activation = activation_of(model.config)
     if getattr(model, "hf_quantizer", None) is not None:  # GGUF weights are already dequantised in memory
         model.hf_quantizer.remove_quantization_config(model)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    return {"_source_activation": source_activation}
+    return model, tokenizer
 
 
 # ------------------------------------------------------------------------------------------------------ CLI

@@ -22,7 +22,6 @@ import gc
 import inspect
 import json
 import math
-import re
 import shutil
 import tempfile
 import time
@@ -30,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .convert import is_hub_id, load_gguf
 from .errors import SparsifyError
 
 # The paper's accuracy suite (mean of these seven); needs the Hub.
@@ -103,7 +103,7 @@ def parse_models(models: list[str | Path]) -> list[ModelSpec]:
                     "written by `sparsify convert`/`finetune` (or any Hugging Face model folder), a .gguf "
                     "file, or a Hub id like user/name."
                 )
-        elif not re.fullmatch(r"[\w.-]+/[\w.-]+", source):
+        elif not is_hub_id(source):
             raise SparsifyError(
                 f"model {raw!r}: no such file or folder, and it is not a Hub id (user/name). Pass a model "
                 "folder, a .gguf file or a Hub id, optionally labelled as NAME=PATH."
@@ -291,13 +291,15 @@ def load_model(spec: ModelSpec, device: str, dtype: str, trust_remote_code: bool
 
     dt = torch_dtype(dtype, device)
     trust = trust_remote_code or is_sparsify_folder(spec)
-    extra = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
     where = str(Path(spec.source) / spec.gguf_file) if spec.gguf_file else spec.source
     try:
-        tok = AutoTokenizer.from_pretrained(spec.source, trust_remote_code=trust, **extra)
-        model = AutoModelForCausalLM.from_pretrained(spec.source, trust_remote_code=trust, dtype=dt, **extra)
-    except SparsifyError:
-        raise
+        if spec.gguf_file:  # dequantised like `sparsify convert` does it, same errors
+            model, tok = load_gguf(Path(spec.source) / spec.gguf_file, str(dt).removeprefix("torch."))
+        else:
+            tok = AutoTokenizer.from_pretrained(spec.source, trust_remote_code=trust)
+            model = AutoModelForCausalLM.from_pretrained(spec.source, trust_remote_code=trust, dtype=dt)
+    except SparsifyError as e:
+        raise SparsifyError(f"model {spec.name} ({where}) could not be loaded: {e}") from None
     except Exception as e:  # corrupt .gguf (struct.error), config without tokenizer (ValueError), no Hub (OSError)...
         msg = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
         hint = ("The .gguf file may be truncated or corrupt (download it again), or its architecture is not one "
@@ -306,8 +308,6 @@ def load_model(spec: ModelSpec, device: str, dtype: str, trust_remote_code: bool
                 "writes them), or for a Hub id that the Hub is reachable (HF_HUB_OFFLINE unset). A model that "
                 "needs its own modeling code loads only with --trust-remote-code.")
         raise SparsifyError(f"model {spec.name} ({where}) could not be loaded: {msg}. {hint}") from None
-    if getattr(model, "hf_quantizer", None) is not None:  # GGUF weights come out dequantised already
-        model.hf_quantizer = None
     model.to(device=device, dtype=dt).eval()
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token

@@ -12,11 +12,11 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .convert import is_hub_id
 from .errors import SparsifyError
 
 # Top-level files that belong to a model folder. Anything else (sub-folders such as checkpoints/,
@@ -120,7 +120,7 @@ def model_card(repo_id: str, config: dict, report: dict | None, row: dict | None
     meta: dict[str, Any] = {"library_name": "transformers", "pipeline_tag": "text-generation",
                             "tags": ["sparsify", "relu", "activation-sparsity", "twell"]}
     source = str(prov.get("source", ""))
-    if re.fullmatch(r"[\w.-]+/[\w.-]+", source) and not Path(source).exists():
+    if is_hub_id(source) and not Path(source).exists():
         meta["base_model"] = source
     results = _index_results(row) if row else []
     if results:
@@ -229,7 +229,7 @@ def _results_section(report: dict, row: dict) -> str:
 def plan(folder: str | Path, repo_id: str, *, report: str | Path | None = None) -> PushPlan:
     """Everything push would do, without touching the network."""
     folder = Path(folder).expanduser()
-    if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo_id):
+    if not is_hub_id(repo_id):
         raise SparsifyError(f"--repo-id {repo_id!r}: expected user/name or org/name (letters, digits, '-', '_', '.').")
     if not folder.is_dir():
         raise SparsifyError(f"{folder}: no such folder. Pass a model folder written by `sparsify convert`/`finetune`.")
