@@ -17,7 +17,10 @@ Backends:
   refreshed every REFRESH calls WITHOUT a host sync (device count -> pinned buffer -> read when its
   event has completed); when it drifts by more than DRIFT, the layer is re-timed (at most MAX_RETUNE
   times). Inside CUDA-graph capture nothing is timed or counted: the last decision is used (dense if
-  none).
+  none). Once a bucket has chosen dense for both eager and graph calls, twell_ffn goes straight to the
+  dense torch ops after one attribute and dict lookup (refreshing the density only every REFRESH_DENSE
+  calls), and the cached W_down^T copy is freed while every bucket of the layer is dense (it is made
+  only when twell is timed or run).
 Without CUDA or triton, "auto" and "twell" on CPU tensors run the dense torch path, except that
 "twell" on CPU with TRITON_INTERPRET=1 runs the Triton kernels in the interpreter (tests).
 """
@@ -38,6 +41,7 @@ log = logging.getLogger("sparsify.kernels")
 
 BACKENDS = ("auto", "twell", "dense")
 REFRESH = 16  # calls between density refreshes (async, no host sync)
+REFRESH_DENSE = 256  # the same when every path of the bucket is dense (keeps that path a plain dense FFN)
 DRIFT = 1.25  # relative density change that triggers a re-timing
 MAX_RETUNE = 8  # re-timings per (layer, M bucket)
 MARGIN = 0.97  # twell must be at least 3% faster than dense at calibration
@@ -99,6 +103,11 @@ class _LayerState:
     retune: bool = False  # density drifted since the last timing
     times: dict = field(default_factory=dict)
 
+    @property
+    def all_dense(self) -> bool:
+        """Eager and graph decisions are both dense: twell_ffn's fast path may skip the dispatcher."""
+        return self.decision == "dense" and self.graph_decision == "dense"
+
 
 _state: dict[tuple, _LayerState] = {}
 
@@ -148,6 +157,7 @@ def _graph_time(fn, calls: int = 5) -> float:
 
 
 def _calibrate(st: _LayerState, x2d, w_gate, w_up, w_down, w_down_t) -> None:
+    w_down_t = _down_t(w_down, w_down_t)
     dense = lambda: ffn_dense(x2d, w_gate, w_up, w_down)  # noqa: E731
     twell = lambda: twell_ffn_triton(x2d, w_gate, w_up, w_down_t)  # noqa: E731
     t_dense, t_twell = _time(dense), _time(twell)
@@ -175,7 +185,20 @@ def _layer_states(w_gate: torch.Tensor) -> dict:
     return states
 
 
+def _down_t(w_down: torch.Tensor, w_down_t: torch.Tensor | None) -> torch.Tensor:
+    """W_down^T for K2: the caller's copy, else one cached on w_down (created only when twell runs)."""
+    return w_down_t if w_down_t is not None else _cached_down_t(w_down)
+
+
+def _drop_down_t_if_unused(states: dict, w_down: torch.Tensor) -> None:
+    """Free the cached W_down^T ([F, d], as large as W_down) while every M bucket of the layer is dense."""
+    if all(st.all_dense for st in states.values()) and getattr(w_down, "_twell_down_t", None) is not None:
+        w_down._twell_down_t = None
+
+
 def _auto(x2d, w_gate, w_up, w_down, w_down_t) -> torch.Tensor:
+    """The dispatcher's slow path (first calls, refreshes, re-timings, graph capture, twell layers).
+    w_down_t may be None: the transposed copy is then made (and cached) only if twell is timed or run."""
     global _last_backend
     m, f = x2d.shape[0], w_gate.shape[0]
     bucket = 1 << max(0, (m - 1).bit_length())
@@ -187,7 +210,9 @@ def _auto(x2d, w_gate, w_up, w_down, w_down_t) -> torch.Tensor:
         key = (tuple(w_gate.shape), x2d.dtype, bucket)
         backend = st.graph_decision or "dense"
         _note(key, backend, "graph capture: decision timed in graph replay")
-        return _run(backend, x2d, w_gate, w_up, w_down, w_down_t)
+        if backend == "twell":
+            return twell_ffn_triton(x2d, w_gate, w_up, _down_t(w_down, w_down_t))
+        return ffn_dense(x2d, w_gate, w_up, w_down)
     st.calls += 1
     if st.pending is not None:
         _poll(st)
@@ -195,7 +220,7 @@ def _auto(x2d, w_gate, w_up, w_down, w_down_t) -> torch.Tensor:
     if st.decision is not None and not st.retune and not refresh:  # hot path: ~nothing but the work
         _last_backend = st.decision
         if st.decision == "twell":
-            return updown(x2d, gate_pack(x2d, w_gate), w_gate, w_up, w_down_t)
+            return updown(x2d, gate_pack(x2d, w_gate), w_gate, w_up, _down_t(w_down, w_down_t))
         return ffn_dense(x2d, w_gate, w_up, w_down)
     key = (tuple(w_gate.shape), x2d.dtype, bucket)
     if st.density is None:  # first call of this layer/bucket: one synchronous count
@@ -205,12 +230,13 @@ def _auto(x2d, w_gate, w_up, w_down, w_down_t) -> torch.Tensor:
         st.retune = False
         _calibrate(st, x2d, w_gate, w_up, w_down, w_down_t)
         _note(key, st.decision, f"timed {st.times}")
+        _drop_down_t_if_unused(states, w_down)
     _note(key, st.decision, "auto")
     if st.decision == "twell":
         packed = gate_pack(x2d, w_gate)
         if refresh:
             _count_async(st, packed.cnt.sum(dtype=torch.int64), m * f)
-        return updown(x2d, packed, w_gate, w_up, w_down_t)
+        return updown(x2d, packed, w_gate, w_up, _down_t(w_down, w_down_t))
     g = torch.nn.functional.linear(x2d, w_gate)  # [M, F]
     if refresh:
         _count_async(st, (g > 0).sum(), m * f)
@@ -223,25 +249,34 @@ def _drifted(st: _LayerState) -> bool:
     return abs(math.log(max(st.density, 1e-6) / max(st.density0, 1e-6))) > math.log(DRIFT)
 
 
-def _run(backend, x2d, w_gate, w_up, w_down, w_down_t) -> torch.Tensor:
-    if backend == "twell":
-        return twell_ffn_triton(x2d, w_gate, w_up, w_down_t)
-    return ffn_dense(x2d, w_gate, w_up, w_down)
-
-
 def _impl(x2d, w_gate, w_up, w_down, w_down_t, backend: str) -> torch.Tensor:
     if backend == "dense" or not _triton_ok(x2d) or x2d.shape[0] == 0:
         _note(("dense", backend), "dense", "requested" if backend == "dense" else "no triton/CUDA for this tensor")
         return ffn_dense(x2d, w_gate, w_up, w_down)
-    if w_down_t is None:
-        w_down_t = _cached_down_t(w_down)
     if backend == "auto" and x2d.is_cuda:
         return _auto(x2d, w_gate, w_up, w_down, w_down_t)
     if backend == "auto":  # CPU interpreter: correct but slow, never chosen automatically
         _note(("cpu", "auto"), "dense", "auto on CPU")
         return ffn_dense(x2d, w_gate, w_up, w_down)
     _note(("twell", "requested"), "twell", "requested")
-    return twell_ffn_triton(x2d, w_gate, w_up, w_down_t)
+    return twell_ffn_triton(x2d, w_gate, w_up, _down_t(w_down, w_down_t))
+
+
+def _dense_decided(x: torch.Tensor, w_gate: torch.Tensor) -> bool:
+    """Fast path of "auto": this layer's M bucket chose dense for eager and graph calls, and no refresh
+    is due. A plain dense FFN then pays only this lookup (no checks of its own: F.linear validates the
+    shapes, and a layer only gets state after a fully checked call). Every REFRESH_DENSE-th call goes
+    through the dispatcher to refresh the density estimate (no host sync)."""
+    held = getattr(w_gate, "_twell_auto", None)
+    if held is None or held[0] != w_gate._version or torch.compiler.is_compiling():
+        return False
+    shape = x.shape
+    m = shape[0] if len(shape) == 2 else x.numel() // max(shape[-1], 1)
+    st = held[1].get(1 << max(0, (m - 1).bit_length()))
+    if st is None or not st.all_dense or st.calls % REFRESH_DENSE == REFRESH_DENSE - 1 or st.retune:
+        return False
+    st.calls += 1  # (with gradients needed the checked path would run the same dense ops)
+    return True
 
 
 def _define_op():
@@ -305,7 +340,11 @@ def twell_ffn(
         [..., d] in x's dtype. When autograd needs gradients, the dense torch path runs (inference-only
         kernels); `last_backend()` tells which path ran.
     """
+    global _last_backend
     d = x.shape[-1]
+    if backend == "auto" and _dense_decided(x, w_gate):  # the same torch ops as the dense backend
+        _last_backend = "dense"
+        return ffn_dense(x, w_gate, w_up, w_down)
     if (backend not in BACKENDS or w_gate.shape[-1] != d or w_up.shape != w_gate.shape
             or w_down.shape[0] != d or w_down.shape[-1] != w_gate.shape[0]
             or w_gate.dtype != x.dtype or w_up.dtype != x.dtype or w_down.dtype != x.dtype):

@@ -12,15 +12,23 @@ The intermediate dimension F is cut into NT tiles of T columns (the last one may
 C being the compression factor:
 - ``cnt`` [M, NT] int32: the TRUE number of positive gate values in the (row, tile), even when it
   exceeds S.
-- ``col`` [M, NT, S] int32: global column index j of each kept entry, ascending within the tile
-  (slot order = column order, built with a cumulative sum, so it is deterministic).
-- ``val`` [M, NT, S] float32: the gate value relu(g_j) > 0 of each entry, kept in fp32 (the GEMM
-  accumulator), so fp32/fp16/bf16 inputs are all exact up to the GEMM's own rounding.
+- the S slots of each (row, tile), in one of two encodings (``TwellPacked.entries``):
+  * "bf16" / "fp16" (round 5, the default for bf16/fp16 inputs): ``ent`` [M, NT, S] int32, one 32-bit
+    word per slot: bits 31..16 = the 16-bit pattern of relu(g_j) rounded (to nearest even) to bf16 or
+    fp16, bits 15..0 = the column WITHIN the tile, c = j - t * T (0 <= c < T <= 65536). The value is
+    positive so bit 31 is 0 and the word is a non-negative int32. One store per entry in the gate
+    GEMM's epilogue and one load per entry in the up/down kernel (half of the split encoding), and F
+    is unlimited because the tile index comes from the slot's position. The value rounding equals the
+    dense path's (cuBLAS writes the gate in bf16/fp16 before ReLU too).
+  * "split" (fp32 inputs, and the round-4 variant): ``col`` [M, NT, S] int32 global column index j and
+    ``val`` [M, NT, S] float32 relu(g_j) (the fp32 GEMM accumulator, exact up to the GEMM's rounding).
+  In both, entries are in ascending column order within the tile (slot = rank among the tile's
+  positives, from a cumulative sum, so the layout is deterministic).
 Slots at or beyond min(cnt, S) are undefined (never read).
 
-Deviation from the paper's layout (one uint32 per slot, bf16 value bits << 16 | uint16 column, slot 0 =
-count): values and columns are kept apart so that fp32 and fp16 models work and F may exceed 65535;
-the packed rows are < 3% of the bytes the fused up/down kernel moves, so this costs nothing measurable.
+The paper's layout (one uint32 per slot, bf16 value bits << 16 | uint16 column, slot 0 = count) is the
+"bf16" encoding except that the count lives in ``cnt`` (so all S slots hold entries) and the column is
+relative to the tile.
 
 Overflow is lossless. A (row, tile) with cnt > S keeps its first S entries but is marked overflowed by
 cnt itself; every consumer (the fused up/down kernel, `twell_unpack`) recomputes such a tile densely
@@ -42,19 +50,24 @@ DECODE_TILE = 32
 DECODE_SLOTS = 32
 
 
+ENTRY_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 @dataclass
 class TwellPacked:
     """Gate activations of M rows in TwELL layout (see module docstring)."""
 
     cnt: torch.Tensor  # [M, NT] int32, true count of positive gate values per (row, tile)
-    col: torch.Tensor  # [M, NT, S] int32, global column index per slot
-    val: torch.Tensor  # [M, NT, S] float32, relu(gate) per slot
+    col: torch.Tensor | None  # "split": [M, NT, S] int32, global column index per slot
+    val: torch.Tensor | None  # "split": [M, NT, S] float32, relu(gate) per slot
     tile: int  # T
     n_cols: int  # F
+    ent: torch.Tensor | None = None  # "bf16"/"fp16": [M, NT, S] int32, value bits << 16 | column in tile
+    entries: str = "split"  # "split" | "bf16" | "fp16"
 
     @property
     def slots(self) -> int:
-        return self.col.shape[-1]
+        return (self.ent if self.ent is not None else self.col).shape[-1]
 
     @property
     def n_tiles(self) -> int:
@@ -64,13 +77,42 @@ class TwellPacked:
         """[M, NT] bool: tiles whose slots do not hold every entry (consumers recompute them)."""
         return self.cnt > self.slots
 
+    def columns(self) -> torch.Tensor:
+        """[M, NT, S] int32 global column of each slot, whatever the encoding."""
+        if self.entries == "split":
+            return self.col
+        base = torch.arange(self.n_tiles, device=self.cnt.device, dtype=torch.int32).view(1, -1, 1) * self.tile
+        return base + (self.ent & 0xFFFF)
+
+    def values(self) -> torch.Tensor:
+        """[M, NT, S] float32 relu(gate) of each slot, whatever the encoding."""
+        if self.entries == "split":
+            return self.val
+        return unpack_entry_values(self.ent, self.entries)
+
 
 def n_tiles(n_cols: int, tile: int) -> int:
     return (n_cols + tile - 1) // tile
 
 
-def twell_pack(gate: torch.Tensor, tile: int = TILE, slots: int = SLOTS) -> TwellPacked:
-    """Pack pre-activation gate values [M, F] (any float dtype) into TwELL; ReLU is applied here."""
+def pack_entries(col_in_tile: torch.Tensor, val: torch.Tensor, entries: str) -> torch.Tensor:
+    """int32 words (value bits << 16 | column in tile) from columns in [0, 65536) and values >= 0."""
+    bits = val.float().to(ENTRY_DTYPES[entries]).view(torch.int16).to(torch.int32) & 0xFFFF  # RTNE
+    return (bits << 16) | col_in_tile.to(torch.int32)
+
+
+def unpack_entry_values(ent: torch.Tensor, entries: str) -> torch.Tensor:
+    """float32 values held in the high 16 bits of packed entries (non-negative, so bit 31 is 0)."""
+    return (ent >> 16).to(torch.int16).view(ENTRY_DTYPES[entries]).float()
+
+
+def twell_pack(gate: torch.Tensor, tile: int = TILE, slots: int = SLOTS, entries: str = "split") -> TwellPacked:
+    """Pack pre-activation gate values [M, F] (any float dtype) into TwELL; ReLU is applied here.
+
+    entries: "split" (int32 col + fp32 val) or "bf16"/"fp16" (one int32 word per slot, see module doc).
+    """
+    if entries not in ("split", *ENTRY_DTYPES):
+        raise ValueError(f"entries={entries!r} is not one of 'split', 'bf16', 'fp16'.")
     m, f = gate.shape
     nt = n_tiles(f, tile)
     g = torch.zeros(m, nt * tile, dtype=torch.float32, device=gate.device)
@@ -86,7 +128,11 @@ def twell_pack(gate: torch.Tensor, tile: int = TILE, slots: int = SLOTS) -> Twel
     s = pos[r, t, c]
     col[r, t, s] = (t * tile + c).to(torch.int32)
     val[r, t, s] = g[r, t, c]
-    return TwellPacked(cnt=cnt, col=col, val=val, tile=tile, n_cols=f)
+    if entries == "split":
+        return TwellPacked(cnt=cnt, col=col, val=val, tile=tile, n_cols=f)
+    in_tile = col - torch.arange(nt, device=gate.device, dtype=torch.int32).view(1, -1, 1) * tile
+    ent = torch.where(col >= 0, pack_entries(in_tile.clamp(min=0), val, entries), 0)  # [M, NT, S]
+    return TwellPacked(cnt=cnt, col=None, val=None, tile=tile, n_cols=f, ent=ent, entries=entries)
 
 
 def twell_unpack(packed: TwellPacked, dense_gate: torch.Tensor | None = None) -> torch.Tensor:
@@ -96,7 +142,7 @@ def twell_unpack(packed: TwellPacked, dense_gate: torch.Tensor | None = None) ->
     out = torch.zeros(m, nt * tile, dtype=torch.float32, device=packed.cnt.device)
     kept = torch.arange(s, device=out.device) < packed.cnt.clamp(max=s).unsqueeze(-1)  # [M, NT, S]
     rows = torch.arange(m, device=out.device).view(m, 1, 1).expand(m, nt, s)
-    out[rows[kept], packed.col[kept].long()] = packed.val[kept]
+    out[rows[kept], packed.columns()[kept].long()] = packed.values()[kept]
     ovf = packed.overflowed()
     if bool(ovf.any()):
         if dense_gate is None:

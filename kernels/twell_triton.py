@@ -39,13 +39,33 @@ def _next_pow2(n: int) -> int:
 if HAS_TRITON:
 
     @triton.jit
+    def _pack_words(acc, T: tl.constexpr, ENT: tl.constexpr):
+        """[BM, T] fp32 gate values -> int32 words (16-bit value bits << 16 | column within the tile)."""
+        if ENT == 1:  # bf16, round to nearest even done in integers (the interpreter's cast truncates)
+            b = acc.to(tl.int32, bitcast=True)
+            hi = (b + 0x7FFF + ((b >> 16) & 1)) >> 16  # acc > 0 where kept: no sign / NaN cases
+        else:  # fp16 (the cast rounds to nearest even on GPU and in the interpreter)
+            hi = acc.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        return (hi << 16) | tl.arange(0, T)[None, :]
+
+    @triton.jit
+    def _unpack_value(w, ENT: tl.constexpr):
+        """fp32 value of int32 words (high 16 bits: bf16 or fp16 bits of a non-negative value)."""
+        if ENT == 1:  # bf16 bits are the top half of the fp32 bits
+            return (w & -65536).to(tl.float32, bitcast=True)
+        return (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
     def _k1_gate_pack(
         x_ptr, wg_ptr, cnt_ptr, col_ptr, val_ptr,
         M, F, D, NT, stride_xm, stride_wf,
         BLOCK_M: tl.constexpr, T: tl.constexpr, BLOCK_K: tl.constexpr, S: tl.constexpr,
-        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_MN: tl.constexpr, IEEE: tl.constexpr,
-        PACK: tl.constexpr = 1,
+        MB, GROUP_M: tl.constexpr, IEEE: tl.constexpr, ENT: tl.constexpr, PACK: tl.constexpr,
+        EVEN_K: tl.constexpr, EVEN_MN: tl.constexpr,
     ):
+        # MB (the power-of-two bucket of M) is unused in the body: it is the autotuner's key.
+        # ENT: slot encoding, 0 = "split" (col int32 + val fp32), 1 = "bf16", 2 = "fp16" (one int32 word
+        # per slot in col_ptr: value bits << 16 | column in tile; val_ptr unused)
         # grouped launch order: GROUP_M row blocks share W_gate tiles in L2
         pid = tl.program_id(0)
         num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -92,20 +112,29 @@ if HAS_TRITON:
             base = (offs_m.to(tl.int64) * NT + pid_n) * S  # [BM]
             keep = active & (pos < S)
             dst = base[:, None] + pos  # [BM, T]
-            cols = tl.zeros([BLOCK_M, T], dtype=tl.int32) + offs_n[None, :]
-            tl.store(col_ptr + dst, cols, mask=keep)
-            tl.store(val_ptr + dst, acc, mask=keep)
+            if ENT == 0:
+                cols = tl.zeros([BLOCK_M, T], dtype=tl.int32) + offs_n[None, :]
+                tl.store(col_ptr + dst, cols, mask=keep)
+                tl.store(val_ptr + dst, acc, mask=keep)
+            else:
+                tl.store(col_ptr + dst, _pack_words(acc, T, ENT), mask=keep)  # one word per entry
         tl.store(cnt_ptr + offs_m.to(tl.int64) * NT + pid_n, cnt, mask=m_ok)
 
     @triton.jit
-    def _k2_entries(col_ptr, val_ptr, row, NT, S: tl.constexpr, p, K, cum, start, tiles):
+    def _k2_entries(col_ptr, val_ptr, row, NT, S: tl.constexpr, p, K, cum, start, tiles,
+                    T: tl.constexpr, ENT: tl.constexpr):
         """Column (int64) and relu(gate) of the row's entries of rank p [E]; tile found by prefix sum."""
         p_ok = p < K
         t = tl.sum((cum[None, :] <= p[:, None]).to(tl.int32), 1)  # [E] tile of each entry
         st = tl.sum(tl.where(tiles[None, :] == t[:, None], start[None, :], 0), 1)  # [E]
         slot = (row * NT + t) * S + (p - st)  # [E]
-        j = tl.load(col_ptr + slot, mask=p_ok, other=0).to(tl.int64)
-        g = tl.load(val_ptr + slot, mask=p_ok, other=0.0)
+        if ENT == 0:
+            j = tl.load(col_ptr + slot, mask=p_ok, other=0).to(tl.int64)
+            g = tl.load(val_ptr + slot, mask=p_ok, other=0.0)
+        else:  # one 32-bit word per entry: half the index bytes
+            w = tl.load(col_ptr + slot, mask=p_ok, other=0)
+            j = (t * T + (w & 0xFFFF)).to(tl.int64)
+            g = _unpack_value(w, ENT)
         return j, g, p_ok
 
     @triton.jit
@@ -113,7 +142,7 @@ if HAS_TRITON:
         x_ptr, cnt_ptr, col_ptr, val_ptr, wg_ptr, wu_ptr, wdt_ptr, out_ptr,
         D, F, NT, stride_xm, stride_om,
         T: tl.constexpr, S: tl.constexpr, NT_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
-        E: tl.constexpr, SPLIT: tl.constexpr,
+        E: tl.constexpr, SPLIT: tl.constexpr, ENT: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
@@ -133,12 +162,13 @@ if HAS_TRITON:
         step = E * SPLIT
         # (col, val) of the first chunk; inside the loop the next chunk's pair is fetched while the
         # current chunk's weight rows are in flight (one memory latency per chunk instead of two)
-        j, g, p_ok = _k2_entries(col_ptr, val_ptr, row, NT, S, split * E + lane, K, cum, start, tiles)
+        j, g, p_ok = _k2_entries(col_ptr, val_ptr, row, NT, S, split * E + lane, K, cum, start, tiles, T, ENT)
         for k0 in range(split * E, K, step):
             m2 = p_ok[:, None] & d_ok[None, :]
             wu = tl.load(wu_ptr + j[:, None] * D + offs_d[None, :], mask=m2, other=0.0)  # [E, BD]
             wd = tl.load(wdt_ptr + j[:, None] * D + offs_d[None, :], mask=m2, other=0.0)  # [E, BD]
-            jn, gn, pn_ok = _k2_entries(col_ptr, val_ptr, row, NT, S, k0 + step + lane, K, cum, start, tiles)
+            jn, gn, pn_ok = _k2_entries(
+                col_ptr, val_ptr, row, NT, S, k0 + step + lane, K, cum, start, tiles, T, ENT)
             h = g * tl.sum(wu.to(tl.float32) * x[None, :], 1)  # [E] never leaves registers
             acc += tl.sum(h[:, None] * wd.to(tl.float32), 0)
             j, g, p_ok = jn, gn, pn_ok
@@ -172,6 +202,17 @@ def _require_triton() -> None:
         raise RuntimeError("triton is not installed: use backend='dense' (or install triton>=3.6).")
 
 
+ENT_CODES = {"split": 0, "bf16": 1, "fp16": 2}
+VARIANTS = ("r5", "r4")  # r5: packed 32-bit entries for bf16/fp16 + autotuned K1; r4: round-4 kernels
+
+
+def default_entries(dtype: torch.dtype, variant: str = "r5") -> str:
+    """Slot encoding: one packed word per entry for 16-bit inputs (r5), split col/val otherwise."""
+    if variant == "r5" and dtype in (torch.bfloat16, torch.float16):
+        return "bf16" if dtype == torch.bfloat16 else "fp16"
+    return "split"
+
+
 def k1_config(m: int, d: int) -> dict:
     """Block sizes for K1 by token count (decode uses narrow tiles so F/32 programs fill the GPU)."""
     if m <= 16:
@@ -183,28 +224,84 @@ def k1_config(m: int, d: int) -> dict:
     return dict(BLOCK_M=64, T=TILE, S=SLOTS, BLOCK_K=64, num_warps=4, num_stages=4)
 
 
-def gate_pack(x2d: torch.Tensor, w_gate: torch.Tensor, **overrides) -> TwellPacked:
-    """K1: relu(x2d @ w_gate.T) packed as TwELL. x2d [M, d] row-contiguous, w_gate [F, d] contiguous."""
+# Round 5: K1 for M > 16 is autotuned on the GPU over these (keyed on d, F and the M bucket). The
+# round-4 default is first; the others trade tile height (epilogue work per W_gate tile load),
+# K depth and pipelining. 16/32-row tiles only matter for small prefill buckets.
+K1_TUNE = [
+    (64, 64, 4, 4), (128, 64, 8, 3), (128, 64, 4, 4), (64, 128, 4, 3), (128, 32, 8, 4), (32, 128, 4, 4),
+]  # (BLOCK_M, BLOCK_K, num_warps, num_stages)
+
+
+def _even_k(a) -> bool:
+    return a["D"] % a["BLOCK_K"] == 0
+
+
+def _even_mn(a) -> bool:
+    return a["M"] % a["BLOCK_M"] == 0 and a["F"] % a["T"] == 0
+
+
+_k1_tuned = None
+
+
+def _k1_autotuned():
+    """The autotuned K1 (built lazily: triton.autotune benchmarks on the GPU, never in the interpreter)."""
+    global _k1_tuned
+    if _k1_tuned is None:
+        configs = [triton.Config({"BLOCK_M": bm, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+                   for bm, bk, w, st in K1_TUNE]
+        heur = triton.heuristics({"EVEN_K": _even_k, "EVEN_MN": _even_mn})(_k1_gate_pack)
+        _k1_tuned = triton.autotune(configs=configs, key=["D", "F", "MB"])(heur)
+    return _k1_tuned
+
+
+def gate_pack(
+    x2d: torch.Tensor, w_gate: torch.Tensor, *, entries: str | None = None, variant: str = "r5", **overrides,
+) -> TwellPacked:
+    """K1: relu(x2d @ w_gate.T) packed as TwELL. x2d [M, d] row-contiguous, w_gate [F, d] contiguous.
+
+    entries: slot encoding ("split", "bf16", "fp16"; default from the dtype and variant). variant "r5"
+    autotunes the block sizes on CUDA for M > 16 unless block sizes are given in `overrides`; "r4" runs
+    the round-4 kernel exactly (split encoding, fixed blocks).
+    """
     _require_triton()
     m, d = x2d.shape
     f = w_gate.shape[0]
+    entries = entries or default_entries(x2d.dtype, variant)
     cfg = {**k1_config(m, d), **overrides}
+    tuned = (variant == "r5" and x2d.is_cuda and m > 16 and cfg["T"] == TILE
+             and not {"BLOCK_M", "BLOCK_K", "num_warps", "num_stages"} & overrides.keys())
     if x2d.device.type == "cpu":  # interpreter: few large blocks run fastest
         cfg["BLOCK_K"] = max(cfg["BLOCK_K"], min(128, _next_pow2(d)))
     t, s = cfg["T"], cfg["S"]
     nt = n_tiles(f, t)
     cnt = torch.empty(m, nt, dtype=torch.int32, device=x2d.device)  # [M, NT]
-    col = torch.empty(m, nt, s, dtype=torch.int32, device=x2d.device)  # [M, NT, S]
-    val = torch.empty(m, nt, s, dtype=torch.float32, device=x2d.device)  # [M, NT, S]
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * nt,)
-    _k1_gate_pack[grid](
-        x2d, w_gate, cnt, col, val, m, f, d, nt, x2d.stride(0), w_gate.stride(0),
-        BLOCK_M=cfg["BLOCK_M"], T=t, BLOCK_K=cfg["BLOCK_K"], S=s, GROUP_M=8,
-        EVEN_K=(d % cfg["BLOCK_K"] == 0), EVEN_MN=(m % cfg["BLOCK_M"] == 0 and f % t == 0),
-        IEEE=(x2d.dtype == torch.float32), PACK=int(cfg.get("PACK", 1)),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
-    return TwellPacked(cnt=cnt, col=col, val=val, tile=t, n_cols=f)
+    col = torch.empty(m, nt, s, dtype=torch.int32, device=x2d.device)  # [M, NT, S] col or packed word
+    val = torch.empty(m, nt, s, dtype=torch.float32, device=x2d.device) if entries == "split" else cnt
+    args = (x2d, w_gate, cnt, col, val, m, f, d, nt, x2d.stride(0), w_gate.stride(0))
+    # MB keys the autotuner (a constant otherwise, so it never causes a recompilation)
+    common = dict(T=t, S=s, MB=min(_next_pow2(m), 1 << 16) if tuned else 16, GROUP_M=8, IEEE=(x2d.dtype == torch.float32),
+                  ENT=ENT_CODES[entries], PACK=int(cfg.get("PACK", 1)))
+    if tuned:
+        _k1_autotuned()[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * nt,)](*args, **common)
+    else:
+        bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
+        _k1_gate_pack[(triton.cdiv(m, bm) * nt,)](
+            *args, BLOCK_M=bm, BLOCK_K=bk, **common, EVEN_K=(d % bk == 0), EVEN_MN=(m % bm == 0 and f % t == 0),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+    if entries == "split":
+        return TwellPacked(cnt=cnt, col=col, val=val, tile=t, n_cols=f)
+    return TwellPacked(cnt=cnt, col=None, val=None, tile=t, n_cols=f, ent=col, entries=entries)
+
+
+def k1_best_config(d: int, f: int, m: int) -> dict | None:
+    """The autotuner's pick for (d, F, M bucket), if it has tuned that key (for the benchmark log)."""
+    if _k1_tuned is None:
+        return None
+    for key, cfg in _k1_tuned.cache.items():
+        if tuple(key[:3]) == (d, f, min(_next_pow2(m), 1 << 16)):
+            return {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    return None
 
 
 def k2_config(m: int, d: int) -> dict:
@@ -237,17 +334,18 @@ def updown(
     out = torch.zeros(m, d, dtype=torch.float32, device=x2d.device) if split > 1 else (
         torch.empty(m, d, dtype=x2d.dtype, device=x2d.device))
     _k2_updown[(m, split)](
-        x2d, packed.cnt, packed.col, packed.val, w_gate, w_up, w_down_t, out,
+        x2d, packed.cnt, packed.ent if packed.entries != "split" else packed.col,
+        packed.val if packed.entries == "split" else packed.cnt, w_gate, w_up, w_down_t, out,
         d, f, nt, x2d.stride(0), out.stride(0),
         T=packed.tile, S=packed.slots, NT_PAD=_next_pow2(nt), BLOCK_D=_next_pow2(d),
-        E=cfg["E"], SPLIT=split, num_warps=cfg["num_warps"],
+        E=cfg["E"], SPLIT=split, ENT=ENT_CODES[packed.entries], num_warps=cfg["num_warps"],
     )
     return out.to(x2d.dtype) if split > 1 else out
 
 
 def twell_ffn_triton(
-    x2d: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down_t: torch.Tensor
+    x2d: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down_t: torch.Tensor, variant: str = "r5",
 ) -> torch.Tensor:
-    """The whole sparse FFN on [M, d]: K1 (gate + pack) then K2 (fused up/down)."""
-    packed = gate_pack(x2d, w_gate)
+    """The whole sparse FFN on [M, d]: K1 (gate + pack) then K2 (fused up/down). variant: see gate_pack."""
+    packed = gate_pack(x2d, w_gate, variant=variant)
     return updown(x2d, packed, w_gate, w_up, w_down_t)
