@@ -4,7 +4,10 @@
 # Usage, from the repository root on the GPU machine (each mode fits one 10-minute device command):
 #   bash eval/h200_finetune.sh bench    # ~2 min: dense training path, no teacher, 60 steps: tokens/s and MFU
 #   bash eval/h200_finetune.sh main     # ~7 min: 50M tokens, L1=${L1:-6e-2}, KD=${KD:-1}: the headline run
-#   bash eval/h200_finetune.sh sweep    # ~8 min: short runs over SWEEP="l1:kd ..." (the quality/sparsity trade-off)
+#   bash eval/h200_finetune.sh sweep    # ~8 min: short runs over SWEEP="l1:kd ..." (the quality/sparsity trade-off),
+#                                       #   spread over the GPUs (one run per GPU at a time)
+#   bash eval/h200_finetune.sh ddp      # the main run under torchrun on every GPU (DDP; DIST=fsdp for FSDP2)
+#   bash eval/h200_finetune.sh trainbench  # dense training path variants (attention backend, batch): eval/bench_train.py
 # Knobs (environment): L1, KD, TOKENS (main, default 50_000_000), SWEEP (default "3e-2:1 1e-1:1 1e-1:0"),
 #   SWEEP_TOKENS (default 12_000_000), BATCH (default 16 x 2048 tokens per step), COMPILE (default true),
 #   EXTRA (more recipe overrides, e.g. EXTRA="sparsity.reinit_dead=false").
@@ -35,7 +38,7 @@ if [ ! -f "$DATA/train.bin" ] && [ -f "$DATA/train.bin.xz" ]; then
     cp "$DATA/meta.json" "$DATA/validation.bin" "$WORK/tokens/"
     DATA=$WORK/tokens
 fi
-if [ -z "${MODEL:-}" ] && ls .carry/g*/gguf.part.* >/dev/null 2>&1; then
+if [ "$MODE" != trainbench ] && [ -z "${MODEL:-}" ] && ls .carry/g*/gguf.part.* >/dev/null 2>&1; then
     [ -f "$WORK/smollm2.gguf" ] || { cat .carry/g*/gguf.part.* > "$WORK/smollm2.gguf.part" && mv "$WORK/smollm2.gguf.part" "$WORK/smollm2.gguf"; }
     MODEL=$WORK/smollm2.gguf
     JOINED=1
@@ -68,18 +71,21 @@ if [ -n "${JOINED:-}" ] && ! python -c "import gguf, sys; gguf.GGUFReader(sys.ar
 fi
 # The SiLU source is converted once (out/h200/converted, kept between modes); later runs start from that
 # ReLU folder, whose config records the source activation, so the SiLU teacher is rebuilt from it.
-MODEL=${MODEL:-smollm2-135m-gguf}
-if [ -f "$WORK/converted/config.json" ]; then SOURCE=$WORK/converted; else SOURCE=$MODEL; fi
+MODEL=${MODEL:-$(python -c "from sparsify.finetune import resolve_model_source as r; print(r('smollm2-135m-gguf'))" 2>/dev/null || true)}
+if [ "$MODE" != trainbench ] && [ ! -f "$WORK/converted/config.json" ]; then
+    python -m sparsify convert "$MODEL" -o "$WORK/converted" --overwrite
+fi
+SOURCE=$WORK/converted
+GPUS=${GPUS:-$(python -c "import torch; print(max(1, torch.cuda.device_count()))")}
 
 finetune() {  # finetune NAME OVERRIDES...: one run into out/h200/NAME, its artefacts copied to $OUT/NAME
     local name=$1; shift
     local dir=$WORK/$name
-    python -m sparsify finetune --no-progress recipes/smollm2-135m.yaml \
+    ${LAUNCH:-python} -m sparsify finetune --no-progress recipes/smollm2-135m.yaml \
         model.source="$SOURCE" "data.train=[$DATA]" output.dir="$dir" output.overwrite=true \
-        train.batch_size="$BATCH" train.compile="$COMPILE" "$@" ${EXTRA:-} 2>&1 | tee "$OUT/$name.log"
-    if [ ! -f "$WORK/converted/config.json" ] && [ -d "$dir/converted" ]; then
-        cp -r "$dir/converted" "$WORK/converted"; SOURCE=$WORK/converted
-    fi
+        train.batch_size="$BATCH" train.compile="$COMPILE" "$@" ${EXTRA:-} > "$OUT/$name.log" 2>&1 \
+        || { echo "$name failed: see $OUT/$name.log"; tail -5 "$OUT/$name.log"; return 0; }
+    tail -2 "$OUT/$name.log"
     mkdir -p "$OUT/$name"
     cp "$dir"/metrics.jsonl "$dir"/recipe.yaml "$OUT/$name/"
     cp "$dir"/*.png "$dir"/model/sparsity.json "$OUT/$name/" 2>/dev/null || true
@@ -148,13 +154,28 @@ case "$MODE" in
     finetune "main-l1_${L1:-6e-2}-kd_${KD:-1}" sparsity.l1="${L1:-6e-2}" distill.kd="${KD:-1}" \
         train.max_tokens="${TOKENS:-50_000_000}" train.eval_every=250 train.save_every=500
     ;;
-  sweep)
-    for pair in ${SWEEP:-3e-2:1 1e-1:1 1e-1:0}; do
-        l1=${pair%%:*}; kd=${pair##*:}
-        finetune "sweep-l1_${l1}-kd_${kd}" sparsity.l1="$l1" distill.kd="$kd" \
-            train.max_tokens="${SWEEP_TOKENS:-12_000_000}" train.eval_every=0 train.save_every=0
+  sweep)  # GPU g runs pairs g, g+GPUS, ... one after the other; the GPUs run side by side
+    pairs=(${SWEEP:-3e-2:1 1e-1:1 1e-1:0})
+    for ((g = 0; g < GPUS; g++)); do
+        (for ((i = g; i < ${#pairs[@]}; i += GPUS)); do
+            l1=${pairs[i]%%:*}; kd=${pairs[i]##*:}
+            CUDA_VISIBLE_DEVICES=$g finetune "sweep-l1_${l1}-kd_${kd}" sparsity.l1="$l1" distill.kd="$kd" \
+                train.max_tokens="${SWEEP_TOKENS:-12_000_000}" train.eval_every=0 train.save_every=0
+        done) &
     done
+    wait
     ;;
-  *) echo "usage: $0 bench|main|sweep" >&2; exit 2 ;;
+  ddp)  # one run over all GPUs of the machine (global batch = GPUS x BATCH x 2048 tokens)
+    LAUNCH="torchrun --standalone --nproc_per_node=$GPUS" finetune "${DIST:-ddp}${GPUS}-l1_${L1:-6e-2}-kd_${KD:-1}" \
+        sparsity.l1="${L1:-6e-2}" distill.kd="${KD:-1}" train.distributed="${DIST:-ddp}" \
+        train.max_tokens="${TOKENS:-50_000_000}" train.eval_every="${EVAL_EVERY:-0}" train.save_every="${SAVE_EVERY:-0}"
+    ;;
+  trainbench)
+    python eval/bench_train.py --tokens "$DATA" --tokenizer "${TOKENIZER:-.carry/smol-tok}" --out "$WORK/trainbench" \
+        ${VARIANTS:+--variants $VARIANTS}
+    cp "$WORK"/trainbench/summary.* "$WORK"/trainbench/*.profile.txt "$OUT/" 2>/dev/null || true
+    exit 0
+    ;;
+  *) echo "usage: $0 bench|main|sweep|ddp|trainbench" >&2; exit 2 ;;
 esac
 summarise

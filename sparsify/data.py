@@ -49,6 +49,12 @@ class TokenData:
     seed: int
 
     def __post_init__(self) -> None:
+        missing = [n for n in ("meta.json", "train.bin", "validation.bin") if not (self.folder / n).is_file()]
+        if missing:
+            packed = " (train.bin.xz is there: unpack it with `xz -dk train.bin.xz`)" \
+                if (self.folder / "train.bin.xz").is_file() else ""
+            raise SparsifyError(f"{self.folder} is not a complete token folder: {', '.join(missing)} missing{packed}. "
+                                "Point data.train at the text itself to tokenise it again.")
         meta = json.loads((self.folder / "meta.json").read_text())
         dtype = np.dtype(meta["dtype"])
         self.train = np.memmap(self.folder / "train.bin", dtype=dtype, mode="r")

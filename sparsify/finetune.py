@@ -41,6 +41,7 @@ from torch import nn
 
 from . import __version__
 from .errors import SparsifyError
+from .profiling import StepProfiler
 from .recipe import Recipe, dump_recipe, format_help, load_recipe
 from .sparsity import Plateau, SparsityProbe, StepStats, l1_coefficient, reinit_dead
 
@@ -264,10 +265,34 @@ class Run:
     loss_fn: Any
 
 
-def autocast(run: Run):
-    if run.dist.device.type == "cuda" and run.recipe.train.bf16:
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+def autocast(run: Run) -> contextlib.ExitStack:
+    """bf16 autocast and the attention kernel order of the recipe, around every forward (and its backward)."""
+    stack = contextlib.ExitStack()
+    if run.dist.device.type == "cuda":
+        if run.recipe.train.bf16:
+            stack.enter_context(torch.autocast("cuda", dtype=torch.bfloat16))
+        order = attention_order(run.recipe.train.attention, run.dist.device)
+        if order is not None:
+            from torch.nn.attention import sdpa_kernel
+
+            stack.enter_context(sdpa_kernel(order, set_priority=True))
+    return stack
+
+
+def attention_order(choice: str, device: torch.device) -> list | None:
+    """SDPA backends, preferred first (all kept: one that cannot serve a shape falls through); None = torch's."""
+    from torch.nn.attention import SDPBackend
+
+    if choice == "auto":
+        # cuDNN's fused attention beats the FlashAttention-2 backend on Hopper only (eval/results/finetune-h200)
+        hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+        choice = "cudnn" if hopper else None
+    if choice is None:
+        return None
+    first = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[choice]
+    rest = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return [first] + [b for b in rest if b != first]
 
 
 def train_step(run: Run) -> dict[str, torch.Tensor]:
@@ -397,6 +422,7 @@ RESUMABLE_KEYS = (
     "sparsity.plateau_tolerance", "sparsity.plateau_window",  # the stop rule, e.g. 0 to run the full budget
     "train.eval_every", "train.log_every", "train.save_every", "train.keep_checkpoints",
     "train.compile", "train.gradient_checkpointing", "train.distributed", "data.num_proc",  # speed / memory
+    "train.attention", "train.profile_steps",
     "train.batch_size", "train.grad_accum",  # free as long as the global batch (checked below) is unchanged
 )
 
@@ -691,8 +717,10 @@ def _loop(run: Run, log: MetricsLog, history: list[dict], progress: bool) -> Non
     bar = tqdm(total=total, initial=run.state.step, unit="step", disable=not (progress and run.dist.main),
                dynamic_ncols=True, desc="finetune")
     window, tic, steps = None, time.perf_counter(), 0
+    profiler = StepProfiler(t.profile_steps, out, enabled=run.dist.main)
     while run.state.step < total and not run.state.stopped:
         sums = train_step(run)
+        profiler.after_step(run.state.step)
         window = sums if window is None else {k: window[k] + v for k, v in sums.items()}
         steps += 1
         bar.update(1)

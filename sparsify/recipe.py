@@ -129,6 +129,14 @@ class TrainSection:
     distributed: Literal["auto", "ddp", "fsdp"] = doc(
         "auto", "Under torchrun (WORLD_SIZE > 1): `ddp`, `fsdp` (FSDP2 fully_shard per layer), `auto` = ddp."
     )
+    attention: Literal["auto", "cudnn", "flash", "efficient", "math"] = doc(
+        "auto", "Scaled-dot-product attention kernel tried first on GPU (the others stay as fallbacks for shapes "
+        "it cannot serve). auto: cuDNN on Hopper (sm_90), PyTorch's own order elsewhere.",
+    )
+    profile_steps: int = doc(
+        0, "Profile this many steps (torch.profiler, after 10 warm-up steps) and write OUTPUT/profile.txt: GPU "
+        "time by kernel class (GEMM, attention, compiled elementwise, optimizer) and the top kernels. 0 = off.",
+    )
 
 
 @dataclass
@@ -306,6 +314,7 @@ def _check_values(r: Recipe) -> list[str]:
     e += [f"{k}: got {v}; must be > 0" for k, v in positive.items() if v <= 0]
     non_negative = {"train.warmup_steps": t.warmup_steps, "train.weight_decay": t.weight_decay,
                     "train.clip": t.clip, "train.save_every": t.save_every, "train.eval_every": t.eval_every,
+                    "train.profile_steps": t.profile_steps,
                     "sparsity.l1": r.sparsity.l1, "sparsity.ramp_steps": r.sparsity.ramp_steps,
                     "sparsity.plateau_tolerance": r.sparsity.plateau_tolerance, "distill.kd": r.distill.kd,
                     "lora.r": r.lora.r, "data.num_proc": r.data.num_proc}

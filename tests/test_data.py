@@ -116,6 +116,17 @@ def test_bad_sources_are_explained(tmp_path):
                                                                                   "sample-10BT"]
 
 
+def test_incomplete_token_folder_is_explained(prepared, tmp_path):
+    import shutil
+
+    _, folder = prepared
+    copy = tmp_path / "tokens"
+    shutil.copytree(folder, copy)
+    (copy / "train.bin").rename(copy / "train.bin.xz")  # as carried compressed, not yet unpacked
+    with pytest.raises(SparsifyError, match=r"train.bin missing \(train.bin.xz is there: unpack it"):
+        TokenData(copy, seq_len=64, seed=0)
+
+
 def torch_equal(a, b):
     import torch
 

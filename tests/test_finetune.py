@@ -281,3 +281,33 @@ def test_smollm2_alias_is_the_demo_gguf_and_explains_a_missing_wheel(monkeypatch
     monkeypatch.setattr(demo, "smollm2_gguf", missing)
     with pytest.raises(SparsifyError, match=r"model.source='smollm2-135m-gguf'.*pip install.*Hub id"):
         resolve_model_source("smollm2-135m-gguf")
+
+
+def test_profile_steps_writes_a_report_and_attention_order_keeps_fallbacks(tiny_silu, tmp_path):
+    """train.profile_steps profiles the steps after the warm-up and writes OUTPUT/profile.txt (on the CPU: the
+    profiler's op table); the attention choice puts one SDPA backend first and keeps the others as fallbacks."""
+    from torch.nn.attention import SDPBackend
+
+    from sparsify.finetune import attention_order, finetune
+    from sparsify.profiling import WARMUP_STEPS, classify
+    from sparsify.recipe import load_recipe
+
+    recipe = load_recipe(recipe_dict(tiny_silu, tmp_path / "run", max_steps=WARMUP_STEPS + 2, save_every=0,
+                                     log_every=WARMUP_STEPS + 2, profile_steps=2), ["distill.kd=0"])
+    finetune(recipe, progress=False)
+    text = (tmp_path / "run" / "profile.txt").read_text()
+    assert "aten::mm" in text or "aten::addmm" in text, text[:2000]
+
+    order = attention_order("flash", torch.device("cpu"))
+    assert order[0] == SDPBackend.FLASH_ATTENTION and len(set(order)) == 4
+    assert attention_order("cudnn", torch.device("cpu"))[0] == SDPBackend.CUDNN_ATTENTION
+    assert attention_order("auto", torch.device("cpu")) is None  # torch's own order off Hopper
+    assert classify("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits>") \
+        == "attention"
+    assert classify("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x64") == "attention"
+    assert classify("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "matmul"
+    assert classify("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNT") == "matmul"
+    assert classify("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "compiled (inductor)"
+    assert classify("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>") \
+        == "optimizer"
+    assert classify("something_new") == "other"
