@@ -255,13 +255,15 @@ def _k1_autotuned():
 
 
 def gate_pack(
-    x2d: torch.Tensor, w_gate: torch.Tensor, *, entries: str | None = None, variant: str = "r5", **overrides,
+    x2d: torch.Tensor, w_gate: torch.Tensor, *, entries: str | None = None, variant: str = "r5",
+    autotune: bool | None = None, **overrides,
 ) -> TwellPacked:
     """K1: relu(x2d @ w_gate.T) packed as TwELL. x2d [M, d] row-contiguous, w_gate [F, d] contiguous.
 
     entries: slot encoding ("split", "bf16", "fp16"; default from the dtype and variant). variant "r5"
     autotunes the block sizes on CUDA for M > 16 unless block sizes are given in `overrides`; "r4" runs
-    the round-4 kernel exactly (split encoding, fixed blocks).
+    the round-4 kernel exactly (split encoding, fixed blocks). autotune=True forces the autotuned
+    launch (tests drive it in the interpreter with a stand-in benchmark).
     """
     _require_triton()
     m, d = x2d.shape
@@ -270,6 +272,7 @@ def gate_pack(
     cfg = {**k1_config(m, d), **overrides}
     tuned = (variant == "r5" and x2d.is_cuda and m > 16 and cfg["T"] == TILE
              and not {"BLOCK_M", "BLOCK_K", "num_warps", "num_stages"} & overrides.keys())
+    tuned = tuned if autotune is None else autotune
     if x2d.device.type == "cpu":  # interpreter: few large blocks run fastest
         cfg["BLOCK_K"] = max(cfg["BLOCK_K"], min(128, _next_pow2(d)))
     t, s = cfg["T"], cfg["S"]
