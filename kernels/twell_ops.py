@@ -17,8 +17,8 @@ Backends:
   refreshed every REFRESH calls WITHOUT a host sync (device count -> pinned buffer -> read when its
   event has completed); when it drifts by more than DRIFT, the layer is re-timed (at most MAX_RETUNE
   times). Inside CUDA-graph capture nothing is timed or counted: the last decision is used (dense if
-  none). Once a bucket has chosen dense for both eager and graph calls, twell_ffn goes straight to the
-  dense torch ops after one attribute and dict lookup (refreshing the density only every REFRESH_DENSE
+  none). Once a bucket has chosen dense (eager calls; captured calls too unless graph timing chose
+  twell), twell_ffn goes straight to the dense torch ops after one attribute and dict lookup (refreshing the density only every REFRESH_DENSE
   calls), and the cached W_down^T copy is freed while every bucket of the layer is dense (it is made
   only when twell is timed or run).
 Without CUDA or triton, "auto" and "twell" on CPU tensors run the dense torch path, except that
@@ -105,7 +105,7 @@ class _LayerState:
 
     @property
     def all_dense(self) -> bool:
-        """Eager and graph decisions are both dense: twell_ffn's fast path may skip the dispatcher."""
+        """Eager and graph decisions are both dense (then no W_down^T copy is needed for this bucket)."""
         return self.decision == "dense" and self.graph_decision == "dense"
 
 
@@ -263,8 +263,8 @@ def _impl(x2d, w_gate, w_up, w_down, w_down_t, backend: str) -> torch.Tensor:
 
 
 def _dense_decided(x: torch.Tensor, w_gate: torch.Tensor) -> bool:
-    """Fast path of "auto": this layer's M bucket chose dense for eager and graph calls, and no refresh
-    is due. A plain dense FFN then pays only this lookup (no checks of its own: F.linear validates the
+    """Fast path of "auto": this layer's M bucket chose dense (for graph capture too, or this call is not
+    being captured), and no refresh is due. A plain dense FFN then pays only this lookup (no checks of its own: F.linear validates the
     shapes, and a layer only gets state after a fully checked call). Every REFRESH_DENSE-th call goes
     through the dispatcher to refresh the density estimate (no host sync)."""
     held = getattr(w_gate, "_twell_auto", None)
@@ -273,8 +273,10 @@ def _dense_decided(x: torch.Tensor, w_gate: torch.Tensor) -> bool:
     shape = x.shape
     m = shape[0] if len(shape) == 2 else x.numel() // max(shape[-1], 1)
     st = held[1].get(1 << max(0, (m - 1).bit_length()))
-    if st is None or not st.all_dense or st.calls % REFRESH_DENSE == REFRESH_DENSE - 1 or st.retune:
+    if st is None or st.decision != "dense" or st.calls % REFRESH_DENSE == REFRESH_DENSE - 1 or st.retune:
         return False
+    if st.graph_decision != "dense" and torch.cuda.is_current_stream_capturing():
+        return False  # graph replay chose twell for this bucket: the dispatcher runs it
     st.calls += 1  # (with gradients needed the checked path would run the same dense ops)
     return True
 

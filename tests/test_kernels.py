@@ -323,6 +323,25 @@ def test_auto_dense_decision_is_a_plain_dense_call(monkeypatch):
     assert len(slow) == 2
 
 
+def test_auto_fast_path_respects_graph_decision(monkeypatch):
+    """Eager dense but graph-timed twell: eager calls take the fast path, captured calls do not."""
+    x, wg, wu, wd = make_case(20, 16, 64, 0.9, seed=24)
+
+    def fake_calibrate(st, *args):
+        st.decision, st.graph_decision, st.density0 = "dense", "twell", st.density
+
+    monkeypatch.setattr(twell_ops, "_calibrate", fake_calibrate)
+    monkeypatch.setattr(twell_ops, "_logged", {})
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    twell_ops._auto(x, wg, wu, wd, None)
+    assert twell_ops._dense_decided(x, wg)
+    capturing[0] = True
+    assert not twell_ops._dense_decided(x, wg)
+    assert_close(twell_ops._auto(x, wg, wu, wd, None), ref.ffn_reference(x, wg, wu, wd), what="captured", **FP32)
+    assert twell_ops.last_backend() == "twell" and wd._twell_down_t is not None
+
+
 def test_auto_keeps_down_t_when_twell_is_chosen(monkeypatch):
     x, wg, wu, wd = make_case(20, 16, 64, 0.9, seed=20)
 
