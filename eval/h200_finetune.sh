@@ -142,6 +142,26 @@ for r in rows:
     md += [f"- {r['run']}: {r['curve']}", f"  - per layer: {r['per_layer_nonzeros']}"]
 (out / "summary.md").write_text("\n".join(md) + "\n")
 print("\n".join(md))
+try:  # the quality/sparsity trade-off: held-out perplexity against zeros, one point per run
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for kd, marker in ((0, "o"), (1, "s")):
+        pts = [r for r in rows if (r["kd"] > 0) == bool(kd)]
+        ax.scatter([r["zeros"] for r in pts], [r["ppl_finetuned"] for r in pts], marker=marker,
+                   label=f"kd {'> 0' if kd else '= 0'}")
+        for r in pts:
+            ax.annotate(f"l1 {r['l1']:g}, {r['tokens'] / 1e6:.0f}M", (r["zeros"], r["ppl_finetuned"]), fontsize=7)
+    silu = [r["ppl_original_silu"] for r in rows if r["ppl_original_silu"]]
+    if silu:
+        ax.axhline(silu[0], color="gray", ls="--", lw=1, label="original SiLU")
+        ax.axhline(silu[0] * 1.1, color="gray", ls=":", lw=1, label="SiLU + 10%")
+    ax.axvline(0.95, color="red", ls=":", lw=1, label="95% zeros")
+    ax.set_xlabel("zeros of h (mean over layers)"); ax.set_ylabel("held-out perplexity"); ax.legend(fontsize=7)
+    fig.tight_layout(); fig.savefig(out / "tradeoff.png", dpi=120)
+except Exception as exc:  # the numbers above are the result; the plot is a convenience
+    print(f"trade-off plot skipped: {exc}")
 EOF
 }
 
