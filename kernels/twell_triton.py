@@ -26,9 +26,14 @@ try:  # the file must import (and the torch path work) without triton
     import triton.language as tl
 
     HAS_TRITON = True
+    try:  # host-side tensor descriptors (TMA on Hopper): triton >= 3.4; the "r5tma" variant needs them
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:  # pragma: no cover
+        TensorDescriptor = None
 except ImportError:  # pragma: no cover - exercised on machines without triton
     triton = None
     tl = None
+    TensorDescriptor = None
     HAS_TRITON = False
 
 
@@ -101,7 +106,14 @@ if HAS_TRITON:
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
 
-        # epilogue: ReLU + TwELL packing; slot = rank of the column among the tile's positives
+        _k1_epilogue(acc, offs_m, offs_n, m_ok, n_ok, pid_n, cnt_ptr, col_ptr, val_ptr, NT,
+                     BLOCK_M, T, S, ENT, PACK)
+
+    @triton.jit
+    def _k1_epilogue(acc, offs_m, offs_n, m_ok, n_ok, pid_n, cnt_ptr, col_ptr, val_ptr, NT,
+                     BLOCK_M: tl.constexpr, T: tl.constexpr, S: tl.constexpr, ENT: tl.constexpr,
+                     PACK: tl.constexpr):
+        """ReLU + TwELL packing of acc [BM, T]; slot = rank of the column among the tile's positives."""
         active = (acc > 0) & m_ok[:, None] & n_ok[None, :]  # [BM, T]
         act_i = active.to(tl.int32)
         pos = tl.cumsum(act_i, 1) - 1  # [BM, T]
@@ -119,6 +131,34 @@ if HAS_TRITON:
             else:
                 tl.store(col_ptr + dst, _pack_words(acc, T, ENT), mask=keep)  # one word per entry
         tl.store(cnt_ptr + offs_m.to(tl.int64) * NT + pid_n, cnt, mask=m_ok)
+
+    @triton.jit
+    def _k1_gate_pack_tma(
+        x_desc, wg_desc, cnt_ptr, col_ptr, val_ptr, M, F, D, NT,
+        BLOCK_M: tl.constexpr, T: tl.constexpr, BLOCK_K: tl.constexpr, S: tl.constexpr,
+        MB, GROUP_M: tl.constexpr, IEEE: tl.constexpr, ENT: tl.constexpr, PACK: tl.constexpr,
+    ):
+        """K1 with tensor-descriptor (TMA on Hopper) loads: out-of-range rows/columns/K arrive as zeros,
+        so the main loop has no masks. Same launch order and epilogue as _k1_gate_pack."""
+        pid = tl.program_id(0)
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        group = GROUP_M * NT
+        first_m = (pid // group) * GROUP_M
+        gsize = tl.minimum(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + ((pid % group) % gsize)
+        pid_n = (pid % group) // gsize
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+        offs_n = pid_n * T + tl.arange(0, T)  # [T]
+        acc = tl.zeros([BLOCK_M, T], dtype=tl.float32)
+        for k in range(0, tl.cdiv(D, BLOCK_K)):
+            a = x_desc.load([pid_m * BLOCK_M, k * BLOCK_K])  # [BM, BK]
+            b = wg_desc.load([pid_n * T, k * BLOCK_K])  # [T, BK]
+            if IEEE:
+                acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(b), acc)
+        _k1_epilogue(acc, offs_m, offs_n, offs_m < M, offs_n < F, pid_n, cnt_ptr, col_ptr, val_ptr, NT,
+                     BLOCK_M, T, S, ENT, PACK)
 
     @triton.jit
     def _k2_entries(col_ptr, val_ptr, row, NT, S: tl.constexpr, p, K, cum, start, tiles,
@@ -203,12 +243,14 @@ def _require_triton() -> None:
 
 
 ENT_CODES = {"split": 0, "bf16": 1, "fp16": 2}
-VARIANTS = ("r5", "r4")  # r5: packed 32-bit entries for bf16/fp16 + autotuned K1; r4: round-4 kernels
+# r5: packed 32-bit entries for bf16/fp16 + autotuned K1; r5tma: the same with tensor-descriptor (TMA)
+# loads in K1 (a benchmark variant); r4: the round-4 kernels (split entries, fixed K1 blocks)
+VARIANTS = ("r5", "r5tma", "r4")
 
 
 def default_entries(dtype: torch.dtype, variant: str = "r5") -> str:
     """Slot encoding: one packed word per entry for 16-bit inputs (r5), split col/val otherwise."""
-    if variant == "r5" and dtype in (torch.bfloat16, torch.float16):
+    if variant != "r4" and dtype in (torch.bfloat16, torch.float16):
         return "bf16" if dtype == torch.bfloat16 else "fp16"
     return "split"
 
@@ -241,6 +283,29 @@ def _even_mn(a) -> bool:
 
 
 _k1_tuned = None
+_k1_tma_tuned = None
+
+
+def _tma_blocks(nargs) -> None:
+    """Autotune pre-hook: give the descriptors the block shapes of the config being run."""
+    nargs["x_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
+    nargs["wg_desc"].block_shape = [TILE, nargs["BLOCK_K"]]
+
+
+def _k1_tma_autotuned():
+    """The autotuned TMA K1 (tuned prefill path only, so T = TILE)."""
+    global _k1_tma_tuned
+    if _k1_tma_tuned is None:
+        configs = [triton.Config({"BLOCK_M": bm, "BLOCK_K": bk}, num_warps=w, num_stages=st, pre_hook=_tma_blocks)
+                   for bm, bk, w, st in K1_TUNE]
+        _k1_tma_tuned = triton.autotune(configs=configs, key=["D", "F", "MB"])(_k1_gate_pack_tma)
+    return _k1_tma_tuned
+
+
+def _tma_ok(x2d: torch.Tensor, w_gate: torch.Tensor) -> bool:
+    """Descriptors need 16-byte aligned bases and row strides."""
+    return TensorDescriptor is not None and all(
+        t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (x2d, w_gate))
 
 
 def _k1_autotuned():
@@ -261,8 +326,9 @@ def gate_pack(
     """K1: relu(x2d @ w_gate.T) packed as TwELL. x2d [M, d] row-contiguous, w_gate [F, d] contiguous.
 
     entries: slot encoding ("split", "bf16", "fp16"; default from the dtype and variant). variant "r5"
-    autotunes the block sizes on CUDA for M > 16 unless block sizes are given in `overrides`; "r4" runs
-    the round-4 kernel exactly (split encoding, fixed blocks). autotune=True forces the autotuned
+    autotunes the block sizes on CUDA for M > 16 unless block sizes are given in `overrides`; "r5tma"
+    is r5 with tensor-descriptor (TMA) loads (falls back to r5 when a tensor is not 16-byte aligned);
+    "r4" runs the round-4 kernel exactly (split encoding, fixed blocks). autotune=True forces the autotuned
     launch (tests drive it in the interpreter with a stand-in benchmark).
     """
     _require_triton()
@@ -270,7 +336,8 @@ def gate_pack(
     f = w_gate.shape[0]
     entries = entries or default_entries(x2d.dtype, variant)
     cfg = {**k1_config(m, d), **overrides}
-    tuned = (variant == "r5" and x2d.is_cuda and m > 16 and cfg["T"] == TILE
+    tma = variant == "r5tma" and _tma_ok(x2d, w_gate)
+    tuned = (variant != "r4" and x2d.is_cuda and m > 16 and cfg["T"] == TILE
              and not {"BLOCK_M", "BLOCK_K", "num_warps", "num_stages"} & overrides.keys())
     tuned = tuned if autotune is None else autotune
     if x2d.device.type == "cpu":  # interpreter: few large blocks run fastest
@@ -284,7 +351,16 @@ def gate_pack(
     # MB keys the autotuner (a constant otherwise, so it never causes a recompilation)
     common = dict(T=t, S=s, MB=min(_next_pow2(m), 1 << 16) if tuned else 16, GROUP_M=8, IEEE=(x2d.dtype == torch.float32),
                   ENT=ENT_CODES[entries], PACK=int(cfg.get("PACK", 1)))
-    if tuned:
+    if tma:  # descriptors replace the pointers and strides
+        bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
+        descs = (TensorDescriptor.from_tensor(x2d, [bm, bk]), TensorDescriptor.from_tensor(w_gate, [t, bk]))
+        targs = (*descs, cnt, col, val, m, f, d, nt)
+        if tuned:
+            _k1_tma_autotuned()[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * nt,)](*targs, **common)
+        else:
+            _k1_gate_pack_tma[(triton.cdiv(m, bm) * nt,)](
+                *targs, BLOCK_M=bm, BLOCK_K=bk, **common, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    elif tuned:
         _k1_autotuned()[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * nt,)](*args, **common)
     else:
         bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
@@ -297,11 +373,12 @@ def gate_pack(
     return TwellPacked(cnt=cnt, col=None, val=None, tile=t, n_cols=f, ent=col, entries=entries)
 
 
-def k1_best_config(d: int, f: int, m: int) -> dict | None:
+def k1_best_config(d: int, f: int, m: int, tma: bool = False) -> dict | None:
     """The autotuner's pick for (d, F, M bucket), if it has tuned that key (for the benchmark log)."""
-    if _k1_tuned is None:
+    tuner = _k1_tma_tuned if tma else _k1_tuned
+    if tuner is None:
         return None
-    for key, cfg in _k1_tuned.cache.items():
+    for key, cfg in tuner.cache.items():
         if tuple(key[:3]) == (d, f, min(_next_pow2(m), 1 << 16)):
             return {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     return None

@@ -274,18 +274,38 @@ def test_k1_autotune_configs_are_valid():
         assert torch.equal(packed.cnt, want.cnt) and torch.equal(packed.ent[kept], want.ent[kept]), (bm, bk)
 
 
-def test_k1_autotuned_launch_in_interpreter(monkeypatch):
-    """The autotuned launch (heuristics for EVEN_K/EVEN_MN, grid from the chosen BLOCK_M, the M-bucket
-    key) with a stand-in benchmark (the real one needs a GPU driver): every config runs, output exact."""
+@pytest.mark.parametrize("variant", ["r5", "r5tma"])
+def test_k1_autotuned_launch_in_interpreter(monkeypatch, variant):
+    """The autotuned launch (heuristics for EVEN_K/EVEN_MN or the descriptors' block-shape pre-hook,
+    grid from the chosen BLOCK_M, the M-bucket key) with a stand-in benchmark (the real one needs a GPU
+    driver): every config runs once, the first wins, the output is exact."""
     x, wg, _, _ = make_case(40, 24, 200, 0.9, seed=23)
-    tuner = tt._k1_autotuned()
+    tuner = tt._k1_tma_autotuned() if variant == "r5tma" else tt._k1_autotuned()
     ran = []
     monkeypatch.setattr(tuner, "_do_bench", lambda call, quantiles: ran.append(1) or call() or [float(len(ran))] * 3)
-    packed = tt.gate_pack(x, wg, autotune=True)
-    assert len(ran) == len(tt.K1_TUNE) and tt.k1_best_config(24, 200, 40)["BLOCK_M"] == tt.K1_TUNE[0][0]
+    monkeypatch.setattr(tuner, "cache", {})
+    packed = tt.gate_pack(x, wg, autotune=True, variant=variant)
+    best = tt.k1_best_config(24, 200, 40, tma=variant == "r5tma")
+    assert len(ran) == len(tt.K1_TUNE) and best["BLOCK_M"] == tt.K1_TUNE[0][0], (len(ran), best)
     want = ref.twell_pack(x @ wg.t(), packed.tile, packed.slots, entries="split")
     kept = torch.arange(packed.slots) < packed.cnt.clamp(max=packed.slots).unsqueeze(-1)
     assert torch.equal(packed.cnt, want.cnt) and torch.equal(packed.columns()[kept], want.col[kept])
+
+
+@pytest.mark.parametrize("m,d,f", [(37, 40, 300), (3, 24, 200)])
+def test_tma_variant_matches_pointer_k1(m, d, f):
+    """r5tma (tensor-descriptor loads, zero padding instead of masks) packs exactly what r5 packs."""
+    x, wg, wu, wd = make_case(m, d, f, 0.9, seed=25)
+    assert tt._tma_ok(x, wg)
+    kw = dict(BLOCK_M=32, T=64, S=8) if m > 16 else {}
+    for entries in ("split", "bf16"):
+        a = tt.gate_pack(x, wg, entries=entries, variant="r5tma", **kw)
+        b = tt.gate_pack(x, wg, entries=entries, **kw)
+        kept = torch.arange(a.slots) < a.cnt.clamp(max=a.slots).unsqueeze(-1)
+        assert torch.equal(a.cnt, b.cnt) and torch.equal(a.columns()[kept], b.columns()[kept])
+        assert_close(a.values()[kept], b.values()[kept], what=f"r5tma values {entries}", **FP32)
+    out = tt.twell_ffn_triton(x, wg, wu, twell_ops.transpose_down(wd), variant="r5tma")
+    assert_close(out, ref.ffn_reference(x, wg, wu, wd), what="r5tma", **FP32)
 
 
 def test_r4_variant_and_default_encodings():
@@ -367,7 +387,8 @@ def test_bench_smoke_on_cpu(tmp_path):
     data = json.loads((tmp_path / "kernels-bench.json").read_text())
     rows = data["rows"]
     assert rows and not [r for r in rows if "error" in r], [r.get("error") for r in rows]
-    assert {"twell_ms", "twell_r4_ms", "auto_ms", "k1_ms", "k1_r4_ms", "k2_ms", "k2_r4_ms"} <= rows[0].keys()
+    assert {"twell_ms", "twell_r4_ms", "twell_tma_ms", "auto_ms", "k1_ms", "k1_r4_ms", "k1_tma_ms", "k2_ms", "k2_r4_ms",
+            "x_auto", "noise_med", "k1_over_gate"} <= rows[0].keys()
     assert "TARGETS" in res.stdout
 
 
@@ -428,6 +449,15 @@ def test_gpu_k1_autotuned_matches_fixed_config():
     # same products, different summation order (BLOCK_K), then each rounded to bf16: one ulp apart at most
     bad = (a - b).abs() > 2.0**-8 * gate.relu() + 1e-5 * gate.abs().max().item()
     assert not bad.any(), f"autotuned K1 differs from the fixed config at {int(bad.sum())} values"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,d,f", [(5, 2048, 8192), (300, 576, 1536), (1024, 2048, 8192)])
+def test_gpu_tma_variant(m, d, f):
+    """The r5tma benchmark variant (TMA loads in K1) against the oracle, bf16."""
+    x, wg, wu, wd = make_case(m, d, f, 0.99, seed=26, dtype=torch.bfloat16, device="cuda")
+    got = tt.twell_ffn_triton(x, wg, wu, twell_ops.transpose_down(wd), variant="r5tma")
+    bf16_rule(got, x, wg, wu, wd, f"gpu r5tma {m}x{d}x{f}")
 
 
 @pytest.mark.gpu
