@@ -130,16 +130,22 @@ def _count_async(st: _LayerState, nnz: torch.Tensor, elements: int) -> None:
 
 
 def _time(fn, reps: int = 5) -> float:
+    """Median ms per call over `reps` measurements of n back-to-back calls (n makes ~0.5 ms), so that
+    launch-bound sizes are timed as the throughput a model sees, not one noisy call."""
     fn()
     torch.cuda.synchronize()
+    n = 1
     ts = []
-    for _ in range(reps):
+    for _ in range(reps + 1):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        for _ in range(n):
+            fn()
         b.record()
         b.synchronize()
-        ts.append(a.elapsed_time(b))
+        ts.append(a.elapsed_time(b) / n)
+        n = max(n, min(50, int(0.5 / max(ts[0], 1e-3))))  # the first measurement sizes the others
+    ts = ts[1:]
     return sorted(ts)[len(ts) // 2]
 
 
@@ -160,7 +166,10 @@ def _calibrate(st: _LayerState, x2d, w_gate, w_up, w_down, w_down_t) -> None:
     w_down_t = _down_t(w_down, w_down_t)
     dense = lambda: ffn_dense(x2d, w_gate, w_up, w_down)  # noqa: E731
     twell = lambda: twell_ffn_triton(x2d, w_gate, w_up, w_down_t)  # noqa: E731
-    t_dense, t_twell = _time(dense), _time(twell)
+    # eager: each path with the Python it really costs per call (dense: the fast path is ~ffn_dense;
+    # twell: the checks and the dispatcher's hot path, about what backend="twell" pays)
+    twell_eager = lambda: twell_ffn(x2d, w_gate, w_up, w_down, backend="twell", w_down_t=w_down_t)  # noqa: E731
+    t_dense, t_twell = _time(dense), _time(twell_eager)
     st.decision = "twell" if t_twell < MARGIN * t_dense else "dense"
     st.graph_decision = st.decision
     st.times = {"dense_ms": t_dense, "twell_ms": t_twell, "density": st.density}
