@@ -352,10 +352,10 @@ def twell_ffn(
         kernels); `last_backend()` tells which path ran.
     """
     global _last_backend
-    d = x.shape[-1]
     if backend == "auto" and _dense_decided(x, w_gate):  # the same torch ops as the dense backend
         _last_backend = "dense"
         return ffn_dense(x, w_gate, w_up, w_down)
+    d = x.shape[-1]
     if (backend not in BACKENDS or w_gate.shape[-1] != d or w_up.shape != w_gate.shape
             or w_down.shape[0] != d or w_down.shape[-1] != w_gate.shape[0]
             or w_gate.dtype != x.dtype or w_up.dtype != x.dtype or w_down.dtype != x.dtype):
