@@ -178,12 +178,42 @@ if HAS_TRITON:
         return j, g, p_ok
 
     @triton.jit
+    def _k2_compact_row(col_ptr, val_ptr, sj_ptr, sg_ptr, row, NT, KMAX, sc, start, tiles,
+                        T: tl.constexpr, S: tl.constexpr, ENT: tl.constexpr):
+        """Copy the row's kept entries to scratch in rank order: tile t's slot s goes to start[t] + s."""
+        slots = tl.arange(0, S)
+        valid = slots[None, :] < sc[:, None]  # [NT_PAD, S]
+        src = (row * NT + tiles[:, None]) * S + slots[None, :]  # [NT_PAD, S]
+        if ENT == 0:
+            jj = tl.load(col_ptr + src, mask=valid, other=0)
+            gg = tl.load(val_ptr + src, mask=valid, other=0.0)
+        else:
+            w = tl.load(col_ptr + src, mask=valid, other=0)
+            jj = tiles[:, None] * T + (w & 0xFFFF)
+            gg = _unpack_value(w, ENT)
+        dst = row * KMAX + start[:, None] + slots[None, :]  # [NT_PAD, S]
+        tl.store(sj_ptr + dst, jj, mask=valid)
+        tl.store(sg_ptr + dst, gg, mask=valid)
+
+    @triton.jit
+    def _k2_list(sj_ptr, sg_ptr, base, p, K):
+        """Column (int64) and value of the compacted entries of rank p [E]."""
+        p_ok = p < K
+        j = tl.load(sj_ptr + base + p, mask=p_ok, other=0).to(tl.int64)
+        g = tl.load(sg_ptr + base + p, mask=p_ok, other=0.0)
+        return j, g, p_ok
+
+    @triton.jit
     def _k2_updown(
         x_ptr, cnt_ptr, col_ptr, val_ptr, wg_ptr, wu_ptr, wdt_ptr, out_ptr,
         D, F, NT, stride_xm, stride_om,
         T: tl.constexpr, S: tl.constexpr, NT_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
         E: tl.constexpr, SPLIT: tl.constexpr, ENT: tl.constexpr,
+        sj_ptr, sg_ptr, KMAX, COMPACT: tl.constexpr,
     ):
+        # COMPACT (round-5 variant, SPLIT == 1): a prologue copies the row's kept entries, in rank order,
+        # to a per-row scratch list (global column int32, value fp32), so the main loop reads E
+        # contiguous entries per chunk like a plain indexed gather, without the per-chunk tile lookup.
         row = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
         offs_d = tl.arange(0, BLOCK_D)
@@ -202,13 +232,21 @@ if HAS_TRITON:
         step = E * SPLIT
         # (col, val) of the first chunk; inside the loop the next chunk's pair is fetched while the
         # current chunk's weight rows are in flight (one memory latency per chunk instead of two)
-        j, g, p_ok = _k2_entries(col_ptr, val_ptr, row, NT, S, split * E + lane, K, cum, start, tiles, T, ENT)
+        if COMPACT:
+            _k2_compact_row(col_ptr, val_ptr, sj_ptr, sg_ptr, row, NT, KMAX, sc, start, tiles, T, S, ENT)
+            tl.debug_barrier()  # the scratch stores of all threads are visible to the loads below
+            j, g, p_ok = _k2_list(sj_ptr, sg_ptr, row * KMAX, split * E + lane, K)
+        else:
+            j, g, p_ok = _k2_entries(col_ptr, val_ptr, row, NT, S, split * E + lane, K, cum, start, tiles, T, ENT)
         for k0 in range(split * E, K, step):
             m2 = p_ok[:, None] & d_ok[None, :]
             wu = tl.load(wu_ptr + j[:, None] * D + offs_d[None, :], mask=m2, other=0.0)  # [E, BD]
             wd = tl.load(wdt_ptr + j[:, None] * D + offs_d[None, :], mask=m2, other=0.0)  # [E, BD]
-            jn, gn, pn_ok = _k2_entries(
-                col_ptr, val_ptr, row, NT, S, k0 + step + lane, K, cum, start, tiles, T, ENT)
+            if COMPACT:
+                jn, gn, pn_ok = _k2_list(sj_ptr, sg_ptr, row * KMAX, k0 + step + lane, K)
+            else:
+                jn, gn, pn_ok = _k2_entries(
+                    col_ptr, val_ptr, row, NT, S, k0 + step + lane, K, cum, start, tiles, T, ENT)
             h = g * tl.sum(wu.to(tl.float32) * x[None, :], 1)  # [E] never leaves registers
             acc += tl.sum(h[:, None] * wd.to(tl.float32), 0)
             j, g, p_ok = jn, gn, pn_ok
@@ -245,7 +283,8 @@ def _require_triton() -> None:
 ENT_CODES = {"split": 0, "bf16": 1, "fp16": 2}
 # r5: packed 32-bit entries for bf16/fp16 + autotuned K1; r5tma: the same with tensor-descriptor (TMA)
 # loads in K1 (a benchmark variant); r4: the round-4 kernels (split entries, fixed K1 blocks)
-VARIANTS = ("r5", "r5tma", "r4")
+# r5c: r5 with K2 reading per-row compacted entry lists (a benchmark variant)
+VARIANTS = ("r5", "r5tma", "r5c", "r4")
 
 
 def default_entries(dtype: torch.dtype, variant: str = "r5") -> str:
@@ -402,9 +441,11 @@ def k2_config(m: int, d: int) -> dict:
 
 def updown(
     x2d: torch.Tensor, packed: TwellPacked, w_gate: torch.Tensor, w_up: torch.Tensor,
-    w_down_t: torch.Tensor, **overrides,
+    w_down_t: torch.Tensor, *, compact: bool = False, **overrides,
 ) -> torch.Tensor:
-    """K2: (unpack(packed) * (x2d @ w_up.T)) @ w_down_t -> [M, d] in x2d's dtype. w_down_t is [F, d]."""
+    """K2: (unpack(packed) * (x2d @ w_up.T)) @ w_down_t -> [M, d] in x2d's dtype. w_down_t is [F, d].
+
+    compact=True (variant "r5c", prefill only): per-row compacted entry lists before the gather loop."""
     _require_triton()
     m, d = x2d.shape
     f = w_up.shape[0]
@@ -413,12 +454,18 @@ def updown(
     nt = packed.n_tiles
     out = torch.zeros(m, d, dtype=torch.float32, device=x2d.device) if split > 1 else (
         torch.empty(m, d, dtype=x2d.dtype, device=x2d.device))
+    extra = dict(sj_ptr=packed.cnt, sg_ptr=packed.cnt, KMAX=0, COMPACT=False)  # unused placeholders
+    if compact and split == 1:  # scratch lists [M, NT * S]: only the kept entries are written
+        kmax = nt * packed.slots
+        extra = dict(sj_ptr=torch.empty(m, kmax, dtype=torch.int32, device=x2d.device),
+                     sg_ptr=torch.empty(m, kmax, dtype=torch.float32, device=x2d.device),
+                     KMAX=kmax, COMPACT=True)
     _k2_updown[(m, split)](
         x2d, packed.cnt, packed.ent if packed.entries != "split" else packed.col,
         packed.val if packed.entries == "split" else packed.cnt, w_gate, w_up, w_down_t, out,
         d, f, nt, x2d.stride(0), out.stride(0),
         T=packed.tile, S=packed.slots, NT_PAD=_next_pow2(nt), BLOCK_D=_next_pow2(d),
-        E=cfg["E"], SPLIT=split, ENT=ENT_CODES[packed.entries], num_warps=cfg["num_warps"],
+        E=cfg["E"], SPLIT=split, ENT=ENT_CODES[packed.entries], num_warps=cfg["num_warps"], **extra,
     )
     return out.to(x2d.dtype) if split > 1 else out
 
@@ -427,5 +474,5 @@ def twell_ffn_triton(
     x2d: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down_t: torch.Tensor, variant: str = "r5",
 ) -> torch.Tensor:
     """The whole sparse FFN on [M, d]: K1 (gate + pack) then K2 (fused up/down). variant: see gate_pack."""
-    packed = gate_pack(x2d, w_gate, variant=variant)
-    return updown(x2d, packed, w_gate, w_up, w_down_t)
+    packed = gate_pack(x2d, w_gate, variant="r5" if variant == "r5c" else variant)
+    return updown(x2d, packed, w_gate, w_up, w_down_t, compact=variant == "r5c")

@@ -308,6 +308,19 @@ def test_tma_variant_matches_pointer_k1(m, d, f):
     assert_close(out, ref.ffn_reference(x, wg, wu, wd), what="r5tma", **FP32)
 
 
+@pytest.mark.parametrize("entries", ["split", "bf16"])
+@pytest.mark.parametrize("zeros", [0.0, 0.5, 0.99, 1.0])
+def test_k2_compact_variant_equals_k2(entries, zeros):
+    """K2 reading per-row compacted lists (r5c) sums the same entries in the same order as plain K2."""
+    x, wg, wu, wd = make_case(37, 40, 300, zeros, seed=27)
+    x[::3, 0] = -1000.0  # a third of the rows: every neuron active, every tile overflows
+    packed = tt.gate_pack(x, wg, BLOCK_M=32, T=64, S=8, entries=entries)
+    wdt = twell_ops.transpose_down(wd)
+    got = tt.updown(x, packed, wg, wu, wdt, compact=True)
+    assert torch.equal(got, tt.updown(x, packed, wg, wu, wdt)), "compacted K2 differs from K2"
+    assert_close(got, ref.twell_updown_reference(x, packed, wg, wu, wd), what=f"K2 compact {entries}", **FP32)
+
+
 def test_r4_variant_and_default_encodings():
     x, wg, wu, wd = make_case(20, 16, 64, 0.9, seed=18)
     assert tt.default_entries(torch.bfloat16) == "bf16" and tt.default_entries(torch.float16) == "fp16"
@@ -387,8 +400,8 @@ def test_bench_smoke_on_cpu(tmp_path):
     data = json.loads((tmp_path / "kernels-bench.json").read_text())
     rows = data["rows"]
     assert rows and not [r for r in rows if "error" in r], [r.get("error") for r in rows]
-    assert {"twell_ms", "twell_r4_ms", "twell_tma_ms", "auto_ms", "k1_ms", "k1_r4_ms", "k1_tma_ms", "k2_ms", "k2_r4_ms",
-            "x_auto", "noise_med", "k1_over_gate"} <= rows[0].keys()
+    assert {"twell_ms", "twell_r4_ms", "twell_tma_ms", "twell_c_ms", "k2_c_ms", "auto_ms", "k1_ms", "k1_r4_ms", "k1_tma_ms", "k2_ms", "k2_r4_ms",
+            "x_auto", "noise_med", "k1_over_gate"} <= rows[-1].keys()  # rows[-1]: M = 24 (prefill)
     assert "TARGETS" in res.stdout
 
 
@@ -453,11 +466,12 @@ def test_gpu_k1_autotuned_matches_fixed_config():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,d,f", [(5, 2048, 8192), (300, 576, 1536), (1024, 2048, 8192)])
-def test_gpu_tma_variant(m, d, f):
-    """The r5tma benchmark variant (TMA loads in K1) against the oracle, bf16."""
+def test_gpu_tma_and_compact_variants(m, d, f):
+    """The benchmark variants r5tma (TMA loads in K1) and r5c (compacted K2) against the oracle, bf16."""
     x, wg, wu, wd = make_case(m, d, f, 0.99, seed=26, dtype=torch.bfloat16, device="cuda")
-    got = tt.twell_ffn_triton(x, wg, wu, twell_ops.transpose_down(wd), variant="r5tma")
-    bf16_rule(got, x, wg, wu, wd, f"gpu r5tma {m}x{d}x{f}")
+    for variant in ("r5tma", "r5c"):
+        got = tt.twell_ffn_triton(x, wg, wu, twell_ops.transpose_down(wd), variant=variant)
+        bf16_rule(got, x, wg, wu, wd, f"gpu {variant} {m}x{d}x{f}")
 
 
 @pytest.mark.gpu
