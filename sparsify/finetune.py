@@ -179,7 +179,7 @@ def wrap_model(model: nn.Module, recipe: Recipe, dist: Dist) -> nn.Module:
     """DDP or FSDP2 under torchrun; torch.compile when asked. Returns the module to call for training.
 
     Compilation is in place (parameter names, hence checkpoints and optimizer state, stay unprefixed); FSDP2
-    shards first and compiles the sharded model, DDP wraps the compiled one (both are the documented orders).
+    shards first and compiles the sharded layers, DDP wraps the model of compiled layers.
     """
     fsdp = dist.world > 1 and recipe.train.distributed == "fsdp"
     if fsdp:
@@ -189,12 +189,24 @@ def wrap_model(model: nn.Module, recipe: Recipe, dist: Dist) -> nn.Module:
             fully_shard(layer)
         fully_shard(model)
     if recipe.train.compile:
-        model.compile()
+        compile_layers(model)
     if dist.world == 1 or fsdp:
         return model
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel(model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None)
+
+
+def compile_layers(model: nn.Module) -> None:
+    """torch.compile each decoder layer in place (one compiled graph serves them all), not the whole model.
+
+    transformers builds the causal mask outside the layers. Under a whole-model compile with torch < 2.14 it
+    cannot prove the mask away, so it materialises a [B, 1, T, T] mask and SDPA computes all T x T scores
+    instead of the causal half with is_causal: on the H200 attention was then 45% of a SmolLM2-135M step
+    (eval/results/finetune-h200/trainbench-r1). Eager mask code + compiled layers keep is_causal.
+    """
+    for layer in _decoder_layers(model):
+        layer.compile()
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -679,7 +691,7 @@ def _setup(recipe: Recipe, dist: Dist, model_dir: Path, data: Any) -> Run:
     model = load_student(model_dir, recipe, dist)
     teacher = load_teacher(model_dir, dist) if recipe.distill.kd > 0 else None
     if teacher is not None and recipe.train.compile:
-        teacher.compile()
+        compile_layers(teacher)
     probe = SparsityProbe(model, recipe.sparsity.normalization)
     train_model = wrap_model(model, recipe, dist)
     opt, sched = build_optimizer(model, recipe, total_steps_of(recipe, dist), dist)
