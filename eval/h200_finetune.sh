@@ -6,7 +6,8 @@
 #   bash eval/h200_finetune.sh main     # ~7 min: 50M tokens, L1=${L1:-6e-2}, KD=${KD:-1}: the headline run
 #   bash eval/h200_finetune.sh sweep    # ~8 min: short runs over SWEEP="l1:kd ..." (the quality/sparsity trade-off),
 #                                       #   spread over the GPUs (one run per GPU at a time)
-#   bash eval/h200_finetune.sh ddp      # the main run under torchrun on every GPU (DDP; DIST=fsdp for FSDP2)
+#   bash eval/h200_finetune.sh ddp      # the main run under torchrun on every GPU (DDP; DIST=fsdp for FSDP2);
+#                                       #   L1=from-sweep takes l1 from a sweep's summary in $OUT (pick_l1)
 #   bash eval/h200_finetune.sh trainbench  # dense training path variants (attention backend, batch): eval/bench_train.py
 # Knobs (environment): L1, KD, TOKENS (main, default 50_000_000), SWEEP (default "3e-2:1 1e-1:1 1e-1:0"),
 #   SWEEP_TOKENS (default 12_000_000), BATCH (default 16 x 2048 tokens per step), COMPILE (default true),
@@ -89,6 +90,18 @@ finetune() {  # finetune NAME OVERRIDES...: one run into out/h200/NAME, its arte
     mkdir -p "$OUT/$name"
     cp "$dir"/metrics.jsonl "$dir"/recipe.yaml "$OUT/$name/"
     cp "$dir"/*.png "$dir"/model/sparsity.json "$OUT/$name/" 2>/dev/null || true
+}
+
+pick_l1() {  # the smallest distilled sweep l1 with >= ZEROS (default 0.935) zeros and perplexity within PPL_RATIO
+    # (default 1.1) of the original; else the largest distilled l1 within PPL_RATIO; else 1.2e-1
+    python - "$OUT/summary.json" "${ZEROS:-0.935}" "${PPL_RATIO:-1.1}" <<'EOF'
+import json, sys
+runs = [r for r in json.load(open(sys.argv[1]))["runs"] if r["run"].startswith("sweep") and r["kd"] > 0]
+zeros, ratio = float(sys.argv[2]), float(sys.argv[3])
+ok = [r for r in runs if r["ppl_original_silu"] and r["ppl_finetuned"] <= ratio * r["ppl_original_silu"]]
+hit = sorted((r for r in ok if r["zeros"] >= zeros), key=lambda r: r["l1"])
+print(f"{(hit[0] if hit else max(ok, key=lambda r: r['l1']))['l1']:g}" if hit or ok else "1.2e-1")
+EOF
 }
 
 summarise() {  # summary.json + summary.md over the runs in $OUT
@@ -186,6 +199,9 @@ case "$MODE" in
     wait
     ;;
   ddp)  # one run over all GPUs of the machine (global batch = GPUS x BATCH x 2048 tokens)
+    if [ "${L1:-}" = from-sweep ]; then  # the sweep's summary in $OUT picks it: see pick_l1
+        L1=$(pick_l1); echo "l1 picked from the sweep: $L1"
+    fi
     LAUNCH="torchrun --standalone --nproc_per_node=$GPUS" finetune "${DIST:-ddp}${GPUS}-l1_${L1:-6e-2}-kd_${KD:-1}" \
         sparsity.l1="${L1:-6e-2}" distill.kd="${KD:-1}" train.distributed="${DIST:-ddp}" \
         train.max_tokens="${TOKENS:-50_000_000}" train.eval_every="${EVAL_EVERY:-0}" train.save_every="${SAVE_EVERY:-0}"
