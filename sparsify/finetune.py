@@ -136,12 +136,36 @@ def prepare_model(recipe: Recipe, out: Path, dist: Dist) -> Path:
     return target
 
 
+# Training and validation batches are packed windows of text with no padding, so attention is plain causal.
+# Under torch.compile (torch < 2.14) transformers' "sdpa" cannot prove its mask away and materialises a
+# [B, 1, T, T] mask: SDPA then computes every score (no is_causal, no FlashAttention); on the H200 attention
+# took 45% of a SmolLM2-135M step (eval/results/finetune-h200/trainbench-r1). This implementation is the
+# same SDPA call with no mask at all, so SDPA runs is_causal=True. Only for the models trained here: exported
+# folders keep "sdpa".
+CAUSAL_SDPA = "sparsify_causal_sdpa"
+
+
+def register_causal_sdpa() -> str:
+    """Registers CAUSAL_SDPA with transformers (idempotent) and returns its name for attn_implementation."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
+    AttentionMaskInterface.register(CAUSAL_SDPA, _no_mask)
+    return CAUSAL_SDPA
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    return None  # SDPA with attn_mask=None and more than one query: is_causal=True
+
+
 def load_student(model_dir: Path, recipe: Recipe, dist: Dist) -> nn.Module:
     """The stock transformers class of the ReLU folder in fp32 (master weights), LoRA and checkpointing applied."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(recipe.train.seed)  # LoRA adapter init
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=register_causal_sdpa())
     model.config.use_cache = False
     if recipe.train.gradient_checkpointing:
         # non-reentrant: the L1 term reads h inside checkpointed layers, which needs grad-enabled forward
@@ -170,7 +194,7 @@ def load_teacher(model_dir: Path, dist: Dist) -> nn.Module:
     field_name = family_for(config).act_field
     cfg = AutoConfig.from_pretrained(model_dir, **{field_name: original})
     dtype = torch.bfloat16 if dist.device.type == "cuda" else torch.float32
-    teacher = AutoModelForCausalLM.from_pretrained(model_dir, config=cfg, dtype=dtype, attn_implementation="sdpa")
+    teacher = AutoModelForCausalLM.from_pretrained(model_dir, config=cfg, dtype=dtype, attn_implementation=register_causal_sdpa())
     teacher.config.use_cache = False
     return teacher.to(dist.device).eval().requires_grad_(False)
 
@@ -179,7 +203,7 @@ def wrap_model(model: nn.Module, recipe: Recipe, dist: Dist) -> nn.Module:
     """DDP or FSDP2 under torchrun; torch.compile when asked. Returns the module to call for training.
 
     Compilation is in place (parameter names, hence checkpoints and optimizer state, stay unprefixed); FSDP2
-    shards first and compiles the sharded layers, DDP wraps the model of compiled layers.
+    shards first and compiles the sharded model, DDP wraps the compiled one (both are the documented orders).
     """
     fsdp = dist.world > 1 and recipe.train.distributed == "fsdp"
     if fsdp:
@@ -189,24 +213,12 @@ def wrap_model(model: nn.Module, recipe: Recipe, dist: Dist) -> nn.Module:
             fully_shard(layer)
         fully_shard(model)
     if recipe.train.compile:
-        compile_layers(model)
+        model.compile()
     if dist.world == 1 or fsdp:
         return model
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel(model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None)
-
-
-def compile_layers(model: nn.Module) -> None:
-    """torch.compile each decoder layer in place (one compiled graph serves them all), not the whole model.
-
-    transformers builds the causal mask outside the layers. Under a whole-model compile with torch < 2.14 it
-    cannot prove the mask away, so it materialises a [B, 1, T, T] mask and SDPA computes all T x T scores
-    instead of the causal half with is_causal: on the H200 attention was then 45% of a SmolLM2-135M step
-    (eval/results/finetune-h200/trainbench-r1). Eager mask code + compiled layers keep is_causal.
-    """
-    for layer in _decoder_layers(model):
-        layer.compile()
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -691,7 +703,7 @@ def _setup(recipe: Recipe, dist: Dist, model_dir: Path, data: Any) -> Run:
     model = load_student(model_dir, recipe, dist)
     teacher = load_teacher(model_dir, dist) if recipe.distill.kd > 0 else None
     if teacher is not None and recipe.train.compile:
-        compile_layers(teacher)
+        teacher.compile()
     probe = SparsityProbe(model, recipe.sparsity.normalization)
     train_model = wrap_model(model, recipe, dist)
     opt, sched = build_optimizer(model, recipe, total_steps_of(recipe, dist), dist)

@@ -313,18 +313,20 @@ def test_profile_steps_writes_a_report_and_attention_order_keeps_fallbacks(tiny_
     assert classify("something_new") == "other"
 
 
-def test_compiled_layers_keep_sdpa_is_causal(monkeypatch):
-    """train.compile compiles each decoder layer, so transformers' mask code runs eagerly and SDPA gets
-    is_causal=True with no mask; a whole-model compile (torch < 2.14) materialises a [B, 1, T, T] mask and
-    computes every score (measured: attention 45% of an H200 step)."""
+def test_compiled_training_attention_is_causal_sdpa_without_a_mask(monkeypatch):
+    """The training models use CAUSAL_SDPA: under a whole-model torch.compile SDPA still gets is_causal=True and
+    no mask, where stock "sdpa" under compile (torch < 2.14) materialises a [B, 1, T, T] mask and computes every
+    score (measured: attention 45% of an H200 step); logits equal stock eager sdpa."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from sparsify.finetune import compile_layers
+    from sparsify.finetune import register_causal_sdpa
 
     config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, hidden_act="relu")
-    model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
-    model.config.use_cache = False
+    torch.manual_seed(0)
+    stock = LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+    ours = LlamaForCausalLM._from_config(config, attn_implementation=register_causal_sdpa())
+    ours.load_state_dict(stock.state_dict())
     seen = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
@@ -335,9 +337,9 @@ def test_compiled_layers_keep_sdpa_is_causal(monkeypatch):
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     ids = torch.randint(0, 512, (2, 64))
     with torch.no_grad():
-        eager = model(input_ids=ids).logits
-        compile_layers(model)
+        want = stock(input_ids=ids, use_cache=False).logits
+        ours.compile()
         seen.clear()
-        compiled = model(input_ids=ids).logits
+        got = ours(input_ids=ids, use_cache=False).logits
     assert seen and all(s == (True, True) for s in seen), seen
-    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
