@@ -240,7 +240,9 @@ def _auto(x2d, w_gate, w_up, w_down, w_down_t) -> torch.Tensor:
         _calibrate(st, x2d, w_gate, w_up, w_down, w_down_t)
         _note(key, st.decision, f"timed {st.times}")
         _drop_down_t_if_unused(states, w_down)
-    _note(key, st.decision, "auto")
+    # no _note here: _logged is keyed by (shape, dtype, bucket), so two layers of one shape that decided
+    # differently would flip it and log a line at every refresh of either (the decision is logged above)
+    _last_backend = st.decision
     if st.decision == "twell":
         packed = gate_pack(x2d, w_gate)
         if refresh:

@@ -375,6 +375,30 @@ def test_auto_fast_path_respects_graph_decision(monkeypatch):
     assert twell_ops.last_backend() == "twell" and wd._twell_down_t is not None
 
 
+def test_auto_logs_each_layer_decision_once(monkeypatch, caplog):
+    """Two layers of one shape deciding differently: refreshes must not re-log (the log-once memory is
+    keyed by shape, so a per-refresh note flipped it and logged a line at every refresh of either)."""
+    x, wg_a, wu, wd = make_case(20, 16, 64, 0.9, seed=28)
+    wg_b = wg_a.clone()
+
+    def fake_calibrate(st, x2d, w_gate, *args):
+        st.decision = st.graph_decision = "twell" if w_gate is wg_a else "dense"
+        st.density0 = st.density
+
+    monkeypatch.setattr(twell_ops, "_calibrate", fake_calibrate)
+    monkeypatch.setattr(twell_ops, "_logged", {})
+    monkeypatch.setattr(twell_ops, "_count_async", lambda st, nnz, n: None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    with caplog.at_level("INFO", logger="sparsify.kernels"):
+        for _ in range(2 * twell_ops.REFRESH):
+            twell_ops._auto(x, wg_a, wu, wd, None)
+            assert twell_ops.last_backend() == "twell"
+            twell_ops._auto(x, wg_b, wu, wd, None)
+            assert twell_ops.last_backend() == "dense"
+    notes = [r.message for r in caplog.records if "twell_ffn" in r.message]
+    assert len(notes) == 2, notes
+
+
 def test_auto_keeps_down_t_when_twell_is_chosen(monkeypatch):
     x, wg, wu, wd = make_case(20, 16, 64, 0.9, seed=20)
 
