@@ -194,7 +194,7 @@ def case_fns(x, w_gate, w_up, w_down, w_down_t, tt, twell_ops, ffn_dense) -> dic
     fns = {
         "dense": lambda: ffn_dense(x, w_gate, w_up, w_down),
         "auto": lambda: twell_ops.twell_ffn(x, w_gate, w_up, w_down, backend="auto"),
-        "twell": lambda: tt.twell_ffn_triton(x, w_gate, w_up, w_down_t),
+        "twell": lambda: tt.twell_ffn_triton(x, w_gate, w_up, w_down_t, variant="r5"),
         "twell_r4": lambda: tt.twell_ffn_triton(x, w_gate, w_up, w_down_t, variant="r4"),
         "twell_tma": lambda: tt.twell_ffn_triton(x, w_gate, w_up, w_down_t, variant="r5tma"),
         "twell_c": lambda: tt.twell_ffn_triton(x, w_gate, w_up, w_down_t, variant="r5c"),

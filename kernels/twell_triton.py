@@ -283,7 +283,10 @@ def _require_triton() -> None:
 ENT_CODES = {"split": 0, "bf16": 1, "fp16": 2}
 # r5: packed 32-bit entries for bf16/fp16 + autotuned K1; r5tma: the same with tensor-descriptor (TMA)
 # loads in K1 (a benchmark variant); r4: the round-4 kernels (split entries, fixed K1 blocks)
-# r5c: r5 with K2 reading per-row compacted entry lists (a benchmark variant)
+# r5c: r5 with K2 reading per-row compacted entry lists; the default of twell_ffn_triton since the H200
+# round-5 bench, where it was the fastest variant at M = 16384 in every target row (K2 gathers 7.1-8.3 TB/s
+# vs 4.9-5.6 for r5; eval/results/kernels-h200-r5.md). It needs an [M, n_tiles * S] scratch list per call
+# (int32 + fp32; 134 MB at M = 16384, F = 8192), taken from torch's caching allocator. Decode runs r5.
 VARIANTS = ("r5", "r5tma", "r5c", "r4")
 
 
@@ -471,7 +474,7 @@ def updown(
 
 
 def twell_ffn_triton(
-    x2d: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down_t: torch.Tensor, variant: str = "r5",
+    x2d: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down_t: torch.Tensor, variant: str = "r5c",
 ) -> torch.Tensor:
     """The whole sparse FFN on [M, d]: K1 (gate + pack) then K2 (fused up/down). variant: see gate_pack."""
     packed = gate_pack(x2d, w_gate, variant="r5" if variant == "r5c" else variant)
