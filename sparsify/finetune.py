@@ -165,7 +165,8 @@ def load_student(model_dir: Path, recipe: Recipe, dist: Dist) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(recipe.train.seed)  # LoRA adapter init
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=register_causal_sdpa())
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 attn_implementation=register_causal_sdpa())
     model.config.use_cache = False
     if recipe.train.gradient_checkpointing:
         # non-reentrant: the L1 term reads h inside checkpointed layers, which needs grad-enabled forward
@@ -194,7 +195,8 @@ def load_teacher(model_dir: Path, dist: Dist) -> nn.Module:
     field_name = family_for(config).act_field
     cfg = AutoConfig.from_pretrained(model_dir, **{field_name: original})
     dtype = torch.bfloat16 if dist.device.type == "cuda" else torch.float32
-    teacher = AutoModelForCausalLM.from_pretrained(model_dir, config=cfg, dtype=dtype, attn_implementation=register_causal_sdpa())
+    teacher = AutoModelForCausalLM.from_pretrained(model_dir, config=cfg, dtype=dtype,
+                                                   attn_implementation=register_causal_sdpa())
     teacher.config.use_cache = False
     return teacher.to(dist.device).eval().requires_grad_(False)
 
