@@ -177,8 +177,11 @@ def test_ctrl_c_leaves_no_output(tmp_path):
     save_file(big, src / "model.safetensors")
     (src / "config.json").write_text(json.dumps({**LlamaConfig(**TINY).to_dict(), "model_type": "llama"}))
     for _ in range(3):
+        # SIG_DFL in the child: under a shell's background job (nohup ... &) SIGINT is inherited as ignored,
+        # and Python then installs no KeyboardInterrupt handler at all
         proc = subprocess.Popen([sys.executable, "-m", "sparsify", "convert", str(src), "-o", str(tmp_path / "out"),
-                                 "--dtype", "fp16"], stderr=subprocess.PIPE, text=True)
+                                 "--dtype", "fp16"], stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         deadline = time.time() + 120
         while time.time() < deadline and not any(p.name.startswith(".out.tmp") for p in tmp_path.iterdir()):
             time.sleep(0.05)
