@@ -140,8 +140,8 @@ def prepare_model(recipe: Recipe, out: Path, dist: Dist) -> Path:
 # Under torch.compile (torch < 2.14) transformers' "sdpa" cannot prove its mask away and materialises a
 # [B, 1, T, T] mask: SDPA then computes every score (no is_causal, no FlashAttention); on the H200 attention
 # took 45% of a SmolLM2-135M step (eval/results/finetune-h200/trainbench-r1). This implementation is the
-# same SDPA call with no mask at all, so SDPA runs is_causal=True. Only for the models trained here: exported
-# folders keep "sdpa".
+# same SDPA call with no mask at all, so SDPA runs is_causal=True. Only for the models trained here (and not
+# for sliding-window layers, see training_attention): exported folders keep "sdpa".
 CAUSAL_SDPA = "sparsify_causal_sdpa"
 
 
@@ -160,13 +160,26 @@ def _no_mask(*args: Any, **kwargs: Any) -> None:
     return None  # SDPA with attn_mask=None and more than one query: is_causal=True
 
 
+def training_attention(config: Any, seq_len: int) -> str:
+    """CAUSAL_SDPA when every layer attends causally over the whole training window; stock "sdpa" (its mask,
+    slower under compile but exact) when some layer has a sliding window shorter than seq_len (Gemma 2/3,
+    Mistral v0.1, ...): dropping the mask there would train another model than the one exported."""
+    layer_types = getattr(config, "layer_types", None) or []
+    if layer_types and all(t == "full_attention" for t in layer_types):
+        return register_causal_sdpa()
+    window = getattr(config, "sliding_window", None)
+    if window is None or window >= seq_len or getattr(config, "use_sliding_window", True) is False:
+        return register_causal_sdpa()
+    return "sdpa"
+
+
 def load_student(model_dir: Path, recipe: Recipe, dist: Dist) -> nn.Module:
     """The stock transformers class of the ReLU folder in fp32 (master weights), LoRA and checkpointing applied."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(recipe.train.seed)  # LoRA adapter init
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                 attn_implementation=register_causal_sdpa())
+    attention = training_attention(AutoConfig.from_pretrained(model_dir), recipe.train.seq_len)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attention)
     model.config.use_cache = False
     if recipe.train.gradient_checkpointing:
         # non-reentrant: the L1 term reads h inside checkpointed layers, which needs grad-enabled forward
@@ -180,7 +193,7 @@ def load_student(model_dir: Path, recipe: Recipe, dist: Dist) -> nn.Module:
     return model.to(dist.device)
 
 
-def load_teacher(model_dir: Path, dist: Dist) -> nn.Module:
+def load_teacher(model_dir: Path, dist: Dist, seq_len: int) -> nn.Module:
     """The original dense model: the same weights with the source activation put back (no second download)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -196,7 +209,7 @@ def load_teacher(model_dir: Path, dist: Dist) -> nn.Module:
     cfg = AutoConfig.from_pretrained(model_dir, **{field_name: original})
     dtype = torch.bfloat16 if dist.device.type == "cuda" else torch.float32
     teacher = AutoModelForCausalLM.from_pretrained(model_dir, config=cfg, dtype=dtype,
-                                                   attn_implementation=register_causal_sdpa())
+                                                   attn_implementation=training_attention(cfg, seq_len))
     teacher.config.use_cache = False
     return teacher.to(dist.device).eval().requires_grad_(False)
 
@@ -705,7 +718,7 @@ def _setup(recipe: Recipe, dist: Dist, model_dir: Path, data: Any) -> Run:
         raise SparsifyError("lora.r > 0 with train.distributed=fsdp is not supported; use distributed=ddp for "
                             "LoRA (adapters are small) or lora.r=0 for a sharded full fine-tune.")
     model = load_student(model_dir, recipe, dist)
-    teacher = load_teacher(model_dir, dist) if recipe.distill.kd > 0 else None
+    teacher = load_teacher(model_dir, dist, recipe.train.seq_len) if recipe.distill.kd > 0 else None
     if teacher is not None and recipe.train.compile:
         teacher.compile()
     probe = SparsityProbe(model, recipe.sparsity.normalization)

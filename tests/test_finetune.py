@@ -343,3 +343,16 @@ def test_compiled_training_attention_is_causal_sdpa_without_a_mask(monkeypatch):
         got = ours(input_ids=ids, use_cache=False).logits
     assert seen and all(s == (True, True) for s in seen), seen
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_training_attention_keeps_the_mask_for_sliding_windows_shorter_than_the_sequence():
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
+
+    from sparsify.finetune import CAUSAL_SDPA, training_attention
+
+    assert training_attention(LlamaConfig(), 2048) == CAUSAL_SDPA
+    assert training_attention(Qwen2Config(sliding_window=512), 2048) == CAUSAL_SDPA  # use_sliding_window False
+    assert training_attention(MistralConfig(sliding_window=4096), 2048) == CAUSAL_SDPA  # window covers it
+    assert training_attention(MistralConfig(sliding_window=1024), 2048) == "sdpa"
+    assert training_attention(Gemma3TextConfig(sliding_window=512), 2048) == "sdpa"  # local layers: 512
+    assert training_attention(Gemma3TextConfig(sliding_window=512), 256) == CAUSAL_SDPA
