@@ -18,9 +18,9 @@ Backends:
   event has completed); when it drifts by more than DRIFT, the layer is re-timed (at most MAX_RETUNE
   times). Inside CUDA-graph capture nothing is timed or counted: the last decision is used (dense if
   none). Once a bucket has chosen dense (eager calls; captured calls too unless graph timing chose
-  twell), twell_ffn goes straight to the dense torch ops after one attribute and dict lookup (refreshing the density only every REFRESH_DENSE
-  calls), and the cached W_down^T copy is freed while every bucket of the layer is dense (it is made
-  only when twell is timed or run).
+  twell), twell_ffn goes straight to the dense torch ops after one attribute and dict lookup
+  (refreshing the density only every REFRESH_DENSE calls), and the cached W_down^T copy is freed while
+  every bucket of the layer is dense (it is made only when twell is timed or run).
 Without CUDA or triton, "auto" and "twell" on CPU tensors run the dense torch path, except that
 "twell" on CPU with TRITON_INTERPRET=1 runs the Triton kernels in the interpreter (tests).
 """
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .twell_reference import ffn_dense
-from .twell_triton import HAS_TRITON, gate_pack, twell_ffn_triton, updown
+from .twell_triton import DEFAULT_VARIANT, HAS_TRITON, gate_pack, twell_ffn_triton, updown
 
 log = logging.getLogger("sparsify.kernels")
 
@@ -44,6 +44,7 @@ REFRESH = 16  # calls between density refreshes (async, no host sync)
 REFRESH_DENSE = 256  # the same when every path of the bucket is dense (keeps that path a plain dense FFN)
 DRIFT = 1.25  # relative density change that triggers a re-timing
 MAX_RETUNE = 8  # re-timings per (layer, M bucket)
+COMPACT = DEFAULT_VARIANT == "r5c"  # the refresh path splits K1/K2 (to count K1's output): same K2 as the rest
 MARGIN = 0.97  # twell must be at least 3% faster than dense at calibration
 GRAPH_TIMED_M = 256  # up to this M, also time both paths inside CUDA graphs (decode is CPU-bound eagerly)
 
@@ -129,6 +130,17 @@ def _count_async(st: _LayerState, nnz: torch.Tensor, elements: int) -> None:
     st.pending = (st.pinned, ev, elements)
 
 
+def loop_ms(fn, n: int) -> float:
+    """CUDA-event ms per call of n back-to-back calls of fn (no warm-up, no sync before)."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(n):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / n
+
+
 def _time(fn, reps: int = 5) -> float:
     """Median ms per call over `reps` measurements of n back-to-back calls (n makes ~0.5 ms), so that
     launch-bound sizes are timed as the throughput a model sees, not one noisy call."""
@@ -137,13 +149,7 @@ def _time(fn, reps: int = 5) -> float:
     n = 1
     ts = []
     for _ in range(reps + 1):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(n):
-            fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / n)
+        ts.append(loop_ms(fn, n))
         n = max(n, min(50, int(0.5 / max(ts[0], 1e-3))))  # the first measurement sizes the others
     ts = ts[1:]
     return sorted(ts)[len(ts) // 2]
@@ -229,7 +235,7 @@ def _auto(x2d, w_gate, w_up, w_down, w_down_t) -> torch.Tensor:
     if st.decision is not None and not st.retune and not refresh:  # hot path: ~nothing but the work
         _last_backend = st.decision
         if st.decision == "twell":
-            return updown(x2d, gate_pack(x2d, w_gate), w_gate, w_up, _down_t(w_down, w_down_t))
+            return twell_ffn_triton(x2d, w_gate, w_up, _down_t(w_down, w_down_t))
         return ffn_dense(x2d, w_gate, w_up, w_down)
     key = (tuple(w_gate.shape), x2d.dtype, bucket)
     if st.density is None:  # first call of this layer/bucket: one synchronous count
@@ -247,7 +253,7 @@ def _auto(x2d, w_gate, w_up, w_down, w_down_t) -> torch.Tensor:
         packed = gate_pack(x2d, w_gate)
         if refresh:
             _count_async(st, packed.cnt.sum(dtype=torch.int64), m * f)
-        return updown(x2d, packed, w_gate, w_up, _down_t(w_down, w_down_t))
+        return updown(x2d, packed, w_gate, w_up, _down_t(w_down, w_down_t), compact=COMPACT)
     g = torch.nn.functional.linear(x2d, w_gate)  # [M, F]
     if refresh:
         _count_async(st, (g > 0).sum(), m * f)
@@ -275,8 +281,8 @@ def _impl(x2d, w_gate, w_up, w_down, w_down_t, backend: str) -> torch.Tensor:
 
 def _dense_decided(x: torch.Tensor, w_gate: torch.Tensor) -> bool:
     """Fast path of "auto": this layer's M bucket chose dense (for graph capture too, or this call is not
-    being captured), and no refresh is due. A plain dense FFN then pays only this lookup (no checks of its own: F.linear validates the
-    shapes, and a layer only gets state after a fully checked call). Every REFRESH_DENSE-th call goes
+    being captured), and no refresh is due. A plain dense FFN then pays only this lookup (no checks of
+    its own: F.linear validates the shapes, and a layer only gets state after a fully checked call). Every REFRESH_DENSE-th call goes
     through the dispatcher to refresh the density estimate (no host sync)."""
     held = getattr(w_gate, "_twell_auto", None)
     if held is None or held[0] != w_gate._version or torch.compiler.is_compiling():

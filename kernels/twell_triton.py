@@ -61,6 +61,16 @@ if HAS_TRITON:
         return (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
+    def _grouped_tile(M, NT, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
+        """(row block, tile) of this program in grouped order: GROUP_M row blocks share W_gate tiles in L2."""
+        pid = tl.program_id(0)
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        group = GROUP_M * NT
+        first_m = (pid // group) * GROUP_M
+        gsize = tl.minimum(num_pid_m - first_m, GROUP_M)
+        return first_m + ((pid % group) % gsize), (pid % group) // gsize
+
+    @triton.jit
     def _k1_gate_pack(
         x_ptr, wg_ptr, cnt_ptr, col_ptr, val_ptr,
         M, F, D, NT, stride_xm, stride_wf,
@@ -71,14 +81,7 @@ if HAS_TRITON:
         # MB (the power-of-two bucket of M) is unused in the body: it is the autotuner's key.
         # ENT: slot encoding, 0 = "split" (col int32 + val fp32), 1 = "bf16", 2 = "fp16" (one int32 word
         # per slot in col_ptr: value bits << 16 | column in tile; val_ptr unused)
-        # grouped launch order: GROUP_M row blocks share W_gate tiles in L2
-        pid = tl.program_id(0)
-        num_pid_m = tl.cdiv(M, BLOCK_M)
-        group = GROUP_M * NT
-        first_m = (pid // group) * GROUP_M
-        gsize = tl.minimum(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + ((pid % group) % gsize)
-        pid_n = (pid % group) // gsize
+        pid_m, pid_n = _grouped_tile(M, NT, BLOCK_M, GROUP_M)
 
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
         offs_n = pid_n * T + tl.arange(0, T)  # [T] global columns of this tile
@@ -140,13 +143,7 @@ if HAS_TRITON:
     ):
         """K1 with tensor-descriptor (TMA on Hopper) loads: out-of-range rows/columns/K arrive as zeros,
         so the main loop has no masks. Same launch order and epilogue as _k1_gate_pack."""
-        pid = tl.program_id(0)
-        num_pid_m = tl.cdiv(M, BLOCK_M)
-        group = GROUP_M * NT
-        first_m = (pid // group) * GROUP_M
-        gsize = tl.minimum(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + ((pid % group) % gsize)
-        pid_n = (pid % group) // gsize
+        pid_m, pid_n = _grouped_tile(M, NT, BLOCK_M, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
         offs_n = pid_n * T + tl.arange(0, T)  # [T]
         acc = tl.zeros([BLOCK_M, T], dtype=tl.float32)
@@ -288,6 +285,7 @@ ENT_CODES = {"split": 0, "bf16": 1, "fp16": 2}
 # vs 4.9-5.6 for r5; eval/results/kernels-h200-r5.md). It needs an [M, n_tiles * S] scratch list per call
 # (int32 + fp32; 134 MB at M = 16384, F = 8192), taken from torch's caching allocator. Decode runs r5.
 VARIANTS = ("r5", "r5tma", "r5c", "r4")
+DEFAULT_VARIANT = "r5c"
 
 
 def default_entries(dtype: torch.dtype, variant: str = "r5") -> str:
@@ -474,7 +472,8 @@ def updown(
 
 
 def twell_ffn_triton(
-    x2d: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down_t: torch.Tensor, variant: str = "r5c",
+    x2d: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down_t: torch.Tensor,
+    variant: str = DEFAULT_VARIANT,
 ) -> torch.Tensor:
     """The whole sparse FFN on [M, d]: K1 (gate + pack) then K2 (fused up/down). variant: see gate_pack."""
     packed = gate_pack(x2d, w_gate, variant="r5" if variant == "r5c" else variant)

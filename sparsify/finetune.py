@@ -304,7 +304,7 @@ class Run:
     loss_fn: Any
 
 
-def autocast(run: Run) -> contextlib.ExitStack:
+def compute_context(run: Run) -> contextlib.ExitStack:
     """bf16 autocast and the attention kernel order of the recipe, around every forward (and its backward)."""
     stack = contextlib.ExitStack()
     if run.dist.device.type == "cuda":
@@ -349,7 +349,7 @@ def train_step(run: Run) -> dict[str, torch.Tensor]:
         inputs, targets = batch[:, :-1], batch[:, 1:]  # [B, T]
         last = micro == t.grad_accum - 1
         sync = contextlib.nullcontext() if last or not hasattr(run.train_model, "no_sync") else run.train_model.no_sync()
-        with sync, autocast(run):
+        with sync, compute_context(run):
             teacher_logits = None
             if run.teacher is not None:
                 with torch.no_grad():
@@ -387,7 +387,7 @@ def evaluate(run: Run, model: nn.Module) -> float:
     t, dist = run.recipe.train, run.dist
     for batch in run.data.validation_batches(t.batch_size, t.eval_batches, dist.rank, dist.world):
         batch = batch.to(run.dist.device)  # [B, T+1]
-        with autocast(run):
+        with compute_context(run):
             logits = model(input_ids=batch[:, :-1]).logits  # [B, T, V]
         total[0] += F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum").double()
         total[1] += batch[:, 1:].numel()

@@ -329,18 +329,25 @@ def test_r4_variant_and_default_encodings():
     assert_close(out, ref.ffn_reference(x, wg, wu, wd), what="r4 variant", **FP32)
 
 
+def fake_decisions(monkeypatch, choose, capturing=lambda: False) -> None:
+    """auto without timing: choose(w_gate) -> (eager, graph) decision; fresh log-once memory (it is global)."""
+
+    def calibrate(st, x2d, w_gate, *args):
+        st.decision, st.graph_decision = choose(w_gate)
+        st.density0 = st.density
+
+    monkeypatch.setattr(twell_ops, "_calibrate", calibrate)
+    monkeypatch.setattr(twell_ops, "_logged", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", capturing)
+
+
 def test_auto_dense_decision_is_a_plain_dense_call(monkeypatch):
     """Once a bucket chose dense (eager and graph), twell_ffn skips the dispatcher: no checks of its own,
     no W_down^T copy (a cached one is freed), and only every REFRESH_DENSE-th call refreshes."""
     x, wg, wu, wd = make_case(20, 16, 64, 0.9, seed=19)
     twell_ops._cached_down_t(wd)  # as if an earlier twell call had cached it
 
-    def fake_calibrate(st, *args):
-        st.decision, st.graph_decision, st.density0 = "dense", "dense", st.density
-
-    monkeypatch.setattr(twell_ops, "_calibrate", fake_calibrate)
-    monkeypatch.setattr(twell_ops, "_logged", {})  # the log-once memory is global: keep other tests' view
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    fake_decisions(monkeypatch, lambda w_gate: ("dense", "dense"))
     twell_ops._auto(x, wg, wu, wd, None)  # first call: count + (fake) timing
     assert wd._twell_down_t is None, "W_down^T kept although every bucket of the layer is dense"
     slow, counted = [], []
@@ -360,13 +367,8 @@ def test_auto_fast_path_respects_graph_decision(monkeypatch):
     """Eager dense but graph-timed twell: eager calls take the fast path, captured calls do not."""
     x, wg, wu, wd = make_case(20, 16, 64, 0.9, seed=24)
 
-    def fake_calibrate(st, *args):
-        st.decision, st.graph_decision, st.density0 = "dense", "twell", st.density
-
-    monkeypatch.setattr(twell_ops, "_calibrate", fake_calibrate)
-    monkeypatch.setattr(twell_ops, "_logged", {})
     capturing = [False]
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    fake_decisions(monkeypatch, lambda w_gate: ("dense", "twell"), capturing=lambda: capturing[0])
     twell_ops._auto(x, wg, wu, wd, None)
     assert twell_ops._dense_decided(x, wg)
     capturing[0] = True
@@ -381,14 +383,8 @@ def test_auto_logs_each_layer_decision_once(monkeypatch, caplog):
     x, wg_a, wu, wd = make_case(20, 16, 64, 0.9, seed=28)
     wg_b = wg_a.clone()
 
-    def fake_calibrate(st, x2d, w_gate, *args):
-        st.decision = st.graph_decision = "twell" if w_gate is wg_a else "dense"
-        st.density0 = st.density
-
-    monkeypatch.setattr(twell_ops, "_calibrate", fake_calibrate)
-    monkeypatch.setattr(twell_ops, "_logged", {})
+    fake_decisions(monkeypatch, lambda w_gate: ("twell",) * 2 if w_gate is wg_a else ("dense",) * 2)
     monkeypatch.setattr(twell_ops, "_count_async", lambda st, nnz, n: None)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     with caplog.at_level("INFO", logger="sparsify.kernels"):
         for _ in range(2 * twell_ops.REFRESH):
             twell_ops._auto(x, wg_a, wu, wd, None)
@@ -402,12 +398,7 @@ def test_auto_logs_each_layer_decision_once(monkeypatch, caplog):
 def test_auto_keeps_down_t_when_twell_is_chosen(monkeypatch):
     x, wg, wu, wd = make_case(20, 16, 64, 0.9, seed=20)
 
-    def fake_calibrate(st, *args):
-        st.decision, st.graph_decision, st.density0 = "twell", "twell", st.density
-
-    monkeypatch.setattr(twell_ops, "_calibrate", fake_calibrate)
-    monkeypatch.setattr(twell_ops, "_logged", {})
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    fake_decisions(monkeypatch, lambda w_gate: ("twell", "twell"))
     assert getattr(wd, "_twell_down_t", None) is None
     out = twell_ops._auto(x, wg, wu, wd, None)
     assert wd._twell_down_t is not None and twell_ops.last_backend() == "twell"
