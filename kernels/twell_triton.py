@@ -24,6 +24,7 @@ from .twell_reference import DECODE_SLOTS, DECODE_TILE, SLOTS, TILE, TwellPacked
 try:  # the file must import (and the torch path work) without triton
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 
     HAS_TRITON = True
     try:  # host-side tensor descriptors (TMA on Hopper): triton >= 3.4; the "r5tma" variant needs them
@@ -33,6 +34,7 @@ try:  # the file must import (and the torch path work) without triton
 except ImportError:  # pragma: no cover - exercised on machines without triton
     triton = None
     tl = None
+    libdevice = None
     TensorDescriptor = None
     HAS_TRITON = False
 
@@ -156,6 +158,90 @@ if HAS_TRITON:
                 acc = tl.dot(a, tl.trans(b), acc)
         _k1_epilogue(acc, offs_m, offs_n, offs_m < M, offs_n < F, pid_n, cnt_ptr, col_ptr, val_ptr, NT,
                      BLOCK_M, T, S, ENT, PACK)
+
+    @triton.jit
+    def _popc64(v, HW: tl.constexpr):
+        """Set bits of int64 v (int32 result). HW: the GPU's popc; else SWAR bit arithmetic (the
+        interpreter has no libdevice popc). Arithmetic shifts are harmless: every mask clears the
+        sign-extended bits."""
+        if HW:
+            return libdevice.popc(v)
+        v = v - ((v >> 1) & 0x5555555555555555)
+        v = (v & 0x3333333333333333) + ((v >> 2) & 0x3333333333333333)
+        v = (v + (v >> 4)) & 0x0F0F0F0F0F0F0F0F
+        return ((v * 0x0101010101010101) >> 56).to(tl.int32)
+
+    @triton.jit
+    def _k1_epilogue_bits(acc, pid_m, tile, M, F, cnt_ptr, ent_ptr, NT,
+                          BLOCK_M: tl.constexpr, T: tl.constexpr, S: tl.constexpr, ENT: tl.constexpr,
+                          PACK: tl.constexpr, HW: tl.constexpr):
+        """Round-6 epilogue of acc [BM, T] (T <= 128): slot ranks from two 64-bit masks per row and
+        popcounts instead of a scan. Row sums and elementwise ops stay in the MMA accumulator's
+        register layout (a scan along the tile needs a layout conversion through shared memory).
+        Same slots as _k1_epilogue: rank of the column among the tile's positives."""
+        rows = tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, T)
+        m_ok = pid_m * BLOCK_M + rows < M
+        active = (acc > 0) & (tile * T + cols < F)[None, :]  # [BM, T]
+        lo_col = cols < 64
+        bit = tl.full([T], 1, tl.int64) << (cols & 63).to(tl.int64)  # [T]
+        lo = tl.sum(tl.where(active & lo_col[None, :], bit[None, :], 0), 1)  # [BM] distinct bits: sum = or
+        hi = tl.sum(tl.where(active & (cols >= 64)[None, :], bit[None, :], 0), 1)  # [BM]
+        n_lo = _popc64(lo, HW)
+        cnt = n_lo + _popc64(hi, HW)  # [BM] true count, may exceed S (overflow marker)
+        if PACK == 1:
+            word = tl.where(lo_col[None, :], lo[:, None], hi[:, None])  # [BM, T]
+            rank = _popc64(word & (bit - 1)[None, :], HW) + tl.where(lo_col[None, :], 0, n_lo[:, None])
+            keep = active & (rank < S) & m_ok[:, None]
+            base = ent_ptr + (pid_m * BLOCK_M).to(tl.int64) * NT * S + tile * S  # this tile's row-0 slots
+            tl.store(base + (rows * (NT * S))[:, None] + rank, _pack_words(acc, T, ENT), mask=keep)
+        tl.store(cnt_ptr + (pid_m * BLOCK_M + rows).to(tl.int64) * NT + tile, cnt, mask=m_ok)  # callers pass tile < NT
+
+    @triton.jit
+    def _k1_r6(
+        x_desc, wg_desc, cnt_ptr, ent_ptr, M, F, D, NT,
+        BLOCK_M: tl.constexpr, T: tl.constexpr, BLOCK_K: tl.constexpr, S: tl.constexpr,
+        MB, GROUP_M: tl.constexpr, ENT: tl.constexpr, PACK: tl.constexpr, NSUB: tl.constexpr,
+        RANK: tl.constexpr, HW: tl.constexpr, NUM_PROGS, FLATTEN: tl.constexpr,
+    ):
+        """Round-6 K1 (16-bit inputs, packed entries): TMA loads; NSUB tiles of T columns per program
+        (one x K-slice feeds NSUB MMAs: NSUB = 2 is a 128 x 256 GEMM tile); persistent when launched on
+        fewer programs than output tiles (each program walks tiles NUM_PROGS apart; FLATTEN lets the
+        pipeliner prefetch the next tile's loads during this tile's epilogue); RANK 1 = popcount
+        epilogue (_k1_epilogue_bits), 0 = the scan epilogue of round 5."""
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        n_groups = tl.cdiv(NT, NSUB)
+        num_tiles = num_pid_m * n_groups
+        k_tiles = tl.cdiv(D, BLOCK_K)
+        for tid in tl.range(tl.program_id(0), num_tiles, NUM_PROGS, flatten=FLATTEN):
+            group = GROUP_M * n_groups
+            first_m = (tid // group) * GROUP_M
+            gsize = tl.minimum(num_pid_m - first_m, GROUP_M)
+            pid_m = first_m + ((tid % group) % gsize)
+            t0 = ((tid % group) // gsize) * NSUB
+            acc0 = tl.zeros([BLOCK_M, T], dtype=tl.float32)
+            acc1 = tl.zeros([BLOCK_M, T], dtype=tl.float32)
+            for k in range(k_tiles):
+                a = x_desc.load([pid_m * BLOCK_M, k * BLOCK_K])  # [BM, BK]
+                b0 = wg_desc.load([t0 * T, k * BLOCK_K])  # [T, BK]
+                acc0 = tl.dot(a, tl.trans(b0), acc0)
+                if NSUB == 2:
+                    b1 = wg_desc.load([(t0 + 1) * T, k * BLOCK_K])
+                    acc1 = tl.dot(a, tl.trans(b1), acc1)
+            if RANK == 1:
+                _k1_epilogue_bits(acc0, pid_m, t0, M, F, cnt_ptr, ent_ptr, NT, BLOCK_M, T, S, ENT, PACK, HW)
+                if NSUB == 2 and t0 + 1 < NT:  # the last group may hold one tile only
+                    _k1_epilogue_bits(acc1, pid_m, t0 + 1, M, F, cnt_ptr, ent_ptr, NT, BLOCK_M, T, S, ENT,
+                                      PACK, HW)
+            else:
+                offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+                offs_n = t0 * T + tl.arange(0, T)
+                _k1_epilogue(acc0, offs_m, offs_n, offs_m < M, offs_n < F, t0, cnt_ptr, ent_ptr, cnt_ptr,
+                             NT, BLOCK_M, T, S, ENT, PACK)
+                if NSUB == 2 and t0 + 1 < NT:
+                    offs_n1 = offs_n + T
+                    _k1_epilogue(acc1, offs_m, offs_n1, offs_m < M, offs_n1 < F, t0 + 1, cnt_ptr, ent_ptr,
+                                 cnt_ptr, NT, BLOCK_M, T, S, ENT, PACK)
 
     @triton.jit
     def _k2_entries(col_ptr, val_ptr, row, NT, S: tl.constexpr, p, K, cum, start, tiles,
@@ -284,7 +370,7 @@ ENT_CODES = {"split": 0, "bf16": 1, "fp16": 2}
 # round-5 bench, where it was the fastest variant at M = 16384 in every target row (K2 gathers 7.1-8.3 TB/s
 # vs 4.9-5.6 for r5; eval/results/kernels-h200-r5.md). It needs an [M, n_tiles * S] scratch list per call
 # (int32 + fp32; 134 MB at M = 16384, F = 8192), taken from torch's caching allocator. Decode runs r5.
-VARIANTS = ("r5", "r5tma", "r5c", "r4")
+VARIANTS = ("r5", "r5tma", "r5c", "r4", "r6", "r6c")
 DEFAULT_VARIANT = "r5c"
 
 
@@ -377,6 +463,8 @@ def gate_pack(
     entries = entries or default_entries(x2d.dtype, variant)
     cfg = {**k1_config(m, d), **overrides}
     tma = variant == "r5tma" and _tma_ok(x2d, w_gate)
+    # r6 needs packed entries, prefill tiles and TMA-aligned tensors; otherwise r5 runs
+    r6 = variant == "r6" and entries != "split" and cfg["T"] == TILE and _tma_ok(x2d, w_gate)
     tuned = (variant != "r4" and x2d.is_cuda and m > 16 and cfg["T"] == TILE
              and not {"BLOCK_M", "BLOCK_K", "num_warps", "num_stages"} & overrides.keys())
     tuned = tuned if autotune is None else autotune
@@ -391,7 +479,9 @@ def gate_pack(
     # MB keys the autotuner (a constant otherwise, so it never causes a recompilation)
     common = dict(T=t, S=s, MB=min(_next_pow2(m), 1 << 16) if tuned else 16, GROUP_M=8, IEEE=(x2d.dtype == torch.float32),
                   ENT=ENT_CODES[entries], PACK=int(cfg.get("PACK", 1)))
-    if tma:  # descriptors replace the pointers and strides
+    if r6:
+        _gate_pack_r6(x2d, w_gate, cnt, col, entries, {**R6_DEFAULT, **overrides})
+    elif tma:  # descriptors replace the pointers and strides
         bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
         descs = (TensorDescriptor.from_tensor(x2d, [bm, bk]), TensorDescriptor.from_tensor(w_gate, [t, bk]))
         targs = (*descs, cnt, col, val, m, f, d, nt)
@@ -411,6 +501,31 @@ def gate_pack(
     if entries == "split":
         return TwellPacked(cnt=cnt, col=col, val=val, tile=t, n_cols=f)
     return TwellPacked(cnt=cnt, col=None, val=None, tile=t, n_cols=f, ent=col, entries=entries)
+
+
+R6_DEFAULT = dict(BLOCK_M=128, BLOCK_K=64, NSUB=2, num_warps=8, num_stages=3, RANK=1, PERSIST=0, FLATTEN=False)
+
+
+def _gate_pack_r6(x2d, w_gate, cnt, ent, entries, cfg) -> None:
+    """Launch the round-6 K1 (_k1_r6) into cnt [M, NT] / ent [M, NT, S]; cfg: R6_DEFAULT keys (+ PACK).
+    PERSIST = n > 0 runs n programs per SM, each looping over output tiles."""
+    m, d = x2d.shape
+    f = w_gate.shape[0]
+    bm, bk, nsub = cfg["BLOCK_M"], cfg["BLOCK_K"], cfg["NSUB"]
+    nt = cnt.shape[1]
+    tiles = triton.cdiv(m, bm) * triton.cdiv(nt, nsub)
+    progs = tiles
+    if cfg["PERSIST"] and x2d.is_cuda:
+        sms = torch.cuda.get_device_properties(x2d.device).multi_processor_count
+        progs = min(tiles, sms * int(cfg["PERSIST"]))
+    x_desc = TensorDescriptor.from_tensor(x2d, [bm, bk])
+    wg_desc = TensorDescriptor.from_tensor(w_gate, [TILE, bk])
+    _k1_r6[(progs,)](
+        x_desc, wg_desc, cnt, ent, m, f, d, nt,
+        BLOCK_M=bm, T=TILE, BLOCK_K=bk, S=SLOTS, MB=16, GROUP_M=8, ENT=ENT_CODES[entries],
+        PACK=int(cfg.get("PACK", 1)), NSUB=nsub, RANK=int(cfg["RANK"]), HW=x2d.is_cuda, NUM_PROGS=progs,
+        FLATTEN=bool(cfg["FLATTEN"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
 
 
 def k1_best_config(d: int, f: int, m: int, tma: bool = False) -> dict | None:
@@ -476,5 +591,6 @@ def twell_ffn_triton(
     variant: str = DEFAULT_VARIANT,
 ) -> torch.Tensor:
     """The whole sparse FFN on [M, d]: K1 (gate + pack) then K2 (fused up/down). variant: see gate_pack."""
-    packed = gate_pack(x2d, w_gate, variant="r5" if variant == "r5c" else variant)
-    return updown(x2d, packed, w_gate, w_up, w_down_t, compact=variant == "r5c")
+    k1 = {"r5c": "r5", "r6c": "r6"}.get(variant, variant)
+    packed = gate_pack(x2d, w_gate, variant=k1)
+    return updown(x2d, packed, w_gate, w_up, w_down_t, compact=variant in ("r5c", "r6c"))

@@ -1,0 +1,172 @@
+"""Round-6 K1 sweep: the round-6 gate kernel (`_k1_r6`) over block shapes, epilogues and persistence,
+against the cuBLAS gate GEMM and round 5's best K1 (r5tma), timed interleaved in one run.
+
+Usage on the H200 (repo not installed; the symlink makes `sparsify.kernels` importable):
+  cd repo && ln -sfn ../kernels sparsify/kernels
+  PYTHONPATH=$PWD python eval/k1_sweep.py --out $OUT/k1
+CPU dry run (Triton interpreter, tiny shapes):  python eval/k1_sweep.py --smoke --out /tmp/k1
+
+Per case (skewed pattern, bf16; honest sparsity as in bench_kernels.py) it
+  1. checks every round-6 config packs what r5tma packs (counts and columns equal, values within one
+     16-bit rounding step), and records mismatches instead of timing a wrong kernel;
+  2. times gate (F.linear), k1_tma (r5tma, autotuned) and every round-6 config interleaved;
+  3. times the whole FFN: dense, r5c (the default before round 6) and r6c with this case's fastest
+     round-6 K1 config, interleaved.
+Config names: bm{BLOCK_M}k{BLOCK_K}n{NSUB}w{warps}s{stages}{r1 = popcount epilogue | r0 = scan}
+{p<programs per SM><f if flattened> = persistent}{-pack0 = no slot stores: GEMM + counts only}.
+Writes DIR/k1-sweep.json and prints a table per case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "eval"))
+
+from bench_kernels import Clock, env_info, interleaved, make_layer, med, paired, set_sparsity  # noqa: E402
+
+# (BLOCK_M, BLOCK_K, NSUB, num_warps, num_stages, RANK, PERSIST, FLATTEN, PACK)
+CONFIGS = [
+    (128, 64, 1, 4, 4, 0, 0, False, 1),  # r5tma's usual pick through the r6 kernel (scan epilogue)
+    (128, 64, 1, 4, 4, 1, 0, False, 1),
+    (128, 64, 1, 4, 3, 1, 0, False, 1),  # 96 KB of stages: two CTAs per SM can overlap epilogues
+    (128, 64, 1, 8, 3, 1, 0, False, 1),
+    (128, 64, 2, 8, 3, 0, 0, False, 1),
+    (128, 64, 2, 8, 3, 1, 0, False, 1),  # 128 x 256 GEMM tile
+    (128, 64, 2, 8, 4, 1, 0, False, 1),
+    (64, 64, 2, 4, 4, 1, 0, False, 1),
+    (256, 64, 1, 8, 3, 1, 0, False, 1),
+    (128, 128, 1, 8, 3, 1, 0, False, 1),
+    (128, 64, 2, 8, 3, 1, 1, True, 1),
+    (128, 64, 2, 8, 3, 1, 1, False, 1),
+    (128, 64, 1, 4, 3, 1, 2, True, 1),
+    (128, 64, 2, 8, 3, 1, 0, False, 0),  # diagnostics: GEMM + counts, no slot stores
+    (128, 64, 1, 4, 4, 1, 0, False, 0),
+]
+CASES = [(2048, 8192, 16384, 0.99), (2048, 8192, 16384, 0.995), (4096, 14336, 16384, 0.99)]
+SMOKE_CONFIGS = [(32, 32, 1, 4, 2, 1, 0, False, 1), (32, 32, 2, 4, 2, 0, 0, False, 1),
+                 (32, 32, 2, 4, 2, 1, 1, True, 1)]
+SMOKE_CASES = [(64, 320, 96, 0.9)]
+
+
+def name(c) -> str:
+    bm, bk, nsub, w, st, rank, persist, flat, pack = c
+    tail = (f"p{persist}{'f' if flat else ''}" if persist else "") + ("" if pack else "-pack0")
+    return f"bm{bm}k{bk}n{nsub}w{w}s{st}r{rank}{tail}"
+
+
+def as_kwargs(c) -> dict:
+    bm, bk, nsub, w, st, rank, persist, flat, pack = c
+    return dict(BLOCK_M=bm, BLOCK_K=bk, NSUB=nsub, num_warps=w, num_stages=st, RANK=rank, PERSIST=persist,
+                FLATTEN=flat, PACK=pack)
+
+
+def same_packing(a, b) -> str | None:
+    """None if b packs what a packs (counts, columns; values within one 16-bit step), else why not."""
+    if not torch.equal(a.cnt, b.cnt):
+        return f"counts differ in {int((a.cnt != b.cnt).sum())} (row, tile)s"
+    keep = torch.arange(a.slots, device=a.cnt.device).view(1, 1, -1) < a.cnt.clamp(max=a.slots).unsqueeze(-1)
+    if not torch.equal(a.ent[keep] & 0xFFFF, b.ent[keep] & 0xFFFF):
+        return "columns differ"
+    va, vb = a.values()[keep], b.values()[keep]
+    bad = int(((va - vb).abs() > 2**-7 * va.abs() + 1e-30).sum())
+    return f"{bad} values differ by more than one bf16 step" if bad else None
+
+
+def run_case(d, f, m, sparsity, configs, clock, tt, ffn_dense, budget_ms, device, dtype) -> dict:
+    w_gate, w_up, w_down = make_layer(d, f, device, dtype)
+    set_sparsity(w_gate, sparsity, "skewed")
+    x = torch.randn(m, d, device=device).to(dtype)
+    x[:, 0] = 1
+    w_down_t = w_down.t().contiguous()
+    row = {"d": d, "F": f, "M": m, "sparsity": sparsity, "errors": {}, "mismatch": {}}
+    base = tt.gate_pack(x, w_gate, variant="r5tma")
+    row["measured_zeros"] = 1 - base.cnt.long().sum().item() / (m * f)
+    k1 = {"gate": lambda: torch.nn.functional.linear(x, w_gate),
+          "k1_tma": lambda: tt.gate_pack(x, w_gate, variant="r5tma")}
+    for c in configs:
+        kw = as_kwargs(c)
+        try:
+            got = tt.gate_pack(x, w_gate, variant="r6", **kw)
+            why = same_packing(base, got) if kw["PACK"] else (
+                None if torch.equal(base.cnt, got.cnt) else "counts differ")
+        except Exception as e:  # noqa: BLE001 - compile/launch failure of one config
+            row["errors"][name(c)] = f"{type(e).__name__}: {e}"[:300]
+            continue
+        if why:
+            row["mismatch"][name(c)] = why
+            continue
+        k1[name(c)] = lambda kw=kw: tt.gate_pack(x, w_gate, variant="r6", **kw)
+    t = interleaved(k1, clock, budget_ms, row["errors"])
+    row["k1_ms"] = {k: med(v) for k, v in t.items()}
+    row["k1_over_gate"] = {k: paired(t, k, "gate") for k in t}
+    full = [k for k in t if k.startswith("bm") and not k.endswith("pack0")]
+    best = min(full, key=lambda k: row["k1_ms"][k]) if full else None
+    row["best_r6"] = best
+    ffn = {"dense": lambda: ffn_dense(x, w_gate, w_up, w_down),
+           "r5c": lambda: tt.twell_ffn_triton(x, w_gate, w_up, w_down_t, variant="r5c")}
+    if best:
+        kw = as_kwargs(next(c for c in configs if name(c) == best))
+
+        def r6c():
+            packed = tt.gate_pack(x, w_gate, variant="r6", **kw)
+            return tt.updown(x, packed, w_gate, w_up, w_down_t, compact=True)
+
+        ref = ffn_dense(x.float(), w_gate.float(), w_up.float(), w_down.float())
+        row["err_r6c"] = (r6c().float() - ref).abs().max().item()
+        row["err_r5c"] = (ffn["r5c"]().float() - ref).abs().max().item()
+        ffn["r6c"] = r6c
+        ffn["k2_c"] = lambda: tt.updown(x, base, w_gate, w_up, w_down_t, compact=True)
+    t = interleaved(ffn, clock, budget_ms, row["errors"])
+    row["ffn_ms"] = {k: med(v) for k, v in t.items()}
+    row["x_vs_dense"] = {k: paired(t, "dense", k) for k in t if k != "dense"}
+    return row
+
+
+def report(row) -> str:
+    lines = [f"## {row['d']}x{row['F']} M={row['M']} {row['sparsity']:.1%} skewed "
+             f"(measured zeros {row['measured_zeros']:.4f})",
+             "| K1 | ms | / cuBLAS gate |", "|---|---|---|"]
+    for k, v in sorted(row["k1_ms"].items(), key=lambda kv: kv[1]):
+        lines.append(f"| {k} | {v:.3f} | {row['k1_over_gate'][k]:.2f} |")
+    lines += ["", "| FFN | ms | dense / this |", "|---|---|---|"]
+    for k, v in row["ffn_ms"].items():
+        lines.append(f"| {k} | {v:.3f} | {row['x_vs_dense'].get(k) or 1.0:.2f}x |")
+    lines.append(f"best round-6 K1: {row['best_r6']}; mismatches: {row['mismatch'] or 'none'}; "
+                 f"errors: {list(row['errors']) or 'none'}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True, help="folder for k1-sweep.json")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes in the Triton interpreter (CPU)")
+    ap.add_argument("--budget-s", type=float, default=5.0, help="timing budget per interleaved set")
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available() and not args.smoke
+    from sparsify.kernels import twell_ops
+    from sparsify.kernels import twell_triton as tt
+    from sparsify.kernels.twell_reference import ffn_dense
+
+    clock = Clock(cuda, twell_ops.loop_ms if cuda else None)
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float16)
+    cases, configs = (CASES, CONFIGS) if cuda else (SMOKE_CASES, SMOKE_CONFIGS)
+    rows = []
+    for d, f, m, sp in cases:
+        row = run_case(d, f, m, sp, configs, clock, tt, ffn_dense, args.budget_s * 1e3, device, dtype)
+        rows.append(row)
+        print(report(row), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "k1-sweep.json").write_text(json.dumps({"env": env_info(), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
