@@ -9,18 +9,24 @@ Backends:
 - "dense": three cuBLAS GEMMs in the input dtype (also the path whenever gradients are needed).
 - "twell": K1 (gate GEMM + ReLU + TwELL pack) then K2 (fused up/down) from twell_triton.py.
 - "auto": per layer (state kept on the W_gate tensor) and per power-of-two bucket of M, the first eager
-  call measures the density, then times both paths once (CUDA events, like an autotuner) and keeps the
-  faster one; twell must win by > 3% to be chosen, so auto is never measurably slower than dense. For
+  call measures the density, then times both paths (CUDA events, like an autotuner) and keeps the
+  faster one. Both sides are timed through the code that then runs: twell_ffn(backend="auto") itself
+  with the layer's decision forced to "dense" (the fast path) or "twell" (checks, dispatcher, W_down^T
+  lookup and the periodic refresh included), re-timing held off meanwhile; dense and twell alternate in
+  rounds (order swapped every round) and twell is chosen only if the median of the per-round ratios
+  t_twell / t_dense is below MARGIN (3% faster), so auto is never measurably slower than dense. For
   M <= GRAPH_TIMED_M it also times both paths replayed from CUDA graphs: eager decode is bound by
   Python launch overhead (dense wins), graph replay by GPU time (twell wins), and calls captured into a
-  CUDA graph use the graph-timed decision. A density estimate is
-  refreshed every REFRESH calls WITHOUT a host sync (device count -> pinned buffer -> read when its
-  event has completed); when it drifts by more than DRIFT, the layer is re-timed (at most MAX_RETUNE
-  times). Inside CUDA-graph capture nothing is timed or counted: the last decision is used (dense if
-  none). Once a bucket has chosen dense (eager calls; captured calls too unless graph timing chose
-  twell), twell_ffn goes straight to the dense torch ops after one attribute and dict lookup
-  (refreshing the density only every REFRESH_DENSE calls), and the cached W_down^T copy is freed while
-  every bucket of the layer is dense (it is made only when twell is timed or run).
+  CUDA graph use the graph-timed decision. Where the eager twell time is CPU_BOUND x its graph time
+  (launch-bound: host jitter decides), eager twell must also win by more than the spread of its own
+  rounds. Calibration costs ~2 x CAL_BUDGET_MS (at least CAL_ROUNDS[0] rounds) per layer and bucket.
+  A density estimate is refreshed every REFRESH calls WITHOUT a host sync (device count -> pinned
+  buffer -> read when its event has completed); when it drifts by more than DRIFT, the layer is
+  re-timed (at most MAX_RETUNE times). Inside CUDA-graph capture nothing is timed or counted: the last
+  decision is used (dense if none). Once a bucket has chosen dense (eager calls; captured calls too
+  unless graph timing chose twell), twell_ffn goes straight to the dense torch ops after one attribute
+  and dict lookup, and the cached W_down^T copy is freed while every bucket of the layer is dense (it
+  is made only when twell is timed or run).
 Without CUDA or triton, "auto" and "twell" on CPU tensors run the dense torch path, except that
 "twell" on CPU with TRITON_INTERPRET=1 runs the Triton kernels in the interpreter (tests).
 """
@@ -30,6 +36,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import statistics
 from dataclasses import dataclass, field
 
 import torch
@@ -40,13 +47,26 @@ from .twell_triton import DEFAULT_VARIANT, HAS_TRITON, gate_pack, twell_ffn_trit
 log = logging.getLogger("sparsify.kernels")
 
 BACKENDS = ("auto", "twell", "dense")
-REFRESH = 16  # calls between density refreshes (async, no host sync)
-REFRESH_DENSE = 256  # the same when every path of the bucket is dense (keeps that path a plain dense FFN)
+# Calls between density refreshes (async, no host sync). A refresh costs 3 CUDA calls on the host (count
+# kernel, D2H copy to pinned memory, event record; ~10-20 us) plus the dispatcher's slow-path prelude:
+# every 16 calls that was ~1% of an eager decode call (~0.1 ms), every 256 calls it is < 0.1%. Density
+# drifts with the input distribution, slowly; a re-timing (tens of ms) would not pay off any sooner.
+REFRESH = 256
+REFRESH_DENSE = 256  # the same for buckets that chose dense (the fast path counts calls against it)
 DRIFT = 1.25  # relative density change that triggers a re-timing
 MAX_RETUNE = 8  # re-timings per (layer, M bucket)
-COMPACT = DEFAULT_VARIANT == "r5c"  # the refresh path splits K1/K2 (to count K1's output): same K2 as the rest
-MARGIN = 0.97  # twell must be at least 3% faster than dense at calibration
+# auto runs K1 and K2 itself (the refresh counts K1's output), as twell_ffn_triton(variant=DEFAULT_VARIANT)
+# ("r5c" / "r6c": K1 of r5 / r6, then K2 on compacted lists)
+COMPACT = DEFAULT_VARIANT.endswith("c")
+K1_VARIANT = DEFAULT_VARIANT[:-1] if COMPACT else DEFAULT_VARIANT
+MARGIN = 0.97  # twell must be at least 3% faster than dense at calibration (median paired ratio)
 GRAPH_TIMED_M = 256  # up to this M, also time both paths inside CUDA graphs (decode is CPU-bound eagerly)
+GRAPH_CALLS = 5  # calls per captured graph when timing graph replay
+CAL_LOOP_MS = 1.0  # one timed loop: back-to-back calls making ~1 ms (at most CAL_MAX_CALLS)
+CAL_MAX_CALLS = 64
+CAL_ROUNDS = (5, 9)  # min / max rounds (odd: the median is one round's ratio)
+CAL_BUDGET_MS = 40.0  # rounds fill this per layer and bucket (eager; the same again for graph replay)
+CPU_BOUND = 1.5  # eager twell > 1.5 x its graph-replay time: launch-bound, apply the spread rule
 
 _last_backend: str | None = None
 _logged: dict[tuple, str] = {}
@@ -100,8 +120,10 @@ class _LayerState:
     calls: int = 0
     retunes: int = 0
     pending: tuple | None = None  # (pinned count, event, elements)
-    pinned: torch.Tensor | None = None
+    pinned: torch.Tensor | None = None  # made once per layer/bucket (pinned allocation is slow)
+    event: object = None  # torch.cuda.Event, made once and re-recorded at each refresh
     retune: bool = False  # density drifted since the last timing
+    timing: bool = False  # calibration running: a drift seen meanwhile does not start a re-timing
     times: dict = field(default_factory=dict)
 
     @property
@@ -117,17 +139,18 @@ def _poll(st: _LayerState) -> None:
     if st.pending is not None and st.pending[1].query():
         st.density = float(st.pending[0].item()) / st.pending[2]
         st.pending = None
-        st.retune = st.retunes < MAX_RETUNE and _drifted(st)
+        st.retune = not st.timing and st.retunes < MAX_RETUNE and _drifted(st)
 
 
 def _count_async(st: _LayerState, nnz: torch.Tensor, elements: int) -> None:
-    """Copy a device count to a pinned host buffer; read it once its event completes (no sync)."""
-    if st.pinned is None:  # one pinned scalar per layer/bucket: pinned allocation is slow
+    """Copy a device count to a pinned host buffer; read it once its event completes (no sync). Buffer
+    and event are reused: a refresh starts only when the previous one has been read (pending is None)."""
+    if st.pinned is None:
         st.pinned = torch.empty((), dtype=torch.int64, pin_memory=True)
+        st.event = torch.cuda.Event()
     st.pinned.copy_(nnz, non_blocking=True)
-    ev = torch.cuda.Event()
-    ev.record()
-    st.pending = (st.pinned, ev, elements)
+    st.event.record()
+    st.pending = (st.pinned, st.event, elements)
 
 
 def loop_ms(fn, n: int) -> float:
@@ -141,48 +164,103 @@ def loop_ms(fn, n: int) -> float:
     return a.elapsed_time(b) / n
 
 
-def _time(fn, reps: int = 5) -> float:
-    """Median ms per call over `reps` measurements of n back-to-back calls (n makes ~0.5 ms), so that
-    launch-bound sizes are timed as the throughput a model sees, not one noisy call."""
-    fn()
-    torch.cuda.synchronize()
-    n = 1
-    ts = []
-    for _ in range(reps + 1):
-        ts.append(loop_ms(fn, n))
-        n = max(n, min(50, int(0.5 / max(ts[0], 1e-3))))  # the first measurement sizes the others
-    ts = ts[1:]
-    return sorted(ts)[len(ts) // 2]
+def _run_twell(st: _LayerState, x2d, w_gate, w_up, w_down, w_down_t, refresh: bool = False) -> torch.Tensor:
+    """auto's twell path, the one every twell decision runs (hot path, refreshes, capture, calibration):
+    K1, on a refresh an async count of its output, K2 (= twell_ffn_triton with DEFAULT_VARIANT)."""
+    packed = gate_pack(x2d, w_gate, variant=K1_VARIANT)
+    if refresh:
+        _count_async(st, packed.cnt.sum(dtype=torch.int64), x2d.shape[0] * w_gate.shape[0])
+    return updown(x2d, packed, w_gate, w_up, _down_t(w_down, w_down_t), compact=COMPACT)
 
 
-def _graph_time(fn, calls: int = 5) -> float:
-    """GPU time of fn per call, replayed from a CUDA graph (no Python launch overhead)."""
+def _paired_rounds(fns: dict, x2d: torch.Tensor, per_call: int = 1) -> dict[str, list[float]]:
+    """{name: [ms per call, one per round]} for fns {name: (prepare, fn)}.
+
+    Every round times each fn once as a loop of back-to-back calls (prepare() runs untimed before its
+    loop), in an order that flips every round, so slow drifts and the order itself cancel in the
+    per-round ratios. Loop lengths come from one warm call each (~CAL_LOOP_MS per loop: the throughput
+    a model sees, not one noisy call); rounds fill CAL_BUDGET_MS within CAL_ROUNDS."""
+    est = {}
+    for name, (prepare, fn) in fns.items():
+        prepare()
+        fn()  # warm: compiles, autotunes, allocates
+        if x2d.is_cuda:
+            torch.cuda.synchronize()
+        est[name] = max(loop_ms(fn, 1), 1e-3)
+    calls = {k: max(1, min(CAL_MAX_CALLS, round(CAL_LOOP_MS / v))) for k, v in est.items()}
+    rounds = int(CAL_BUDGET_MS / sum(calls[k] * est[k] for k in fns))
+    rounds = max(CAL_ROUNDS[0], min(CAL_ROUNDS[1], rounds)) | 1  # odd: the median is one round's ratio
+    names = list(fns)
+    out: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(rounds):
+        for k in names if r % 2 == 0 else names[::-1]:
+            prepare, fn = fns[k]
+            prepare()
+            out[k].append(loop_ms(fn, calls[k]) / per_call)
+    return out
+
+
+def _decide(dense: list[float], twell: list[float], graph_twell: list[float] | None = None) -> tuple[str, dict]:
+    """twell only if the median of the per-round ratios t_twell / t_dense is below MARGIN. Where eager
+    twell is launch-bound (> CPU_BOUND x its graph-replay time), host jitter is of the size of the
+    difference, so its win (1 - ratio) must also exceed the relative spread of its own rounds."""
+    ratio = statistics.median([t / d for t, d in zip(twell, dense)])
+    med_twell = statistics.median(twell)
+    spread = (max(twell) - min(twell)) / med_twell
+    cpu_bound = graph_twell is not None and med_twell > CPU_BOUND * statistics.median(graph_twell)
+    win = ratio < MARGIN and (not cpu_bound or 1.0 - ratio > spread)
+    info = {"dense_ms": statistics.median(dense), "twell_ms": med_twell, "ratio": ratio, "spread": spread,
+            "cpu_bound": cpu_bound, "rounds": len(dense)}
+    return ("twell" if win else "dense"), info
+
+
+def _capture(fn) -> torch.cuda.CUDAGraph:
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(calls):
+        for _ in range(GRAPH_CALLS):
             fn()
-    t = _time(graph.replay) / calls
-    del graph
-    return t
+    return graph
+
+
+def _graph_rounds(st: _LayerState, x2d, w_gate, w_up, w_down, w_down_t) -> dict[str, list[float]]:
+    """Per-round GPU ms per call of both paths replayed from CUDA graphs: the kernels captured calls run."""
+    graphs = {"dense": _capture(lambda: ffn_dense(x2d, w_gate, w_up, w_down)),
+              "twell": _capture(lambda: _run_twell(st, x2d, w_gate, w_up, w_down, w_down_t))}
+    out = _paired_rounds({k: (lambda: None, g.replay) for k, g in graphs.items()}, x2d, per_call=GRAPH_CALLS)
+    del graphs
+    return out
 
 
 def _calibrate(st: _LayerState, x2d, w_gate, w_up, w_down, w_down_t) -> None:
-    w_down_t = _down_t(w_down, w_down_t)
-    dense = lambda: ffn_dense(x2d, w_gate, w_up, w_down)  # noqa: E731
-    twell = lambda: twell_ffn_triton(x2d, w_gate, w_up, w_down_t)  # noqa: E731
-    # eager: each path with the Python it really costs per call (dense: the fast path is ~ffn_dense;
-    # twell: the checks and the dispatcher's hot path, about what backend="twell" pays)
-    twell_eager = lambda: twell_ffn(x2d, w_gate, w_up, w_down, backend="twell", w_down_t=w_down_t)  # noqa: E731
-    t_dense, t_twell = _time(dense), _time(twell_eager)
-    st.decision = "twell" if t_twell < MARGIN * t_dense else "dense"
+    """Set st.decision (and st.graph_decision for M <= GRAPH_TIMED_M) from paired timings.
+
+    Both sides run twell_ffn(backend="auto") with this bucket's decision forced, i.e. exactly what a
+    later call runs: dense = the fast path, twell = checks + dispatcher + W_down^T lookup + K1/K2 (+ a
+    refresh whenever the call count reaches one). st.timing holds off re-timings meanwhile."""
+    call = lambda: twell_ffn(x2d, w_gate, w_up, w_down, backend="auto", w_down_t=w_down_t)  # noqa: E731
+
+    def force(decision: str):  # the graph decision too: a dense fast path then skips its capture query
+        def prepare() -> None:
+            st.decision = st.graph_decision = decision
+        return prepare
+
+    st.timing = True
+    try:
+        eager = _paired_rounds({"dense": (force("dense"), call), "twell": (force("twell"), call)}, x2d)
+        graph = _graph_rounds(st, x2d, w_gate, w_up, w_down, w_down_t) if x2d.shape[0] <= GRAPH_TIMED_M else None
+    except BaseException:
+        st.decision = st.graph_decision = None  # never keep a forced decision
+        raise
+    finally:
+        st.timing = False
+    st.decision, info = _decide(eager["dense"], eager["twell"], graph["twell"] if graph else None)
     st.graph_decision = st.decision
-    st.times = {"dense_ms": t_dense, "twell_ms": t_twell, "density": st.density}
-    if x2d.shape[0] <= GRAPH_TIMED_M:  # launch-bound sizes: eager and graph replay rank differently
-        g_dense, g_twell = _graph_time(dense), _graph_time(twell)
-        st.graph_decision = "twell" if g_twell < MARGIN * g_dense else "dense"
-        st.times.update(graph_dense_ms=g_dense, graph_twell_ms=g_twell)
+    st.times = {"density": st.density, **info}
+    if graph is not None:
+        st.graph_decision, ginfo = _decide(graph["dense"], graph["twell"])
+        st.times.update({f"graph_{k}": v for k, v in ginfo.items() if k != "cpu_bound"})
     st.density0 = st.density
 
 
@@ -226,20 +304,21 @@ def _auto(x2d, w_gate, w_up, w_down, w_down_t) -> torch.Tensor:
         backend = st.graph_decision or "dense"
         _note(key, backend, "graph capture: decision timed in graph replay")
         if backend == "twell":
-            return twell_ffn_triton(x2d, w_gate, w_up, _down_t(w_down, w_down_t))
+            return _run_twell(st, x2d, w_gate, w_up, w_down, w_down_t)
         return ffn_dense(x2d, w_gate, w_up, w_down)
     st.calls += 1
     if st.pending is not None:
         _poll(st)
-    refresh = st.calls % REFRESH == 0 and st.pending is None
+    period = REFRESH_DENSE if st.decision == "dense" else REFRESH  # (the dense fast path counts calls too)
+    refresh = st.calls % period == 0 and st.pending is None
     if st.decision is not None and not st.retune and not refresh:  # hot path: ~nothing but the work
         _last_backend = st.decision
         if st.decision == "twell":
-            return twell_ffn_triton(x2d, w_gate, w_up, _down_t(w_down, w_down_t))
+            return _run_twell(st, x2d, w_gate, w_up, w_down, w_down_t)
         return ffn_dense(x2d, w_gate, w_up, w_down)
     key = (tuple(w_gate.shape), x2d.dtype, bucket)
     if st.density is None:  # first call of this layer/bucket: one synchronous count
-        st.density = float(gate_pack(x2d, w_gate).cnt.sum().item()) / (m * f)
+        st.density = float(gate_pack(x2d, w_gate, variant=K1_VARIANT).cnt.sum().item()) / (m * f)
     if st.decision is None or st.retune:
         st.retunes += st.decision is not None
         st.retune = False
@@ -250,10 +329,7 @@ def _auto(x2d, w_gate, w_up, w_down, w_down_t) -> torch.Tensor:
     # differently would flip it and log a line at every refresh of either (the decision is logged above)
     _last_backend = st.decision
     if st.decision == "twell":
-        packed = gate_pack(x2d, w_gate)
-        if refresh:
-            _count_async(st, packed.cnt.sum(dtype=torch.int64), m * f)
-        return updown(x2d, packed, w_gate, w_up, _down_t(w_down, w_down_t), compact=COMPACT)
+        return _run_twell(st, x2d, w_gate, w_up, w_down, w_down_t, refresh=refresh)
     g = torch.nn.functional.linear(x2d, w_gate)  # [M, F]
     if refresh:
         _count_async(st, (g > 0).sum(), m * f)

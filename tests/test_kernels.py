@@ -385,6 +385,8 @@ def test_auto_logs_each_layer_decision_once(monkeypatch, caplog):
 
     fake_decisions(monkeypatch, lambda w_gate: ("twell",) * 2 if w_gate is wg_a else ("dense",) * 2)
     monkeypatch.setattr(twell_ops, "_count_async", lambda st, nnz, n: None)
+    monkeypatch.setattr(twell_ops, "REFRESH", 8)  # the interpreter runs twell: a short cadence keeps it fast
+    monkeypatch.setattr(twell_ops, "REFRESH_DENSE", 8)
     with caplog.at_level("INFO", logger="sparsify.kernels"):
         for _ in range(2 * twell_ops.REFRESH):
             twell_ops._auto(x, wg_a, wu, wd, None)
@@ -589,6 +591,7 @@ def test_auto_dispatcher_logic_on_cpu(monkeypatch, caplog):
 
     monkeypatch.setattr(twell_ops, "_calibrate", fake_calibrate)
     monkeypatch.setattr(twell_ops, "_count_async", fake_count)
+    monkeypatch.setattr(twell_ops, "REFRESH", 8)  # the interpreter runs twell: a short cadence keeps it fast
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     want = ref.ffn_reference(x, wg, wu, wd)
     with caplog.at_level("INFO", logger="sparsify.kernels"):
@@ -601,3 +604,175 @@ def test_auto_dispatcher_logic_on_cpu(monkeypatch, caplog):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     twell_ops._auto(x, wg, wu, wd, wdt)
     assert twell_ops.last_backend() == "dense", "under graph capture the graph-timed decision is used"
+
+
+def scripted_timer(monkeypatch, times: dict, est: float = 0.1):
+    """Fake twell_ops.loop_ms: runs fn once (through the real dispatcher), sees which path ran from
+    last_backend() and returns that side's next scripted ms (the first call per side is the estimate).
+    Returns the log of sides in timing order (estimates excluded)."""
+    seen: dict[str, int] = {}
+    order: list[str] = []
+
+    def loop_ms(fn, n):
+        fn()
+        side = twell_ops.last_backend()
+        i = seen.get(side, -1)
+        seen[side] = i + 1
+        if i < 0:
+            return est
+        order.append(side)
+        return times[side][i]
+
+    monkeypatch.setattr(twell_ops, "loop_ms", loop_ms)
+    return order
+
+
+def calibration_case(monkeypatch, seed):
+    """A layer whose twell path is a stand-in (no interpreter), `_impl` routed to the CUDA-only
+    dispatcher, no graph timing, exactly 5 rounds. Returns (x, w_gate, w_up, w_down, twell path calls)."""
+    x, wg, wu, wd = make_case(20, 16, 64, 0.9, seed=seed)
+    ran: list[bool] = []
+
+    def run_twell(st, x2d, w_gate, w_up, w_down, w_down_t, refresh=False):
+        ran.append(refresh)
+        return ref.ffn_dense(x2d, w_gate, w_up, w_down)
+
+    monkeypatch.setattr(twell_ops, "_run_twell", run_twell)
+    monkeypatch.setattr(twell_ops, "_impl", lambda x2d, g, u, dn, dt, b: twell_ops._auto(x2d, g, u, dn, dt))
+    monkeypatch.setattr(twell_ops, "GRAPH_TIMED_M", 0)
+    monkeypatch.setattr(twell_ops, "CAL_ROUNDS", (5, 5))
+    monkeypatch.setattr(twell_ops, "_logged", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    return x, wg, wu, wd, ran
+
+
+@pytest.mark.parametrize("dense,twell,want", [
+    # paired ratios .9 1.25 .95 .93 .93 -> median .93: twell, although median(twell) / median(dense) = 1.25
+    ([1.0, 2.0, 2.0, 3.0, 3.0], [0.9, 2.5, 1.9, 2.8, 2.8], "twell"),
+    # paired ratios .99 .99 .99 .99 .25 -> median .99: dense, although the medians' ratio is 0.495
+    ([2.0, 2.0, 1.0, 1.0, 2.0], [1.98, 1.98, 0.99, 0.99, 0.5], "dense"),
+])
+def test_auto_calibration_decides_on_paired_ratios(monkeypatch, dense, twell, want):
+    """auto times both sides through twell_ffn(backend="auto") with the decision forced (dense: the fast
+    path; twell: the dispatcher's twell path), alternating their order every round, and decides on the
+    median of the per-round ratios."""
+    x, wg, wu, wd, ran = calibration_case(monkeypatch, seed=31)
+    order = scripted_timer(monkeypatch, {"dense": dense, "twell": twell})
+    out = twell_ops.twell_ffn(x, wg, wu, wd)
+    st = wg._twell_auto[1][32]
+    assert st.decision == want and st.graph_decision == want and not st.timing, st.times
+    assert order == ["dense", "twell", "twell", "dense"] * 2 + ["dense", "twell"], order
+    assert st.times["ratio"] == pytest.approx(sorted(t / d for t, d in zip(twell, dense))[2])
+    # the twell side ran the same function as the hot path does afterwards (one warm-up call, one
+    # estimate and 5 timed loops of one fake call), the dense side never did
+    assert len(ran) == 7 + (want == "twell") and not any(ran), ran
+    assert torch.equal(out, ref.ffn_dense(x, wg, wu, wd))
+
+
+def test_auto_decide_spread_rule_for_launch_bound_twell():
+    """Eager twell launch-bound (> CPU_BOUND x its graph time): a 5% win inside a 20% spread is dense."""
+    dense, twell = [1.05] * 5, [1.0, 0.9, 1.1, 1.0, 1.0]  # ratio median 0.952, spread 0.2
+    assert twell_ops._decide(dense, twell)[0] == "twell"
+    assert twell_ops._decide(dense, twell, graph_twell=[0.9] * 5)[0] == "twell"  # GPU-bound: spread ignored
+    choice, info = twell_ops._decide(dense, twell, graph_twell=[0.5] * 5)
+    assert choice == "dense" and info["cpu_bound"] and info["spread"] == pytest.approx(0.2)
+    steady = [0.8, 0.79, 0.81, 0.8, 0.8]  # a 24% win, 2.5% spread: still twell when launch-bound
+    assert twell_ops._decide(dense, steady, graph_twell=[0.3] * 5)[0] == "twell"
+    assert twell_ops._decide([1.0] * 5, [0.975] * 5)[0] == "dense"  # 2.5% is inside MARGIN
+
+
+def test_auto_calibration_failure_keeps_no_forced_decision(monkeypatch):
+    x, wg, wu, wd, _ = calibration_case(monkeypatch, seed=32)
+
+    def loop_ms(fn, n):
+        fn()
+        if twell_ops.last_backend() == "twell":
+            raise RuntimeError("twell kernel failed")
+        return 0.1
+
+    monkeypatch.setattr(twell_ops, "loop_ms", loop_ms)
+    with pytest.raises(RuntimeError, match="twell kernel failed"):
+        twell_ops.twell_ffn(x, wg, wu, wd)
+    st = wg._twell_auto[1][32]
+    assert st.decision is None and st.graph_decision is None and not st.timing
+
+
+class FakeEvent:
+    def __init__(self):
+        self.done = False
+
+    def query(self):
+        return self.done
+
+
+def test_auto_refresh_cadence_and_held_retune(monkeypatch):
+    """A twell bucket refreshes its density every REFRESH calls (never while a count is in flight),
+    through the same twell path as the hot path; a drift read while calibrating does not re-time."""
+    x, wg, wu, wd, ran = calibration_case(monkeypatch, seed=33)
+    fake_decisions(monkeypatch, lambda w_gate: ("twell", "twell"))
+    events = []
+
+    def run_twell(st, x2d, w_gate, w_up, w_down, w_down_t, refresh=False):
+        ran.append(refresh)
+        if refresh:  # what _count_async leaves behind: a pending count readable once its event is done
+            events.append(FakeEvent())
+            st.pending = (torch.tensor(int(st.density0 * x2d.shape[0] * w_gate.shape[0])), events[-1],
+                          x2d.shape[0] * w_gate.shape[0])
+        return x2d.new_zeros(x2d.shape)
+
+    monkeypatch.setattr(twell_ops, "_run_twell", run_twell)
+    assert twell_ops.REFRESH == 256 and twell_ops.REFRESH_DENSE == 256
+    for _ in range(2 * twell_ops.REFRESH):
+        twell_ops._auto(x, wg, wu, wd, None)
+    assert [i + 1 for i, r in enumerate(ran) if r] == [256], "refresh while the first count is in flight"
+    events[0].done = True
+    for _ in range(twell_ops.REFRESH):
+        twell_ops._auto(x, wg, wu, wd, None)
+    assert [i + 1 for i, r in enumerate(ran) if r] == [256, 768] and len(ran) == 768
+    st = wg._twell_auto[1][32]
+    assert not st.retune and st.pending is not None
+    for timing in (True, False):  # a completed count 4x denser than at the last timing: a drift
+        st.pending, st.density0, st.timing = (torch.tensor(400), events[1], 1000), 0.1, timing
+        events[1].done = True
+        twell_ops._poll(st)
+        assert st.density == 0.4 and st.retune == (not timing), "no re-timing starts while timing"
+
+
+def test_auto_probe_smoke_on_cpu(tmp_path):
+    """eval/auto_probe.py's code paths (variants, patched REFRESH, interleaved rounds, profiler summary,
+    JSON + table) on tiny shapes in the interpreter (~5 s)."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    res = subprocess.run([sys.executable, str(root / "eval" / "auto_probe.py"), "--smoke", "--out", str(tmp_path)],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    data = json.loads((tmp_path / "auto-probe.json").read_text())
+    row = data["rows"][0]
+    want = {"dense", "twell_triton", "twell", "auto", "auto_tw", "auto_tw_norefr", "auto_tw_r16", "auto_tw_wdt"}
+    assert set(row["timing"]) == want and all(len(v) == 2 for v in row["rounds_ms"].values())
+    assert set(row["profile"]) == {"auto", "auto_tw", "auto_tw_r16"}
+    assert all("api_per_call" in p for p in row["profile"].values()), row["profile"]
+    assert twell_ops.REFRESH == row["REFRESH"] and "| auto_tw_norefr |" in res.stdout
+
+
+@pytest.mark.gpu
+def test_gpu_auto_calibration_and_refresh_reuse_pinned_buffer_and_event(monkeypatch):
+    """The real calibration records paired ratios (eager and graph); a twell bucket's refreshes reuse one
+    pinned buffer and one event, and read back the density K1 counts."""
+    x, wg, wu, wd = make_case(64, 576, 1536, 0.99, seed=34, dtype=torch.bfloat16, device="cuda")
+    twell_ops.twell_ffn(x, wg, wu, wd)  # calibrates (M = 64: graph replay timed too)
+    st = wg._twell_auto[1][64]
+    assert {"ratio", "spread", "cpu_bound", "graph_ratio"} <= st.times.keys() and not st.timing, st.times
+    st.decision = st.graph_decision = "twell"  # the refresh path under test is the twell one
+    st.calls, pinned, event = 0, st.pinned, st.event
+    for _ in range(twell_ops.REFRESH):
+        twell_ops.twell_ffn(x, wg, wu, wd)
+    assert st.pending is not None
+    first = (st.pinned, st.event) if pinned is None else (pinned, event)
+    torch.cuda.synchronize()
+    st.density = -1.0  # overwritten by the next call's poll of the completed count
+    for _ in range(twell_ops.REFRESH):
+        twell_ops.twell_ffn(x, wg, wu, wd)
+    assert st.pinned is first[0] and st.event is first[1]
+    want = float((torch.nn.functional.linear(x, wg) > 0).float().mean())
+    assert st.density == pytest.approx(want, abs=2e-3)
