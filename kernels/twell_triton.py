@@ -56,6 +56,16 @@ if HAS_TRITON:
         return (hi << 16) | tl.arange(0, T)[None, :]
 
     @triton.jit
+    def _pack_cols(g, col, ENT: tl.constexpr):
+        """_pack_words for fp32 values g [BM, S] whose tile columns are col [BM, S] (int32)."""
+        if ENT == 1:
+            b = g.to(tl.int32, bitcast=True)
+            hi = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        else:
+            hi = g.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        return (hi << 16) | col
+
+    @triton.jit
     def _unpack_value(w, ENT: tl.constexpr):
         """fp32 value of int32 words (high 16 bits: bf16 or fp16 bits of a non-negative value)."""
         if ENT == 1:  # bf16 bits are the top half of the fp32 bits
@@ -174,7 +184,7 @@ if HAS_TRITON:
     @triton.jit
     def _k1_epilogue_bits(acc, pid_m, tile, M, F, cnt_ptr, ent_ptr, NT,
                           BLOCK_M: tl.constexpr, T: tl.constexpr, S: tl.constexpr, ENT: tl.constexpr,
-                          PACK: tl.constexpr, HW: tl.constexpr):
+                          PACK: tl.constexpr, HW: tl.constexpr, RANK: tl.constexpr):
         """Round-6 epilogue of acc [BM, T] (T <= 128): slot ranks from two 64-bit masks per row and
         popcounts instead of a scan. Row sums and elementwise ops stay in the MMA accumulator's
         register layout (a scan along the tile needs a layout conversion through shared memory).
@@ -189,7 +199,32 @@ if HAS_TRITON:
         hi = tl.sum(tl.where(active & (cols >= 64)[None, :], bit[None, :], 0), 1)  # [BM]
         n_lo = _popc64(lo, HW)
         cnt = n_lo + _popc64(hi, HW)  # [BM] true count, may exceed S (overflow marker)
-        if PACK == 1:
+        if PACK == 1 and RANK >= 2:  # slot-major: [BM, S] words, one store per slot, not per column
+            slots = tl.arange(0, S)
+            valid = (slots[None, :] < tl.minimum(cnt, S)[:, None]) & m_ok[:, None]  # [BM, S]
+            if RANK == 2:  # column of slot s = position of the s-th set bit; value gathered from acc
+                in_lo = slots[None, :] < n_lo[:, None]  # [BM, S]
+                w = tl.where(in_lo, lo[:, None], hi[:, None])  # [BM, S] int64
+                k = tl.where(in_lo, slots[None, :], slots[None, :] - n_lo[:, None])
+                p = tl.zeros([BLOCK_M, S], dtype=tl.int32)
+                for step in tl.static_range(6):  # largest p with popc(w below p) <= k: bits 32,16,..,1
+                    mid = p + (32 >> step)
+                    below = _popc64(w & ((tl.full([BLOCK_M, S], 1, tl.int64) << mid.to(tl.int64)) - 1), HW)
+                    p = tl.where(below <= k, mid, p)
+                col = tl.where(valid, tl.where(in_lo, p, p + 64), 0)  # [BM, S] column within the tile
+                g = tl.gather(acc, col, 1)  # [BM, S] fp32
+                words = _pack_cols(g, col, ENT)
+            else:  # RANK 3: slot s holds the one word whose rank is s (a masked row sum per slot)
+                all_words = _pack_words(acc, T, ENT)  # [BM, T]
+                word = tl.where(lo_col[None, :], lo[:, None], hi[:, None])
+                rank = _popc64(word & (bit - 1)[None, :], HW) + tl.where(lo_col[None, :], 0, n_lo[:, None])
+                words = tl.zeros([BLOCK_M, S], dtype=tl.int32)
+                for sl in tl.static_range(S):
+                    v = tl.sum(tl.where(active & (rank == sl), all_words, 0), 1)  # [BM]
+                    words = tl.where(slots[None, :] == sl, v[:, None], words)
+            base = ent_ptr + (pid_m * BLOCK_M).to(tl.int64) * NT * S + tile * S
+            tl.store(base + (rows * (NT * S))[:, None] + slots[None, :], words, mask=valid)
+        elif PACK == 1:
             word = tl.where(lo_col[None, :], lo[:, None], hi[:, None])  # [BM, T]
             rank = _popc64(word & (bit - 1)[None, :], HW) + tl.where(lo_col[None, :], 0, n_lo[:, None])
             keep = active & (rank < S) & m_ok[:, None]
@@ -228,11 +263,11 @@ if HAS_TRITON:
                 if NSUB == 2:
                     b1 = wg_desc.load([(t0 + 1) * T, k * BLOCK_K])
                     acc1 = tl.dot(a, tl.trans(b1), acc1)
-            if RANK == 1:
-                _k1_epilogue_bits(acc0, pid_m, t0, M, F, cnt_ptr, ent_ptr, NT, BLOCK_M, T, S, ENT, PACK, HW)
+            if RANK >= 1:
+                _k1_epilogue_bits(acc0, pid_m, t0, M, F, cnt_ptr, ent_ptr, NT, BLOCK_M, T, S, ENT, PACK, HW, RANK)
                 if NSUB == 2 and t0 + 1 < NT:  # the last group may hold one tile only
                     _k1_epilogue_bits(acc1, pid_m, t0 + 1, M, F, cnt_ptr, ent_ptr, NT, BLOCK_M, T, S, ENT,
-                                      PACK, HW)
+                                      PACK, HW, RANK)
             else:
                 offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
                 offs_n = t0 * T + tl.arange(0, T)
@@ -506,9 +541,10 @@ def gate_pack(
 R6_DEFAULT = dict(BLOCK_M=128, BLOCK_K=64, NSUB=2, num_warps=8, num_stages=3, RANK=1, PERSIST=0, FLATTEN=False)
 
 
-def _gate_pack_r6(x2d, w_gate, cnt, ent, entries, cfg) -> None:
+def _gate_pack_r6(x2d, w_gate, cnt, ent, entries, cfg):
     """Launch the round-6 K1 (_k1_r6) into cnt [M, NT] / ent [M, NT, S]; cfg: R6_DEFAULT keys (+ PACK).
-    PERSIST = n > 0 runs n programs per SM, each looping over output tiles."""
+    PERSIST = n > 0 runs n programs per SM, each looping over output tiles. Returns Triton's launch
+    result (on GPU the compiled kernel: the sweep reads its registers and spills)."""
     m, d = x2d.shape
     f = w_gate.shape[0]
     bm, bk, nsub = cfg["BLOCK_M"], cfg["BLOCK_K"], cfg["NSUB"]
@@ -520,7 +556,7 @@ def _gate_pack_r6(x2d, w_gate, cnt, ent, entries, cfg) -> None:
         progs = min(tiles, sms * int(cfg["PERSIST"]))
     x_desc = TensorDescriptor.from_tensor(x2d, [bm, bk])
     wg_desc = TensorDescriptor.from_tensor(w_gate, [TILE, bk])
-    _k1_r6[(progs,)](
+    return _k1_r6[(progs,)](
         x_desc, wg_desc, cnt, ent, m, f, d, nt,
         BLOCK_M=bm, T=TILE, BLOCK_K=bk, S=SLOTS, MB=16, GROUP_M=8, ENT=ENT_CODES[entries],
         PACK=int(cfg.get("PACK", 1)), NSUB=nsub, RANK=int(cfg["RANK"]), HW=x2d.is_cuda, NUM_PROGS=progs,
