@@ -16,9 +16,9 @@ variant once as a loop of --calls back-to-back calls (CUDA events), in a rotatin
   auto_tw_wdt     the same with w_down_t passed (no cache lookup)
 Each auto variant has its own copy of W_gate, so its own dispatcher state and call counter; the first
 call of each copy is its calibration, whose wall time is reported (calib_ms: the per-layer cost of auto
-at this M). Then torch.profiler records --profile-calls calls of auto, auto_tw and auto_tw_r16 and
-counts CUDA API calls (cudaStreamSynchronize, cudaEventSynchronize, cudaHostAlloc, cudaMemcpyAsync,
-launches, ...) and host ms per call (with and without the profiler).
+at this M). Then torch.profiler records --profile-calls calls of twell_triton, twell, auto, auto_tw and
+auto_tw_r16 and counts CUDA API calls per call (cudaStreamSynchronize, cudaEventSynchronize,
+cudaHostAlloc, cudaMemcpyAsync, launches, ...), with the host ms per call (with and without the profiler).
 
 Inputs are built the way eval/bench_kernels.py builds its skewed honest-sparsity cases (its
 make_layer / set_sparsity are imported): x[:, 0] = 1 and W_gate[:, 0] = -b_j, so the gate GEMM makes the
@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT / "eval"))
 import bench_kernels as bk  # noqa: E402  (make_layer, set_sparsity, Clock, env_info)
 
 FORCED = ("auto_tw", "auto_tw_norefr", "auto_tw_r16", "auto_tw_wdt")
-PROFILED = ("auto", "auto_tw", "auto_tw_r16")
+PROFILED = ("twell_triton", "twell", "auto", "auto_tw", "auto_tw_r16")  # host cost: kernels, checks, dispatcher
 API = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaHostAlloc",
        "cudaMemcpyAsync", "cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaEventRecord",
        "cudaEventQuery", "cudaStreamIsCapturing", "cudaEventCreateWithFlags", "cudaEventDestroy")

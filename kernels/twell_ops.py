@@ -169,7 +169,8 @@ def _run_twell(st: _LayerState, x2d, w_gate, w_up, w_down, w_down_t, refresh: bo
     K1, on a refresh an async count of its output, K2 (= twell_ffn_triton with DEFAULT_VARIANT)."""
     packed = gate_pack(x2d, w_gate, variant=K1_VARIANT)
     if refresh:
-        _count_async(st, packed.cnt.sum(dtype=torch.int64), x2d.shape[0] * w_gate.shape[0])
+        # int32 sums to int64 in the reduction itself (sum(dtype=int64) launched a cast kernel first)
+        _count_async(st, packed.cnt.sum(), x2d.shape[0] * w_gate.shape[0])
     return updown(x2d, packed, w_gate, w_up, _down_t(w_down, w_down_t), compact=COMPACT)
 
 

@@ -750,7 +750,7 @@ def test_auto_probe_smoke_on_cpu(tmp_path):
     row = data["rows"][0]
     want = {"dense", "twell_triton", "twell", "auto", "auto_tw", "auto_tw_norefr", "auto_tw_r16", "auto_tw_wdt"}
     assert set(row["timing"]) == want and all(len(v) == 2 for v in row["rounds_ms"].values())
-    assert set(row["profile"]) == {"auto", "auto_tw", "auto_tw_r16"}
+    assert set(row["profile"]) == {"twell_triton", "twell", "auto", "auto_tw", "auto_tw_r16"}
     assert all("api_per_call" in p for p in row["profile"].values()), row["profile"]
     assert twell_ops.REFRESH == row["REFRESH"] and "| auto_tw_norefr |" in res.stdout
 
