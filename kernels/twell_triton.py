@@ -182,6 +182,62 @@ if HAS_TRITON:
         return ((v * 0x0101010101010101) >> 56).to(tl.int32)
 
     @triton.jit
+    def _popc32(v, HW: tl.constexpr):
+        """Set bits of int32 v (SWAR off the GPU, like _popc64)."""
+        if HW:
+            return libdevice.popc(v)
+        v = v - ((v >> 1) & 0x55555555)
+        v = (v & 0x33333333) + ((v >> 2) & 0x33333333)
+        v = (v + (v >> 4)) & 0x0F0F0F0F
+        return (v * 0x01010101) >> 24
+
+    @triton.jit
+    def _k1_epilogue_words(acc, pid_m, tile, M, F, cnt_ptr, ent_ptr, NT,
+                           BLOCK_M: tl.constexpr, T: tl.constexpr, S: tl.constexpr, ENT: tl.constexpr,
+                           PACK: tl.constexpr, HW: tl.constexpr, EVEN_F: tl.constexpr):
+        """Round-6 slot-major epilogue of acc [BM, T]: one 32-bit mask word per 32 columns (a reshape and
+        a row sum: two operations per element), then everything per (row, slot) [BM, S]: the column of
+        slot s is the s-th set bit of the row's mask, its value is gathered from acc, and the row's S
+        words are stored together. Same slots as _k1_epilogue (rank order = ascending column)."""
+        rows = tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, T)
+        m_ok = pid_m * BLOCK_M + rows < M
+        active = acc > 0
+        if not EVEN_F:
+            active = active & (tile * T + cols < F)[None, :]
+        bits = tl.where(active, 1 << (cols & 31)[None, :], 0)  # [BM, T] int32
+        words = tl.sum(tl.reshape(bits, [BLOCK_M, T // 32, 32]), 2)  # [BM, T/32] distinct bits: sum = or
+        cnt = tl.sum(_popc32(words, HW), 1)  # [BM] true count, may exceed S (overflow marker)
+        if PACK != 0:
+            slots = tl.arange(0, S)[None, :]  # [1, S]
+            widx = tl.arange(0, T // 32)[None, :]
+            sel = tl.zeros([BLOCK_M, S], dtype=tl.int32)  # mask word holding slot s
+            first = tl.zeros([BLOCK_M, S], dtype=tl.int32)  # rank of that word's first set bit
+            wcol = tl.zeros([BLOCK_M, S], dtype=tl.int32)  # column of that word's bit 0
+            before = tl.zeros([BLOCK_M], dtype=tl.int32)
+            for j in tl.static_range(T // 32):
+                wj = tl.sum(tl.where(widx == j, words, 0), 1)  # [BM]
+                here = slots >= before[:, None]  # later words take over the slots past their start
+                sel = tl.where(here, wj[:, None], sel)
+                first = tl.where(here, before[:, None], first)
+                wcol = tl.where(here, j * 32, wcol)
+                before += _popc32(wj, HW)
+            k = slots - first  # rank of slot s inside its word
+            p = tl.zeros([BLOCK_M, S], dtype=tl.int32)
+            for step in tl.static_range(5):  # largest p with popc(bits of sel below p) <= k
+                mid = p + (16 >> step)
+                p = tl.where(_popc32(sel & ((1 << mid) - 1), HW) <= k, mid, p)
+            valid = (slots < tl.minimum(cnt, S)[:, None]) & m_ok[:, None]  # [BM, S]
+            col = tl.where(valid, wcol + p, 0)  # [BM, S] column within the tile
+            if PACK == 3:  # benchmark diagnostic: no gather (wrong values), to time it
+                g = col.to(tl.float32)
+            else:
+                g = tl.gather(acc, col, 1)  # [BM, S] fp32
+            base = ent_ptr + (pid_m * BLOCK_M).to(tl.int64) * NT * S + tile * S
+            tl.store(base + (rows * (NT * S))[:, None] + slots, _pack_cols(g, col, ENT), mask=valid)
+        tl.store(cnt_ptr + (pid_m * BLOCK_M + rows).to(tl.int64) * NT + tile, cnt, mask=m_ok)
+
+    @triton.jit
     def _k1_epilogue_bits(acc, pid_m, tile, M, F, cnt_ptr, ent_ptr, NT,
                           BLOCK_M: tl.constexpr, T: tl.constexpr, S: tl.constexpr, ENT: tl.constexpr,
                           PACK: tl.constexpr, HW: tl.constexpr, RANK: tl.constexpr):
@@ -237,7 +293,7 @@ if HAS_TRITON:
         x_desc, wg_desc, cnt_ptr, ent_ptr, M, F, D, NT,
         BLOCK_M: tl.constexpr, T: tl.constexpr, BLOCK_K: tl.constexpr, S: tl.constexpr,
         MB, GROUP_M: tl.constexpr, ENT: tl.constexpr, PACK: tl.constexpr, NSUB: tl.constexpr,
-        RANK: tl.constexpr, HW: tl.constexpr, NUM_PROGS, FLATTEN: tl.constexpr,
+        RANK: tl.constexpr, HW: tl.constexpr, NUM_PROGS, FLATTEN: tl.constexpr, EVEN_F: tl.constexpr,
     ):
         """Round-6 K1 (16-bit inputs, packed entries): TMA loads; NSUB tiles of T columns per program
         (one x K-slice feeds NSUB MMAs: NSUB = 2 is a 128 x 256 GEMM tile); persistent when launched on
@@ -263,7 +319,12 @@ if HAS_TRITON:
                 if NSUB == 2:
                     b1 = wg_desc.load([(t0 + 1) * T, k * BLOCK_K])
                     acc1 = tl.dot(a, tl.trans(b1), acc1)
-            if RANK >= 1:
+            if RANK == 4:
+                _k1_epilogue_words(acc0, pid_m, t0, M, F, cnt_ptr, ent_ptr, NT, BLOCK_M, T, S, ENT, PACK, HW, EVEN_F)
+                if NSUB == 2 and t0 + 1 < NT:
+                    _k1_epilogue_words(acc1, pid_m, t0 + 1, M, F, cnt_ptr, ent_ptr, NT, BLOCK_M, T, S, ENT,
+                                       PACK, HW, EVEN_F)
+            elif RANK >= 1:
                 _k1_epilogue_bits(acc0, pid_m, t0, M, F, cnt_ptr, ent_ptr, NT, BLOCK_M, T, S, ENT, PACK, HW, RANK)
                 if NSUB == 2 and t0 + 1 < NT:  # the last group may hold one tile only
                     _k1_epilogue_bits(acc1, pid_m, t0 + 1, M, F, cnt_ptr, ent_ptr, NT, BLOCK_M, T, S, ENT,
@@ -560,7 +621,8 @@ def _gate_pack_r6(x2d, w_gate, cnt, ent, entries, cfg):
         x_desc, wg_desc, cnt, ent, m, f, d, nt,
         BLOCK_M=bm, T=TILE, BLOCK_K=bk, S=SLOTS, MB=16, GROUP_M=8, ENT=ENT_CODES[entries],
         PACK=int(cfg.get("PACK", 1)), NSUB=nsub, RANK=int(cfg["RANK"]), HW=x2d.is_cuda, NUM_PROGS=progs,
-        FLATTEN=bool(cfg["FLATTEN"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        FLATTEN=bool(cfg["FLATTEN"]), EVEN_F=f % TILE == 0, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
 
 
