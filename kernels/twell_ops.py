@@ -19,7 +19,10 @@ Backends:
   Python launch overhead (dense wins), graph replay by GPU time (twell wins), and calls captured into a
   CUDA graph use the graph-timed decision. Where the eager twell time is CPU_BOUND x its graph time
   (launch-bound: host jitter decides), eager twell must also win by more than the spread of its own
-  rounds. Calibration costs ~2 x CAL_BUDGET_MS (at least CAL_ROUNDS[0] rounds) per layer and bucket.
+  rounds ((max - min) / median). Calibration cost per layer and M bucket: CAL_BUDGET_MS of rounds, again
+  for graph replay, at least CAL_ROUNDS[0] rounds; measured on the H200 at 4096x14336: 38-61 ms for
+  M = 1-256, 47 ms at M = 4096, 125 ms at M = 16384 (so ~1-2 s per decode bucket for 30 layers, ~4 s at
+  M = 16384), plus the one-time Triton compile / K1 autotune of a new shape.
   A density estimate is refreshed every REFRESH calls WITHOUT a host sync (device count -> pinned
   buffer -> read when its event has completed); when it drifts by more than DRIFT, the layer is
   re-timed (at most MAX_RETUNE times). Inside CUDA-graph capture nothing is timed or counted: the last
