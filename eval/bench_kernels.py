@@ -1,4 +1,4 @@
-"""Benchmark TwELL kernels against the dense cuBLAS FFN in the same run (round 5).
+"""Benchmark TwELL kernels against the dense cuBLAS FFN in the same run (round 6).
 
 Usage on the H200 (repo not installed; the symlink makes `sparsify.kernels` importable):
   cd repo && ln -sfn ../kernels sparsify/kernels
@@ -13,11 +13,11 @@ What runs:
            of the per-round paired ratios):
              dense, dense_b  the dense torch FFN (twice: dense / dense_b is the same-run noise)
              auto            twell_ffn(backend="auto") (public API, dispatcher included)
-             twell, twell_r4 K1 + K2 of this round (packed 32-bit entries, autotuned K1) and of round 4
-             twell_tma       round 5 with tensor-descriptor (TMA) loads in K1 (variant "r5tma")
-             twell_c, k2_c   round 5 with K2 reading per-row compacted entry lists (variant "r5c")
-             k1, k1_tma, k1_r4, gate  K1 alone (each variant) and the cuBLAS gate GEMM F.linear(x, W_gate)
-             k2, k2_r4, k2_c K2 alone on its round's packed gate (gather GB/s from its time)
+             twell_r6        round 6, the default (variant "r6c"): K1 with 128 x 256 TMA tiles and a
+                             slot-major epilogue, K2 reading per-row compacted entry lists
+             twell, twell_c  round 5 (variant "r5": pointer-load K1, plain K2) and "r5c" (compacted K2)
+             k1, k1_tma, k1_r6, gate  K1 alone (r5, r5tma, r6) and the cuBLAS gate GEMM F.linear(x, W_gate)
+             k2, k2_c        K2 alone on r5's packed gate, plain and compacted (gather GB/s from its time)
            For M <= 256 the same for graph replays (10 calls per CUDA graph: GPU time without Python).
            One measurement = a loop of n back-to-back calls between two CUDA events (L2 not flushed:
            eager launch-bound sizes then measure what a model pays per call).
@@ -185,21 +185,18 @@ def make_layer(d: int, f: int, device: str, dtype) -> tuple:
 def case_fns(x, w_gate, w_up, w_down, w_down_t, tt, twell_ops, ffn_dense) -> dict:
     """Every function timed for one case (closures over the case's tensors)."""
     pk5 = tt.gate_pack(x, w_gate)
-    pk4 = tt.gate_pack(x, w_gate, variant="r4")
     fns = {
         "dense": lambda: ffn_dense(x, w_gate, w_up, w_down),
         "auto": lambda: twell_ops.twell_ffn(x, w_gate, w_up, w_down, backend="auto"),
+        "twell_r6": lambda: tt.twell_ffn_triton(x, w_gate, w_up, w_down_t, variant="r6c"),
         "twell": lambda: tt.twell_ffn_triton(x, w_gate, w_up, w_down_t, variant="r5"),
-        "twell_r4": lambda: tt.twell_ffn_triton(x, w_gate, w_up, w_down_t, variant="r4"),
-        "twell_tma": lambda: tt.twell_ffn_triton(x, w_gate, w_up, w_down_t, variant="r5tma"),
         "twell_c": lambda: tt.twell_ffn_triton(x, w_gate, w_up, w_down_t, variant="r5c"),
         "dense_b": lambda: ffn_dense(x, w_gate, w_up, w_down),
         "k1": lambda: tt.gate_pack(x, w_gate),
-        "k1_r4": lambda: tt.gate_pack(x, w_gate, variant="r4"),
         "k1_tma": lambda: tt.gate_pack(x, w_gate, variant="r5tma"),
+        "k1_r6": lambda: tt.gate_pack(x, w_gate, variant="r6"),
         "gate": lambda: torch.nn.functional.linear(x, w_gate),
         "k2": lambda: tt.updown(x, pk5, w_gate, w_up, w_down_t),
-        "k2_r4": lambda: tt.updown(x, pk4, w_gate, w_up, w_down_t),
         "k2_c": lambda: tt.updown(x, pk5, w_gate, w_up, w_down_t, compact=True),
     }
     if tt.k2_config(x.shape[0], x.shape[1])["SPLIT"] > 1:  # decode: r5c runs exactly r5 (no compaction)
@@ -220,7 +217,7 @@ def case_stats(x, w_gate, w_up, w_down, w_down_t, tt, ffn_dense) -> dict:
            "nnz_max": per_tok.max().item(), "overflow_tiles": int(ovf.sum()), "entries": packed.entries,
            "gathered_bytes": int(torch.where(ovf, 0, cnt).sum()) * 2 * d * x.element_size(),
            "err_plain": (ffn_dense(x, w_gate, w_up, w_down).float() - ref).abs().max().item()}
-    for name, variant in (("err_twell", "r5"), ("err_twell_r4", "r4")):
+    for name, variant in (("err_twell", "r5"), ("err_twell_r6", "r6c")):
         try:
             out[name] = (tt.twell_ffn_triton(x, w_gate, w_up, w_down_t, variant=variant).float() - ref).abs().max().item()
         except Exception as e:  # noqa: BLE001
@@ -231,7 +228,7 @@ def case_stats(x, w_gate, w_up, w_down, w_down_t, tt, ffn_dense) -> dict:
 def summarize(t: dict, prefix: str = "") -> dict:
     """Medians and same-run ratios of one interleaved set (prefix "graph_" for graph replays)."""
     row = {f"{prefix}{k}_ms": med(v) for k, v in t.items()}
-    for name in ("auto", "twell", "twell_r4", "twell_tma", "twell_c"):
+    for name in ("auto", "twell", "twell_r6", "twell_c"):
         r = paired(t, "dense", name)
         if r is not None:
             row[f"{prefix}x_{name}"] = r  # dense / name: > 1 means faster than dense
@@ -239,7 +236,7 @@ def summarize(t: dict, prefix: str = "") -> dict:
     if noise:
         row[f"{prefix}noise_med"] = med(noise)
         row[f"{prefix}noise_lo"], row[f"{prefix}noise_hi"] = min(noise), max(noise)
-    for k1 in ("k1", "k1_r4", "k1_tma"):
+    for k1 in ("k1", "k1_r6", "k1_tma"):
         r = paired(t, k1, "gate")
         if r is not None:
             row[f"{prefix}{k1}_over_gate"] = r
@@ -257,11 +254,11 @@ def run_case(x, layer, w_down_t, sparsity, pattern, ctx) -> dict:
     try:
         row.update(case_stats(x, w_gate, w_up, w_down, w_down_t, tt, ffn_dense))
         fns = case_fns(x, w_gate, w_up, w_down, w_down_t, tt, twell_ops, ffn_dense)
-    except Exception as e:  # noqa: BLE001 - the round-5 packer failed: keep round 4 and dense
+    except Exception as e:  # noqa: BLE001 - the packer failed: keep round 6 and dense
         errors["setup"] = f"{type(e).__name__}: {e}"[:400]
         fns = {"dense": lambda: ffn_dense(x, w_gate, w_up, w_down),
                "dense_b": lambda: ffn_dense(x, w_gate, w_up, w_down),
-               "twell_r4": lambda: tt.twell_ffn_triton(x, w_gate, w_up, w_down_t, variant="r4"),
+               "twell_r6": lambda: tt.twell_ffn_triton(x, w_gate, w_up, w_down_t, variant="r6c"),
                "auto": lambda: twell_ops.twell_ffn(x, w_gate, w_up, w_down, backend="auto")}
     graph_on = clock.cuda and m <= GRAPH_M
     t = interleaved(fns, clock, budget_ms * (0.6 if graph_on else 1.0), errors)
@@ -269,7 +266,8 @@ def run_case(x, layer, w_down_t, sparsity, pattern, ctx) -> dict:
     row["auto_backend"] = twell_ops.last_backend()
     row["k1_config"] = tt.k1_best_config(d, w_gate.shape[0], m)
     row["k1_tma_config"] = tt.k1_best_config(d, w_gate.shape[0], m, tma=True)
-    for k in ("k2", "k2_r4", "k2_c"):
+    row["k1_r6_config"] = tt.k1_best_config(d, w_gate.shape[0], m, variant="r6")
+    for k in ("k2", "k2_c"):
         if f"{k}_ms" in row and "gathered_bytes" in row:
             row[f"{k}_GBps"] = row["gathered_bytes"] / row[f"{k}_ms"] / 1e6
     if graph_on:
@@ -282,7 +280,7 @@ def run_case(x, layer, w_down_t, sparsity, pattern, ctx) -> dict:
 def graph_case(fns: dict, clock: Clock, budget_ms: float, errors: dict) -> dict:
     """The same functions replayed from CUDA graphs (decode and small prefill run this way in practice)."""
     graphs = {}
-    for k in ("dense", "dense_b", "auto", "twell", "twell_r4"):
+    for k in ("dense", "dense_b", "auto", "twell", "twell_r6"):
         if k in fns:
             try:
                 graphs[k] = as_graph(fns[k]).replay
@@ -306,23 +304,23 @@ def fmt_row(r: dict) -> str:
         v = r.get(f"{key}_ms")
         return "-" if v is None else f"{v:.4f}"
 
-    cells = [head, ms("dense"), f"{ms('twell')} ({x('twell')})", f"{ms('twell_tma')} ({x('twell_tma')})",
-             f"{ms('twell_c')} ({x('twell_c')})", f"{ms('twell_r4')} ({x('twell_r4')})",
+    cells = [head, ms("dense"), f"{ms('twell_r6')} ({x('twell_r6')})", f"{ms('twell')} ({x('twell')})",
+             f"{ms('twell_c')} ({x('twell_c')})",
              f"{x('auto')} {r.get('auto_backend')}",
              f"{r.get('noise_lo', 0):.2f}-{r.get('noise_hi', 0):.2f}" if "noise_lo" in r else "-",
-             f"{ms('k1')}/{ms('k1_tma')}/{ms('k1_r4')}/{ms('gate')}",
-             "/".join(f"{r.get(k + '_over_gate', float('nan')):.2f}" for k in ("k1", "k1_tma", "k1_r4")),
-             f"{r.get('k2_GBps', 0):.0f}/{r.get('k2_c_GBps', 0):.0f}/{r.get('k2_r4_GBps', 0):.0f}",
+             f"{ms('k1_r6')}/{ms('k1')}/{ms('k1_tma')}/{ms('gate')}",
+             "/".join(f"{r.get(k + '_over_gate', float('nan')):.2f}" for k in ("k1_r6", "k1", "k1_tma")),
+             f"{r.get('k2_GBps', 0):.0f}/{r.get('k2_c_GBps', 0):.0f}",
              f"{r.get('nnz_mean', 0):.1f} ({r.get('nnz_max', 0):.0f})", str(r.get("overflow_tiles", "-")),
-             f"{x('twell', 'graph_')}/{x('twell_r4', 'graph_')}/{x('auto', 'graph_')}" if "graph_dense_ms" in r else "-"]
+             f"{x('twell_r6', 'graph_')}/{x('twell', 'graph_')}/{x('auto', 'graph_')}" if "graph_dense_ms" in r else "-"]
     if "errors" in r:
         cells.append("ERR " + "; ".join(f"{k}: {v[:80]}" for k, v in r["errors"].items()))
     return "| " + " | ".join(cells) + " |"
 
 
-HEADER = ("| case | dense ms | twell r5 ms (x) | twell r5tma ms (x) | twell r5c ms (x) | twell r4 ms (x) | "
-          "auto x (path) | dense/dense noise | K1 r5/tma/r4/cuBLAS gate ms | K1/gate r5/tma/r4 | "
-          "K2 GB/s r5/r5c/r4 | nnz/tok (max) | ovf | graph x r5/r4/auto |\n" + "|---" * 14 + "|")
+HEADER = ("| case | dense ms | twell r6c ms (x) | twell r5 ms (x) | twell r5c ms (x) | "
+          "auto x (path) | dense/dense noise | K1 r6/r5/r5tma/cuBLAS gate ms | K1/gate r6/r5/r5tma | "
+          "K2 GB/s plain/compact | nnz/tok (max) | ovf | graph x r6c/r5/auto |\n" + "|---" * 13 + "|")
 
 
 def find(rows, d, f, m, s, pattern="skewed"):
@@ -340,20 +338,20 @@ def targets(rows: list[dict]) -> list[str]:
         r = find(rows, d, f, m, s)
         if r is None:
             continue
-        g = (f" | graph r5 {r.get('graph_x_twell', float('nan')):.2f}x r4 {r.get('graph_x_twell_r4', float('nan')):.2f}x"
+        g = (f" | graph r6c {r.get('graph_x_twell_r6', float('nan')):.2f}x r5 {r.get('graph_x_twell', float('nan')):.2f}x"
              if "graph_dense_ms" in r else "")
-        lines.append(f"{d}x{f} M={m} {s*100:.1f}% target >= {goal}x: eager r5 {r.get('x_twell', float('nan')):.2f}x "
-                     f"r5tma {r.get('x_twell_tma', float('nan')):.2f}x r5c {r.get('x_twell_c', float('nan')):.2f}x "
-                     f"r4 {r.get('x_twell_r4', float('nan')):.2f}x "
+        lines.append(f"{d}x{f} M={m} {s*100:.1f}% target >= {goal}x: eager r6c {r.get('x_twell_r6', float('nan')):.2f}x "
+                     f"r5 {r.get('x_twell', float('nan')):.2f}x r5c {r.get('x_twell_c', float('nan')):.2f}x "
+                     f"auto {r.get('x_auto', float('nan')):.2f}x "
                      f"(dense {r.get('dense_ms', float('nan')):.4f} ms){g}")
     for d, f in [(2048, 8192), (4096, 14336)]:
         r = find(rows, d, f, 16384, 0.99)
         if r is not None:
-            lines.append(f"K1 / cuBLAS gate {d}x{f} M=16384 99% (target <= 1.10): r5 {r.get('k1_over_gate', float('nan')):.2f} "
-                         f"r5tma {r.get('k1_tma_over_gate', float('nan')):.2f} r4 {r.get('k1_r4_over_gate', float('nan')):.2f} "
-                         f"(gate {r.get('gate_ms', float('nan')):.4f} ms; picked {r.get('k1_config')} / tma "
-                         f"{r.get('k1_tma_config')}); K2 gather GB/s r5 {r.get('k2_GBps', 0):.0f} r5c {r.get('k2_c_GBps', 0):.0f} "
-                         f"r4 {r.get('k2_r4_GBps', 0):.0f}")
+            lines.append(f"K1 / cuBLAS gate {d}x{f} M=16384 99% (target <= 1.10): r6 {r.get('k1_r6_over_gate', float('nan')):.2f} "
+                         f"r5 {r.get('k1_over_gate', float('nan')):.2f} r5tma {r.get('k1_tma_over_gate', float('nan')):.2f} "
+                         f"(gate {r.get('gate_ms', float('nan')):.4f} ms; picked r6 {r.get('k1_r6_config')} / r5 "
+                         f"{r.get('k1_config')}); K2 gather GB/s plain {r.get('k2_GBps', 0):.0f} compact "
+                         f"{r.get('k2_c_GBps', 0):.0f}")
     lines += auto_lines(rows)
     return lines
 

@@ -293,18 +293,18 @@ if HAS_TRITON:
         x_desc, wg_desc, cnt_ptr, ent_ptr, M, F, D, NT,
         BLOCK_M: tl.constexpr, T: tl.constexpr, BLOCK_K: tl.constexpr, S: tl.constexpr,
         MB, GROUP_M: tl.constexpr, ENT: tl.constexpr, PACK: tl.constexpr, NSUB: tl.constexpr,
-        RANK: tl.constexpr, HW: tl.constexpr, NUM_PROGS, FLATTEN: tl.constexpr, EVEN_F: tl.constexpr,
+        RANK: tl.constexpr, HW: tl.constexpr, FLATTEN: tl.constexpr, EVEN_F: tl.constexpr,
     ):
         """Round-6 K1 (16-bit inputs, packed entries): TMA loads; NSUB tiles of T columns per program
         (one x K-slice feeds NSUB MMAs: NSUB = 2 is a 128 x 256 GEMM tile); persistent when launched on
-        fewer programs than output tiles (each program walks tiles NUM_PROGS apart; FLATTEN lets the
+        fewer programs than output tiles (each program walks tiles a grid apart; FLATTEN lets the
         pipeliner prefetch the next tile's loads during this tile's epilogue); RANK 1 = popcount
         epilogue (_k1_epilogue_bits), 0 = the scan epilogue of round 5."""
         num_pid_m = tl.cdiv(M, BLOCK_M)
         n_groups = tl.cdiv(NT, NSUB)
         num_tiles = num_pid_m * n_groups
         k_tiles = tl.cdiv(D, BLOCK_K)
-        for tid in tl.range(tl.program_id(0), num_tiles, NUM_PROGS, flatten=FLATTEN):
+        for tid in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=FLATTEN):
             group = GROUP_M * n_groups
             first_m = (tid // group) * GROUP_M
             gsize = tl.minimum(num_pid_m - first_m, GROUP_M)
@@ -467,7 +467,7 @@ ENT_CODES = {"split": 0, "bf16": 1, "fp16": 2}
 # vs 4.9-5.6 for r5; eval/results/kernels-h200-r5.md). It needs an [M, n_tiles * S] scratch list per call
 # (int32 + fp32; 134 MB at M = 16384, F = 8192), taken from torch's caching allocator. Decode runs r5.
 VARIANTS = ("r5", "r5tma", "r5c", "r4", "r6", "r6c")
-DEFAULT_VARIANT = "r5c"
+DEFAULT_VARIANT = "r6c"
 
 
 def default_entries(dtype: torch.dtype, variant: str = "r5") -> str:
@@ -559,8 +559,9 @@ def gate_pack(
     entries = entries or default_entries(x2d.dtype, variant)
     cfg = {**k1_config(m, d), **overrides}
     tma = variant == "r5tma" and _tma_ok(x2d, w_gate)
-    # r6 needs packed entries, prefill tiles and TMA-aligned tensors; otherwise r5 runs
-    r6 = variant == "r6" and entries != "split" and cfg["T"] == TILE and _tma_ok(x2d, w_gate)
+    # r6 needs 16-bit inputs with packed entries, prefill tiles and TMA-aligned tensors; otherwise r5 runs
+    r6 = (variant == "r6" and x2d.dtype in (torch.bfloat16, torch.float16) and entries != "split"
+          and cfg["T"] == TILE and _tma_ok(x2d, w_gate))
     tuned = (variant != "r4" and x2d.is_cuda and m > 16 and cfg["T"] == TILE
              and not {"BLOCK_M", "BLOCK_K", "num_warps", "num_stages"} & overrides.keys())
     tuned = tuned if autotune is None else autotune
@@ -576,7 +577,7 @@ def gate_pack(
     common = dict(T=t, S=s, MB=min(_next_pow2(m), 1 << 16) if tuned else 16, GROUP_M=8, IEEE=(x2d.dtype == torch.float32),
                   ENT=ENT_CODES[entries], PACK=int(cfg.get("PACK", 1)))
     if r6:
-        _gate_pack_r6(x2d, w_gate, cnt, col, entries, {**R6_DEFAULT, **overrides})
+        _gate_pack_r6(x2d, w_gate, cnt, col, entries, overrides, autotune)
     elif tma:  # descriptors replace the pointers and strides
         bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
         descs = (TensorDescriptor.from_tensor(x2d, [bm, bk]), TensorDescriptor.from_tensor(w_gate, [t, bk]))
@@ -599,36 +600,62 @@ def gate_pack(
     return TwellPacked(cnt=cnt, col=None, val=None, tile=t, n_cols=f, ent=col, entries=entries)
 
 
-R6_DEFAULT = dict(BLOCK_M=128, BLOCK_K=64, NSUB=2, num_warps=8, num_stages=3, RANK=1, PERSIST=0, FLATTEN=False)
+# Round 6 (eval/results/k1-sweep-h200-r6.md): the fastest K1 at M = 16384 in all four target cases was
+# 128 x 256 GEMM tiles (NSUB 2), 8 warps, 4 stages, the rank-2 epilogue (1.25-1.28x the cuBLAS gate
+# GEMM, 255 registers, no spills; round 5's best K1 was 1.65-1.91x). R6_TUNE adds shapes for smaller M
+# (fewer, smaller programs) that the autotuner picks per (d, F, M bucket).
+R6_DEFAULT = dict(BLOCK_M=128, BLOCK_K=64, NSUB=2, num_warps=8, num_stages=4, RANK=2, PERSIST=0, FLATTEN=False)
+R6_TUNE = [(128, 64, 2, 8, 4), (128, 64, 2, 8, 3), (128, 128, 1, 8, 3), (64, 64, 1, 4, 4), (64, 128, 1, 4, 3)]
+_R6_BLOCKS = {"BLOCK_M", "BLOCK_K", "NSUB", "num_warps", "num_stages", "RANK", "PERSIST", "FLATTEN"}
+_k1_r6_tuned = None
 
 
-def _gate_pack_r6(x2d, w_gate, cnt, ent, entries, cfg):
-    """Launch the round-6 K1 (_k1_r6) into cnt [M, NT] / ent [M, NT, S]; cfg: R6_DEFAULT keys (+ PACK).
-    PERSIST = n > 0 runs n programs per SM, each looping over output tiles. Returns Triton's launch
-    result (on GPU the compiled kernel: the sweep reads its registers and spills)."""
+def _r6_blocks(nargs) -> None:
+    """Autotune pre-hook: the descriptors take the block shapes of the config being run."""
+    nargs["x_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
+    nargs["wg_desc"].block_shape = [TILE, nargs["BLOCK_K"]]
+
+
+def _k1_r6_autotuned():
+    global _k1_r6_tuned
+    if _k1_r6_tuned is None:
+        configs = [triton.Config({"BLOCK_M": bm, "BLOCK_K": bk, "NSUB": nsub}, num_warps=w, num_stages=st,
+                                 pre_hook=_r6_blocks) for bm, bk, nsub, w, st in R6_TUNE]
+        _k1_r6_tuned = triton.autotune(configs=configs, key=["D", "F", "MB"])(_k1_r6)
+    return _k1_r6_tuned
+
+
+def _gate_pack_r6(x2d, w_gate, cnt, ent, entries, overrides: dict, autotune: bool | None = None):
+    """Launch the round-6 K1 (_k1_r6) into cnt [M, NT] / ent [M, NT, S]. Autotuned over R6_TUNE on CUDA
+    unless `overrides` sets block keys (R6_DEFAULT fills the rest; autotune=True/False forces either);
+    PERSIST = n > 0 runs n programs per SM (2 stand-in SMs in the interpreter), each looping over output
+    tiles. Returns Triton's launch result (on GPU the compiled kernel: the sweep reads its registers and
+    spills)."""
     m, d = x2d.shape
     f = w_gate.shape[0]
-    bm, bk, nsub = cfg["BLOCK_M"], cfg["BLOCK_K"], cfg["NSUB"]
     nt = cnt.shape[1]
-    tiles = triton.cdiv(m, bm) * triton.cdiv(nt, nsub)
-    progs = tiles
-    if cfg["PERSIST"] and x2d.is_cuda:
-        sms = torch.cuda.get_device_properties(x2d.device).multi_processor_count
-        progs = min(tiles, sms * int(cfg["PERSIST"]))
-    x_desc = TensorDescriptor.from_tensor(x2d, [bm, bk])
-    wg_desc = TensorDescriptor.from_tensor(w_gate, [TILE, bk])
+    common = dict(T=TILE, S=SLOTS, GROUP_M=8, ENT=ENT_CODES[entries], PACK=int(overrides.get("PACK", 1)),
+                  HW=x2d.is_cuda, EVEN_F=f % TILE == 0)
+    if autotune or (autotune is None and x2d.is_cuda and not _R6_BLOCKS & overrides.keys()):
+        descs = (TensorDescriptor.from_tensor(x2d, [64, 64]), TensorDescriptor.from_tensor(w_gate, [TILE, 64]))
+        return _k1_r6_autotuned()[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(nt, meta["NSUB"]),)](
+            *descs, cnt, ent, m, f, d, nt, MB=min(_next_pow2(m), 1 << 16), RANK=R6_DEFAULT["RANK"],
+            FLATTEN=False, **common)
+    cfg = {**R6_DEFAULT, **overrides}
+    bm, bk, nsub = cfg["BLOCK_M"], cfg["BLOCK_K"], cfg["NSUB"]
+    progs = triton.cdiv(m, bm) * triton.cdiv(nt, nsub)
+    if cfg["PERSIST"]:
+        sms = torch.cuda.get_device_properties(x2d.device).multi_processor_count if x2d.is_cuda else 2
+        progs = min(progs, sms * int(cfg["PERSIST"]))
+    descs = (TensorDescriptor.from_tensor(x2d, [bm, bk]), TensorDescriptor.from_tensor(w_gate, [TILE, bk]))
     return _k1_r6[(progs,)](
-        x_desc, wg_desc, cnt, ent, m, f, d, nt,
-        BLOCK_M=bm, T=TILE, BLOCK_K=bk, S=SLOTS, MB=16, GROUP_M=8, ENT=ENT_CODES[entries],
-        PACK=int(cfg.get("PACK", 1)), NSUB=nsub, RANK=int(cfg["RANK"]), HW=x2d.is_cuda, NUM_PROGS=progs,
-        FLATTEN=bool(cfg["FLATTEN"]), EVEN_F=f % TILE == 0, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
-    )
+        *descs, cnt, ent, m, f, d, nt, BLOCK_M=bm, BLOCK_K=bk, MB=16, NSUB=nsub, RANK=int(cfg["RANK"]),
+        FLATTEN=bool(cfg["FLATTEN"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **common)
 
 
-def k1_best_config(d: int, f: int, m: int, tma: bool = False) -> dict | None:
+def k1_best_config(d: int, f: int, m: int, tma: bool = False, variant: str = "r5") -> dict | None:
     """The autotuner's pick for (d, F, M bucket), if it has tuned that key (for the benchmark log)."""
-    tuner = _k1_tma_tuned if tma else _k1_tuned
+    tuner = _k1_r6_tuned if variant == "r6" else _k1_tma_tuned if tma or variant == "r5tma" else _k1_tuned
     if tuner is None:
         return None
     for key, cfg in tuner.cache.items():

@@ -329,6 +329,105 @@ def test_r4_variant_and_default_encodings():
     assert_close(out, ref.ffn_reference(x, wg, wu, wd), what="r4 variant", **FP32)
 
 
+# ------------------------------------- round 6: K1 with 128 x 256 TMA tiles and slot-major epilogues
+R6_SMALL = dict(BLOCK_M=32, BLOCK_K=32, num_warps=4, num_stages=2)  # interpreter-sized blocks
+
+
+def r6_case(m, d, f, zeros, seed):
+    """fp16 inputs (the interpreter's bf16 tl.dot is not usable); every 4th row has every neuron
+    active (all its tiles overflow), at zeros < 1."""
+    x, wg, wu, wd = make_case(m, d, f, zeros, seed=seed, dtype=torch.float16)
+    if 0.0 < zeros < 1.0:
+        x[::4, 0] = -30.0  # the bias column is negative: -30 * -b outweighs the rest (fp16-safe in K2)
+    return x, wg, wu, wd
+
+
+def check_r6_packing(packed, x, wg, what):
+    """Counts and slot columns equal the oracle's; values within packed_value_bound."""
+    gate = x.float() @ wg.float().t()  # [M, F]
+    want = ref.twell_pack(gate, ref.TILE, ref.SLOTS)
+    sure = (gate.abs() > 1e-3).all(dim=1)  # rows whose signs are unambiguous
+    assert packed.entries == "fp16" and packed.tile == ref.TILE, (what, packed.entries, packed.tile)
+    assert torch.equal(packed.cnt[sure], want.cnt[sure]), f"{what}: counts differ from the oracle"
+    kept = (torch.arange(ref.SLOTS) < packed.cnt.clamp(max=ref.SLOTS).unsqueeze(-1)) & sure.view(-1, 1, 1)
+    assert torch.equal(packed.columns()[kept], want.columns()[kept]), f"{what}: slot columns differ"
+    check_packed_values(packed, x, wg, gate, what)
+    return kept
+
+
+@pytest.mark.parametrize("m,d,f", [(37, 40, 300), (70, 64, 512)])
+@pytest.mark.parametrize("zeros", [0.0, 0.9, 1.0])
+def test_r6_epilogues_pack_like_the_oracle(m, d, f, zeros):
+    """Every round-6 epilogue (0 scan, 1 popcount ranks, 2 and 4 slot-major with tl.gather), with one or
+    two tiles per program and the persistent tile loop: the oracle's packing, and for a given tile
+    width the epilogues write identical words (they see the same accumulator)."""
+    x, wg, _, _ = r6_case(m, d, f, zeros, seed=31)
+    for nsub in (1, 2):
+        first = None
+        for extra in (dict(RANK=0), dict(RANK=1), dict(RANK=2), dict(RANK=4), dict(RANK=2, PERSIST=1)):
+            packed = tt.gate_pack(x, wg, variant="r6", NSUB=nsub, **R6_SMALL, **extra)
+            kept = check_r6_packing(packed, x, wg, f"r6 NSUB={nsub} {extra}")
+            if first is None:
+                first = packed
+            assert torch.equal(packed.cnt, first.cnt) and torch.equal(packed.ent[kept], first.ent[kept]), extra
+
+
+def test_r6_tune_configs_and_autotuned_launch(monkeypatch):
+    """Every block config of R6_TUNE packs like the oracle (run directly), and the autotuned launch
+    (descriptor pre-hook, grid from BLOCK_M and NSUB) runs each once with a stand-in benchmark."""
+    x, wg, _, _ = r6_case(40, 24, 200, 0.9, seed=33)
+    for bm, bk, nsub, warps, stages in tt.R6_TUNE:
+        packed = tt.gate_pack(x, wg, variant="r6", BLOCK_M=bm, BLOCK_K=bk, NSUB=nsub, num_warps=warps,
+                              num_stages=stages)
+        check_r6_packing(packed, x, wg, f"R6_TUNE {bm, bk, nsub}")
+    tuner = tt._k1_r6_autotuned()
+    ran = []
+    monkeypatch.setattr(tuner, "_do_bench", lambda call, quantiles: ran.append(1) or call() or [float(len(ran))] * 3)
+    monkeypatch.setattr(tuner, "cache", {})
+    packed = tt.gate_pack(x, wg, variant="r6", autotune=True)
+    assert len(ran) == len(tt.R6_TUNE), len(ran)
+    assert tt.k1_best_config(24, 200, 40, variant="r6")["BLOCK_M"] == tt.R6_TUNE[0][0]
+    check_r6_packing(packed, x, wg, "r6 autotuned")
+
+
+def test_r6_falls_back_to_r5_outside_its_domain():
+    """fp32 inputs (split entries), decode M <= 16 (narrow tiles) and rows not 16-byte aligned (no TMA)
+    run round 5's K1: the same packing as variant r5."""
+    x, wg, _, _ = make_case(37, 40, 300, 0.9, seed=34)  # fp32
+    cases = {"fp32": (x, wg), "decode": (x[:5].half(), wg.half()),
+             "unaligned": (x[:, :37].half(), wg[:, :37].half())}  # rows of 74 bytes
+    for what, (xx, ww) in cases.items():
+        a, b = tt.gate_pack(xx, ww, variant="r6"), tt.gate_pack(xx, ww, variant="r5")
+        assert a.entries == b.entries and a.tile == b.tile, what
+        kept = torch.arange(a.slots) < a.cnt.clamp(max=a.slots).unsqueeze(-1)  # later slots: undefined
+        assert torch.equal(a.cnt, b.cnt) and torch.equal(a.columns()[kept], b.columns()[kept]), what
+
+
+def test_r6c_ffn_in_interpreter():
+    """The default variant (r6c: r6 K1, compacted K2) against K2 on the same packing and the oracle."""
+    assert tt.DEFAULT_VARIANT == "r6c"
+    x, wg, wu, wd = r6_case(70, 64, 512, 0.9, seed=35)
+    wdt = twell_ops.transpose_down(wd)
+    got = tt.twell_ffn_triton(x, wg, wu, wdt)
+    packed = tt.gate_pack(x, wg, variant="r6")
+    assert torch.equal(got, tt.updown(x, packed, wg, wu, wdt, compact=True))
+    assert_close(got, ref.twell_updown_reference(x.float(), packed, wg.float(), wu.float(), wd.float()),
+                 what="r6c vs K2 oracle on its packing", rtol=2e-3, atol=1e-3)
+    assert_close(got, ref.ffn_reference(x, wg, wu, wd), what="r6c vs oracle", rtol=1e-2, atol=1e-3)
+
+
+def test_k1_sweep_smoke_on_cpu(tmp_path):
+    """The round-6 K1 sweep script (correctness gate, interleaved timing, JSON) on its tiny CPU case."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    res = subprocess.run([sys.executable, str(root / "eval" / "k1_sweep.py"), "--smoke", "--budget-s", "0.2",
+                          "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=400)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    row = json.loads((tmp_path / "k1-sweep.json").read_text())["rows"][0]
+    assert not row["mismatch"] and not row["errors"], (row["mismatch"], row["errors"])
+    assert {"gate", "k1_tma"} < row["k1_ms"].keys() and row["best_r6"] and "r6c" in row["ffn_ms"]
+
+
 def fake_decisions(monkeypatch, choose, capturing=lambda: False) -> None:
     """auto without timing: choose(w_gate) -> (eager, graph) decision; fresh log-once memory (it is global)."""
 
@@ -417,7 +516,7 @@ def test_bench_smoke_on_cpu(tmp_path):
     data = json.loads((tmp_path / "kernels-bench.json").read_text())
     rows = data["rows"]
     assert rows and not [r for r in rows if "error" in r], [r.get("error") for r in rows]
-    assert {"twell_ms", "twell_r4_ms", "twell_tma_ms", "twell_c_ms", "k2_c_ms", "auto_ms", "k1_ms", "k1_r4_ms", "k1_tma_ms", "k2_ms", "k2_r4_ms",
+    assert {"twell_ms", "twell_r6_ms", "twell_c_ms", "k2_c_ms", "auto_ms", "k1_ms", "k1_r6_ms", "k1_tma_ms", "k2_ms",
             "x_auto", "noise_med", "k1_over_gate"} <= rows[-1].keys()  # rows[-1]: M = 24 (prefill)
     assert "TARGETS" in res.stdout
 
@@ -531,6 +630,28 @@ def test_gpu_tma_and_compact_variants(m, d, f):
     for variant in ("r5tma", "r5c"):
         got = tt.twell_ffn_triton(x, wg, wu, twell_ops.transpose_down(wd), variant=variant)
         bf16_rule(got, x, wg, wu, wd, f"gpu {variant} {m}x{d}x{f}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,d,f", [(17, 576, 1536), (300, 576, 1540), (1024, 2048, 8192), (4099, 2048, 8192)])
+def test_gpu_r6_matches_oracle(m, d, f):
+    """Round 6 on bf16 (F not a tile multiple, odd M): the autotuned K1 and every epilogue at the
+    default blocks pack the oracle's counts and columns with values in bound; r6c within bf16_rule."""
+    x, wg, wu, wd = make_case(m, d, f, 0.99, seed=36, dtype=torch.bfloat16, device="cuda")
+    x[::5, 0] = -30.0  # every 5th row: all neurons active, all its tiles overflow
+    gate = x.float() @ wg.float().t()  # [M, F]
+    want = ref.twell_pack(gate, ref.TILE, ref.SLOTS)
+    sure = (gate.abs() > 1e-2).all(dim=1)
+    for extra in ({}, dict(RANK=0), dict(RANK=1), dict(RANK=2), dict(RANK=4), dict(RANK=2, NSUB=1, num_warps=4)):
+        packed = tt.gate_pack(x, wg, variant="r6", **extra)
+        what = f"gpu r6 {m}x{d}x{f} {extra or 'autotuned'}"
+        assert packed.entries == "bf16" and packed.tile == ref.TILE, what
+        assert torch.equal(packed.cnt[sure].cpu(), want.cnt[sure].cpu()), f"{what}: counts differ"
+        kept = (torch.arange(ref.SLOTS, device="cuda") < packed.cnt.clamp(max=ref.SLOTS).unsqueeze(-1)) & sure.view(-1, 1, 1)
+        assert torch.equal(packed.columns()[kept], want.columns()[kept].to(packed.cnt.device)), f"{what}: columns differ"
+        check_packed_values(packed, x, wg, gate, what)
+    got = tt.twell_ffn_triton(x, wg, wu, twell_ops.transpose_down(wd), variant="r6c")
+    bf16_rule(got, x, wg, wu, wd, f"gpu r6c {m}x{d}x{f}")
 
 
 @pytest.mark.gpu
