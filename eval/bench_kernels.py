@@ -135,8 +135,11 @@ def as_graph(fn, calls: int = GRAPH_CALLS):
     return graph
 
 
+MAX_ROUNDS = 25  # --max-rounds: the cap on interleaved rounds per case (the budget binds below it)
+
+
 def interleaved(fns: dict, clock: Clock, budget_ms: float, errors: dict, per_call: dict | None = None,
-                max_rounds: int = 25, min_rounds: int = 3) -> dict:
+                max_rounds: int | None = None, min_rounds: int = 3) -> dict:
     """{name: [per-call ms per round]}; each round times every fn once, in a rotating order.
 
     A fn that raises while warming up is dropped (its error goes to `errors`). n (calls per
@@ -152,7 +155,7 @@ def interleaved(fns: dict, clock: Clock, budget_ms: float, errors: dict, per_cal
             fns.pop(name)
     calls = {k: max(1, min(200, int(1.0 / v))) for k, v in est.items()}
     round_ms = sum(calls[k] * est[k] for k in fns) or 1.0
-    rounds = int(max(min_rounds, min(max_rounds, budget_ms / round_ms)))
+    rounds = int(max(min_rounds, min(max_rounds or MAX_ROUNDS, budget_ms / round_ms)))
     names = list(fns)
     out = {k: [] for k in names}
     for r in range(rounds):
@@ -401,6 +404,9 @@ def parse_args(argv=None):
     p.add_argument("--tests", action="store_true", help="run the GPU correctness tests first")
     p.add_argument("--tests-timeout-s", type=int, default=130, help="stop the GPU tests after this")
     p.add_argument("--budget-s", type=float, default=270, help="wall time for everything; repetitions adapt")
+    p.add_argument("--max-rounds", type=int, default=MAX_ROUNDS,
+                   help="cap on interleaved rounds per case; raise it to spend the whole --budget-s on "
+                        "fewer-noise medians (launch-bound cases vary by several %% round to round)")
     p.add_argument("--smoke", action="store_true", help="tiny grid that runs on CPU (interpreter) too")
     p.add_argument("--shapes", default=",".join(f"{d}x{f}" for d, f in SHAPES))
     p.add_argument("--ms", default=",".join(map(str, MS)))
@@ -414,6 +420,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    global MAX_ROUNDS
+    MAX_ROUNDS = args.max_rounds
     start = time.time()
     sections, meta = {}, {}
     if args.tests:
