@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .twell_reference import ffn_dense
-from .twell_triton import DEFAULT_VARIANT, HAS_TRITON, gate_pack, twell_ffn_triton, updown
+from .twell_triton import DEFAULT_VARIANT, HAS_TRITON, gate_pack, split_variant, twell_ffn_triton, updown
 
 log = logging.getLogger("sparsify.kernels")
 
@@ -60,8 +60,7 @@ DRIFT = 1.25  # relative density change that triggers a re-timing
 MAX_RETUNE = 8  # re-timings per (layer, M bucket)
 # auto runs K1 and K2 itself (the refresh counts K1's output), as twell_ffn_triton(variant=DEFAULT_VARIANT)
 # ("r5c" / "r6c": K1 of r5 / r6, then K2 on compacted lists)
-COMPACT = DEFAULT_VARIANT.endswith("c")
-K1_VARIANT = DEFAULT_VARIANT[:-1] if COMPACT else DEFAULT_VARIANT
+K1_VARIANT, COMPACT = split_variant(DEFAULT_VARIANT)
 MARGIN = 0.97  # twell must be at least 3% faster than dense at calibration (median paired ratio)
 GRAPH_TIMED_M = 256  # up to this M, also time both paths inside CUDA graphs (decode is CPU-bound eagerly)
 GRAPH_CALLS = 5  # calls per captured graph when timing graph replay

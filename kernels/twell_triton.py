@@ -470,6 +470,13 @@ VARIANTS = ("r5", "r5tma", "r5c", "r4", "r6", "r6c")
 DEFAULT_VARIANT = "r6c"
 
 
+def split_variant(variant: str) -> tuple[str, bool]:
+    """(K1 variant for gate_pack, whether K2 reads compacted lists) of a twell_ffn_triton variant."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant={variant!r} is not one of {VARIANTS}")
+    return {"r5c": ("r5", True), "r6c": ("r6", True)}.get(variant, (variant, False))
+
+
 def default_entries(dtype: torch.dtype, variant: str = "r5") -> str:
     """Slot encoding: one packed word per entry for 16-bit inputs (r5), split col/val otherwise."""
     if variant != "r4" and dtype in (torch.bfloat16, torch.float16):
@@ -716,6 +723,6 @@ def twell_ffn_triton(
     variant: str = DEFAULT_VARIANT,
 ) -> torch.Tensor:
     """The whole sparse FFN on [M, d]: K1 (gate + pack) then K2 (fused up/down). variant: see gate_pack."""
-    k1 = {"r5c": "r5", "r6c": "r6"}.get(variant, variant)
+    k1, compact = split_variant(variant)
     packed = gate_pack(x2d, w_gate, variant=k1)
-    return updown(x2d, packed, w_gate, w_up, w_down_t, compact=variant in ("r5c", "r6c"))
+    return updown(x2d, packed, w_gate, w_up, w_down_t, compact=compact)
