@@ -1,0 +1,93 @@
+"""K2 sweep: the compacted up/down kernel (r6c's K2) over gather chunk sizes E and warps, timed interleaved.
+
+Usage on the H200:  cd repo && ln -sfn ../kernels sparsify/kernels && PYTHONPATH=$PWD python eval/k2_sweep.py --out $OUT/k2
+CPU dry run (Triton interpreter, tiny shapes):  python eval/k2_sweep.py --smoke --out /tmp/k2
+
+Per case (skewed, bf16, M = 16384, honest sparsity as in bench_kernels.py): one r6 packing, then
+updown(compact=True) with each (E, num_warps), against the default config's output (max |difference|:
+the same entries summed in another order) and timed interleaved with the dense FFN. Writes
+DIR/k2-sweep.json and prints a table per case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "eval"))
+
+from bench_kernels import Clock, env_info, interleaved, make_layer, med, paired, set_sparsity  # noqa: E402
+
+CONFIGS = [(4, 4), (4, 8), (8, 8), (8, 4), (2, 4), (16, 8)]  # (E, num_warps); (4, 4) is k2_config's
+CASES = [(2048, 8192, 16384, 0.99), (2048, 8192, 16384, 0.995), (4096, 14336, 16384, 0.99),
+         (4096, 14336, 16384, 0.995)]
+SMOKE_CASES = [(64, 320, 40, 0.9)]
+
+
+def run_case(d, f, m, sparsity, clock, tt, ffn_dense, budget_ms, device, dtype) -> dict:
+    w_gate, w_up, w_down = make_layer(d, f, device, dtype)
+    set_sparsity(w_gate, sparsity, "skewed")
+    x = torch.randn(m, d, device=device).to(dtype)
+    x[:, 0] = 1
+    w_down_t = w_down.t().contiguous()
+    packed = tt.gate_pack(x, w_gate, variant="r6")
+    base = tt.updown(x, packed, w_gate, w_up, w_down_t, compact=True).float()
+    scale = base.abs().max().item()
+    row = {"d": d, "F": f, "M": m, "sparsity": sparsity, "errors": {}, "max_diff": {}}
+    fns = {"dense": lambda: ffn_dense(x, w_gate, w_up, w_down)}
+    for e, w in CONFIGS:
+        key = f"E{e}w{w}"
+        try:
+            got = tt.updown(x, packed, w_gate, w_up, w_down_t, compact=True, E=e, num_warps=w).float()
+        except Exception as err:  # noqa: BLE001 - one config failing to compile must not stop the sweep
+            row["errors"][key] = f"{type(err).__name__}: {err}"[:300]
+            continue
+        row["max_diff"][key] = (got - base).abs().max().item() / max(scale, 1e-30)
+        fns[key] = lambda e=e, w=w: tt.updown(x, packed, w_gate, w_up, w_down_t, compact=True, E=e, num_warps=w)
+    t = interleaved(fns, clock, budget_ms, row["errors"])
+    row["ms"] = {k: med(v) for k, v in t.items()}
+    row["dense_over"] = {k: paired(t, "dense", k) for k in t if k != "dense"}
+    return row
+
+
+def report(row) -> str:
+    lines = [f"## K2 compact {row['d']}x{row['F']} M={row['M']} {row['sparsity']:.1%} skewed (dense "
+             f"{row['ms']['dense']:.3f} ms)", "| config | ms | dense / this | max diff / max |out| |", "|---|---|---|---|"]
+    for k, v in sorted(row["ms"].items(), key=lambda kv: kv[1]):
+        if k != "dense":
+            lines.append(f"| {k} | {v:.3f} | {row['dense_over'][k]:.2f}x | {row['max_diff'].get(k, 0):.1e} |")
+    if row["errors"]:
+        lines.append(f"errors: {row['errors']}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True, help="folder for k2-sweep.json")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes in the Triton interpreter (CPU)")
+    ap.add_argument("--budget-s", type=float, default=4.0, help="timing budget per case")
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available() and not args.smoke
+    from sparsify.kernels import twell_ops
+    from sparsify.kernels import twell_triton as tt
+    from sparsify.kernels.twell_reference import ffn_dense
+
+    clock = Clock(cuda, twell_ops.loop_ms if cuda else None)
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float16)
+    rows = []
+    for d, f, m, sp in CASES if cuda else SMOKE_CASES:
+        rows.append(run_case(d, f, m, sp, clock, tt, ffn_dense, args.budget_s * 1e3, device, dtype))
+        print(report(rows[-1]), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "k2-sweep.json").write_text(json.dumps({"env": env_info(), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
