@@ -78,11 +78,7 @@ def same_packing(a, b) -> str | None:
 
 
 def run_case(d, f, m, sparsity, configs, clock, tt, ffn_dense, budget_ms, device, dtype) -> dict:
-    w_gate, w_up, w_down = make_layer(d, f, device, dtype)
-    set_sparsity(w_gate, sparsity, "skewed")
-    x = torch.randn(m, d, device=device).to(dtype)
-    x[:, 0] = 1
-    w_down_t = w_down.t().contiguous()
+    x, w_gate, w_up, w_down, w_down_t = skewed_case(d, f, m, sparsity, device, dtype)
     row = {"d": d, "F": f, "M": m, "sparsity": sparsity, "errors": {}, "mismatch": {}}
     base = tt.gate_pack(x, w_gate, variant="r5tma")
     row["measured_zeros"] = 1 - base.cnt.long().sum().item() / (m * f)
@@ -126,10 +122,14 @@ def run_case(d, f, m, sparsity, configs, clock, tt, ffn_dense, budget_ms, device
         row["err_r5c"] = (ffn["r5c"]().float() - ref).abs().max().item()
         ffn["r6c"] = r6c
         ffn["k2_c"] = lambda: tt.updown(x, base, w_gate, w_up, w_down_t, compact=True)
-    t = interleaved(ffn, clock, budget_ms, row["errors"])
-    row["ffn_ms"] = {k: med(v) for k, v in t.items()}
-    row["x_vs_dense"] = {k: paired(t, "dense", k) for k in t if k != "dense"}
+    row["ffn_ms"], row["x_vs_dense"] = time_vs_dense(ffn, clock, budget_ms, row["errors"])
     return row
+
+
+def time_vs_dense(fns: dict, clock, budget_ms: float, errors: dict) -> tuple[dict, dict]:
+    """Median ms of each fn (interleaved rounds) and dense / fn paired ratios (fns holds "dense")."""
+    t = interleaved(fns, clock, budget_ms, errors)
+    return {k: med(v) for k, v in t.items()}, {k: paired(t, "dense", k) for k in t if k != "dense"}
 
 
 def report(row) -> str:
@@ -146,9 +146,19 @@ def report(row) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, required=True, help="folder for k1-sweep.json")
+def skewed_case(d, f, m, sparsity, device, dtype) -> tuple:
+    """x [M, d] (x[:, 0] = 1) and an FFN layer whose gate has `sparsity` zeros, skewed (bench_kernels)."""
+    w_gate, w_up, w_down = make_layer(d, f, device, dtype)
+    set_sparsity(w_gate, sparsity, "skewed")
+    x = torch.randn(m, d, device=device).to(dtype)
+    x[:, 0] = 1
+    return x, w_gate, w_up, w_down, w_down.t().contiguous()
+
+
+def sweep_main(doc: str, json_name: str, cases: list, smoke_cases: list, run_one) -> int:
+    """Shared command line of the sweeps: run_one(case, ctx) -> (row, printed report) per case."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True, help=f"folder for {json_name}")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes in the Triton interpreter (CPU)")
     ap.add_argument("--budget-s", type=float, default=5.0, help="timing budget per interleaved set")
     args = ap.parse_args()
@@ -157,17 +167,27 @@ def main() -> int:
     from sparsify.kernels import twell_triton as tt
     from sparsify.kernels.twell_reference import ffn_dense
 
-    clock = Clock(cuda, twell_ops.loop_ms if cuda else None)
-    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float16)
-    cases, configs = (CASES, CONFIGS) if cuda else (SMOKE_CASES, SMOKE_CONFIGS)
+    ctx = {"tt": tt, "ffn_dense": ffn_dense, "clock": Clock(cuda, twell_ops.loop_ms if cuda else None),
+           "budget_ms": args.budget_s * 1e3, "device": "cuda" if cuda else "cpu",
+           "dtype": torch.bfloat16 if cuda else torch.float16, "smoke": not cuda}
     rows = []
-    for d, f, m, sp in cases:
-        row = run_case(d, f, m, sp, configs, clock, tt, ffn_dense, args.budget_s * 1e3, device, dtype)
+    for case in cases if cuda else smoke_cases:
+        row, text = run_one(case, ctx)
         rows.append(row)
-        print(report(row), flush=True)
+        print(text, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "k1-sweep.json").write_text(json.dumps({"env": env_info(), "rows": rows}, indent=1))
+    (args.out / json_name).write_text(json.dumps({"env": env_info(), "rows": rows}, indent=1))
     return 0
+
+
+def main() -> int:
+    def one(case, ctx):
+        configs = SMOKE_CONFIGS if ctx["smoke"] else CONFIGS
+        row = run_case(*case, configs, ctx["clock"], ctx["tt"], ctx["ffn_dense"], ctx["budget_ms"], ctx["device"],
+                       ctx["dtype"])
+        return row, report(row)
+
+    return sweep_main(__doc__, "k1-sweep.json", CASES, SMOKE_CASES, one)
 
 
 if __name__ == "__main__":

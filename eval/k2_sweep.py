@@ -11,8 +11,6 @@ DIR/k2-sweep.json and prints a table per case.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -22,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "eval"))
 
-from bench_kernels import Clock, env_info, interleaved, make_layer, med, paired, set_sparsity  # noqa: E402
+from k1_sweep import skewed_case, sweep_main, time_vs_dense  # noqa: E402
 
 CONFIGS = [(4, 4), (4, 8), (8, 8), (8, 4), (2, 4), (16, 8)]  # (E, num_warps); (4, 4) is k2_config's
 CASES = [(2048, 8192, 16384, 0.99), (2048, 8192, 16384, 0.995), (4096, 14336, 16384, 0.99),
@@ -31,11 +29,7 @@ SMOKE_CASES = [(64, 320, 40, 0.9)]
 
 
 def run_case(d, f, m, sparsity, clock, tt, ffn_dense, budget_ms, device, dtype) -> dict:
-    w_gate, w_up, w_down = make_layer(d, f, device, dtype)
-    set_sparsity(w_gate, sparsity, "skewed")
-    x = torch.randn(m, d, device=device).to(dtype)
-    x[:, 0] = 1
-    w_down_t = w_down.t().contiguous()
+    x, w_gate, w_up, w_down, w_down_t = skewed_case(d, f, m, sparsity, device, dtype)
     packed = tt.gate_pack(x, w_gate, variant="r6")
     base = tt.updown(x, packed, w_gate, w_up, w_down_t, compact=True).float()
     scale = base.abs().max().item()
@@ -50,9 +44,7 @@ def run_case(d, f, m, sparsity, clock, tt, ffn_dense, budget_ms, device, dtype) 
             continue
         row["max_diff"][key] = (got - base).abs().max().item() / max(scale, 1e-30)
         fns[key] = lambda e=e, w=w: tt.updown(x, packed, w_gate, w_up, w_down_t, compact=True, E=e, num_warps=w)
-    t = interleaved(fns, clock, budget_ms, row["errors"])
-    row["ms"] = {k: med(v) for k, v in t.items()}
-    row["dense_over"] = {k: paired(t, "dense", k) for k in t if k != "dense"}
+    row["ms"], row["dense_over"] = time_vs_dense(fns, clock, budget_ms, row["errors"])
     return row
 
 
@@ -68,25 +60,11 @@ def report(row) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, required=True, help="folder for k2-sweep.json")
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes in the Triton interpreter (CPU)")
-    ap.add_argument("--budget-s", type=float, default=4.0, help="timing budget per case")
-    args = ap.parse_args()
-    cuda = torch.cuda.is_available() and not args.smoke
-    from sparsify.kernels import twell_ops
-    from sparsify.kernels import twell_triton as tt
-    from sparsify.kernels.twell_reference import ffn_dense
+    def one(case, ctx):
+        row = run_case(*case, ctx["clock"], ctx["tt"], ctx["ffn_dense"], ctx["budget_ms"], ctx["device"], ctx["dtype"])
+        return row, report(row)
 
-    clock = Clock(cuda, twell_ops.loop_ms if cuda else None)
-    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float16)
-    rows = []
-    for d, f, m, sp in CASES if cuda else SMOKE_CASES:
-        rows.append(run_case(d, f, m, sp, clock, tt, ffn_dense, args.budget_s * 1e3, device, dtype))
-        print(report(rows[-1]), flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "k2-sweep.json").write_text(json.dumps({"env": env_info(), "rows": rows}, indent=1))
-    return 0
+    return sweep_main(__doc__, "k2-sweep.json", CASES, SMOKE_CASES, one)
 
 
 if __name__ == "__main__":

@@ -607,9 +607,9 @@ def gate_pack(
     return TwellPacked(cnt=cnt, col=None, val=None, tile=t, n_cols=f, ent=col, entries=entries)
 
 
-# Round 6 (eval/results/k1-sweep-h200-r6.md): the fastest K1 at M = 16384 in all four target cases was
-# 128 x 256 GEMM tiles (NSUB 2), 8 warps, 4 stages, the rank-2 epilogue (1.25-1.28x the cuBLAS gate
-# GEMM, 255 registers, no spills; round 5's best K1 was 1.65-1.91x). R6_TUNE adds shapes for smaller M
+# Round 6 (eval/results/kernels-h200-r6/k1-sweep-{2,3}.md): the fastest K1 at M = 16384 in all four target
+# cases was 128 x 256 GEMM tiles (NSUB 2), 8 warps, 4 stages, the rank-2 epilogue (1.25-1.47x the cuBLAS
+# gate GEMM over two sweeps, 255 registers, no spills; round 5's best K1 was 1.65-1.91x). R6_TUNE adds shapes for smaller M
 # (fewer, smaller programs) that the autotuner picks per (d, F, M bucket).
 R6_DEFAULT = dict(BLOCK_M=128, BLOCK_K=64, NSUB=2, num_warps=8, num_stages=4, RANK=2, PERSIST=0, FLATTEN=False)
 R6_TUNE = [(128, 64, 2, 8, 4), (128, 64, 2, 8, 3), (128, 128, 1, 8, 3), (64, 64, 1, 4, 4), (64, 128, 1, 4, 3)]
@@ -617,17 +617,11 @@ _R6_BLOCKS = {"BLOCK_M", "BLOCK_K", "NSUB", "num_warps", "num_stages", "RANK", "
 _k1_r6_tuned = None
 
 
-def _r6_blocks(nargs) -> None:
-    """Autotune pre-hook: the descriptors take the block shapes of the config being run."""
-    nargs["x_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
-    nargs["wg_desc"].block_shape = [TILE, nargs["BLOCK_K"]]
-
-
 def _k1_r6_autotuned():
     global _k1_r6_tuned
     if _k1_r6_tuned is None:
         configs = [triton.Config({"BLOCK_M": bm, "BLOCK_K": bk, "NSUB": nsub}, num_warps=w, num_stages=st,
-                                 pre_hook=_r6_blocks) for bm, bk, nsub, w, st in R6_TUNE]
+                                 pre_hook=_tma_blocks) for bm, bk, nsub, w, st in R6_TUNE]
         _k1_r6_tuned = triton.autotune(configs=configs, key=["D", "F", "MB"])(_k1_r6)
     return _k1_r6_tuned
 

@@ -416,16 +416,28 @@ def test_r6c_ffn_in_interpreter():
     assert_close(got, ref.ffn_reference(x, wg, wu, wd), what="r6c vs oracle", rtol=1e-2, atol=1e-3)
 
 
-def test_k1_sweep_smoke_on_cpu(tmp_path):
-    """The round-6 K1 sweep script (correctness gate, interleaved timing, JSON) on its tiny CPU case."""
+def run_sweep_smoke(script: str, out: Path) -> dict:
+    """One of the round-6 sweep scripts on its tiny CPU case; its first JSON row."""
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    res = subprocess.run([sys.executable, str(root / "eval" / "k1_sweep.py"), "--smoke", "--budget-s", "0.2",
-                          "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=400)
+    res = subprocess.run([sys.executable, str(root / "eval" / script), "--smoke", "--budget-s", "0.2",
+                          "--out", str(out)], capture_output=True, text=True, env=env, timeout=400)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    row = json.loads((tmp_path / "k1-sweep.json").read_text())["rows"][0]
+    return json.loads((out / script.replace("_", "-").replace(".py", ".json")).read_text())["rows"][0]
+
+
+def test_k1_sweep_smoke_on_cpu(tmp_path):
+    """The K1 sweep (correctness gate against r5tma, interleaved timing, JSON)."""
+    row = run_sweep_smoke("k1_sweep.py", tmp_path)
     assert not row["mismatch"] and not row["errors"], (row["mismatch"], row["errors"])
     assert {"gate", "k1_tma"} < row["k1_ms"].keys() and row["best_r6"] and "r6c" in row["ffn_ms"]
+
+
+def test_k2_sweep_smoke_on_cpu(tmp_path):
+    """The K2 sweep: every (E, warps) config sums the same entries as the default (to rounding)."""
+    row = run_sweep_smoke("k2_sweep.py", tmp_path)
+    assert not row["errors"] and len(row["max_diff"]) == 6, row
+    assert max(row["max_diff"].values()) < 1e-3, row["max_diff"]
 
 
 def fake_decisions(monkeypatch, choose, capturing=lambda: False) -> None:
