@@ -3,6 +3,11 @@
 Legend: M = tokens, d = hidden size, F = intermediate size, T = tile width, S = slots per (row, tile),
 NT = ceil(F / T), E = gathered rows per chunk in K2. Layout and overflow rules: twell_reference.py.
 
+- K1 `_k1_r6` (round 6; variant "r6", and "r6c" = r6 + compacted K2, the default for bf16/fp16 prefill):
+  TMA loads, NSUB = 2 tiles of T columns per program, and a slot-major epilogue (_k1_epilogue_bits,
+  rank 2): two 64-bit masks per row, then per slot its column (the s-th set bit) and value (tl.gather
+  from the accumulator), the row's S words stored together. The per-column scatter of earlier rounds
+  spilled registers (eval/results/kernels-h200-r6/).
 - K1 `_k1_gate_pack`: tiled GEMM x [M, d] @ W_gate^T -> acc [BLOCK_M, T] fp32; the epilogue applies ReLU,
   gives each positive value its slot with a cumulative sum along the tile (no atomics, deterministic)
   and writes cnt/col/val. No dense [M, F] tensor is written.
