@@ -39,7 +39,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import statistics
 from dataclasses import dataclass, field
 
 import torch
@@ -203,16 +202,24 @@ def _paired_rounds(fns: dict, x2d: torch.Tensor, per_call: int = 1) -> dict[str,
     return out
 
 
+def _median(xs: list[float]) -> float:
+    """Median (the mean of the middle two for an even count); no `statistics` import: the model-folder
+    copy of this file keeps to the project's short list of stdlib modules."""
+    s = sorted(xs)
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+
+
 def _decide(dense: list[float], twell: list[float], graph_twell: list[float] | None = None) -> tuple[str, dict]:
     """twell only if the median of the per-round ratios t_twell / t_dense is below MARGIN. Where eager
     twell is launch-bound (> CPU_BOUND x its graph-replay time), host jitter is of the size of the
     difference, so its win (1 - ratio) must also exceed the relative spread of its own rounds."""
-    ratio = statistics.median([t / d for t, d in zip(twell, dense)])
-    med_twell = statistics.median(twell)
+    ratio = _median([t / d for t, d in zip(twell, dense)])
+    med_twell = _median(twell)
     spread = (max(twell) - min(twell)) / med_twell
-    cpu_bound = graph_twell is not None and med_twell > CPU_BOUND * statistics.median(graph_twell)
+    cpu_bound = graph_twell is not None and med_twell > CPU_BOUND * _median(graph_twell)
     win = ratio < MARGIN and (not cpu_bound or 1.0 - ratio > spread)
-    info = {"dense_ms": statistics.median(dense), "twell_ms": med_twell, "ratio": ratio, "spread": spread,
+    info = {"dense_ms": _median(dense), "twell_ms": med_twell, "ratio": ratio, "spread": spread,
             "cpu_bound": cpu_bound, "rounds": len(dense)}
     return ("twell" if win else "dense"), info
 
