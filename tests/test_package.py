@@ -7,8 +7,7 @@ import sys
 from sparsify.folder import shipped_code_files
 
 ALLOWED = {"torch", "triton", "transformers", "__future__", "math", "os", "typing", "dataclasses", "functools",
-           "logging", "warnings", "itertools", "collections", "enum", "contextlib", "json", "time", "re",
-           "statistics"}  # stdlib only (the brief: torch, transformers, stdlib, siblings)
+           "logging", "warnings", "itertools", "collections", "enum", "contextlib", "json", "time", "re"}
 
 
 def test_kernels_importable_only_as_sparsify_kernels(tmp_path):
