@@ -246,10 +246,12 @@ if HAS_TRITON:
     def _k1_epilogue_bits(acc, pid_m, tile, M, F, cnt_ptr, ent_ptr, NT,
                           BLOCK_M: tl.constexpr, T: tl.constexpr, S: tl.constexpr, ENT: tl.constexpr,
                           PACK: tl.constexpr, HW: tl.constexpr, RANK: tl.constexpr):
-        """Round-6 epilogue of acc [BM, T] (T <= 128): slot ranks from two 64-bit masks per row and
-        popcounts instead of a scan. Row sums and elementwise ops stay in the MMA accumulator's
-        register layout (a scan along the tile needs a layout conversion through shared memory).
-        Same slots as _k1_epilogue: rank of the column among the tile's positives."""
+        """Round-6 epilogue of acc [BM, T] (T <= 128) from two 64-bit masks of the positive columns per
+        row (row sums and elementwise ops in the MMA accumulator's register layout: a scan along the
+        tile needs a layout conversion through shared memory). RANK 2 (the default): slot-major, per
+        (row, slot) the column and a gathered value, one store of the row's S words; RANK 1: each
+        column's rank by popcount, one scatter store per column (spills at 128 x 256 tiles). Same slots
+        as _k1_epilogue: rank of the column among the tile's positives."""
         rows = tl.arange(0, BLOCK_M)
         cols = tl.arange(0, T)
         m_ok = pid_m * BLOCK_M + rows < M
@@ -260,29 +262,21 @@ if HAS_TRITON:
         hi = tl.sum(tl.where(active & (cols >= 64)[None, :], bit[None, :], 0), 1)  # [BM]
         n_lo = _popc64(lo, HW)
         cnt = n_lo + _popc64(hi, HW)  # [BM] true count, may exceed S (overflow marker)
-        if PACK == 1 and RANK >= 2:  # slot-major: [BM, S] words, one store per slot, not per column
+        if PACK == 1 and RANK == 2:  # slot-major: [BM, S] words, one store per slot, not per column
             slots = tl.arange(0, S)
             valid = (slots[None, :] < tl.minimum(cnt, S)[:, None]) & m_ok[:, None]  # [BM, S]
-            if RANK == 2:  # column of slot s = position of the s-th set bit; value gathered from acc
-                in_lo = slots[None, :] < n_lo[:, None]  # [BM, S]
-                w = tl.where(in_lo, lo[:, None], hi[:, None])  # [BM, S] int64
-                k = tl.where(in_lo, slots[None, :], slots[None, :] - n_lo[:, None])
-                p = tl.zeros([BLOCK_M, S], dtype=tl.int32)
-                for step in tl.static_range(6):  # largest p with popc(w below p) <= k: bits 32,16,..,1
-                    mid = p + (32 >> step)
-                    below = _popc64(w & ((tl.full([BLOCK_M, S], 1, tl.int64) << mid.to(tl.int64)) - 1), HW)
-                    p = tl.where(below <= k, mid, p)
-                col = tl.where(valid, tl.where(in_lo, p, p + 64), 0)  # [BM, S] column within the tile
-                g = tl.gather(acc, col, 1)  # [BM, S] fp32
-                words = _pack_cols(g, col, ENT)
-            else:  # RANK 3: slot s holds the one word whose rank is s (a masked row sum per slot)
-                all_words = _pack_words(acc, T, ENT)  # [BM, T]
-                word = tl.where(lo_col[None, :], lo[:, None], hi[:, None])
-                rank = _popc64(word & (bit - 1)[None, :], HW) + tl.where(lo_col[None, :], 0, n_lo[:, None])
-                words = tl.zeros([BLOCK_M, S], dtype=tl.int32)
-                for sl in tl.static_range(S):
-                    v = tl.sum(tl.where(active & (rank == sl), all_words, 0), 1)  # [BM]
-                    words = tl.where(slots[None, :] == sl, v[:, None], words)
+            # column of slot s = position of the s-th set bit; its value gathered from acc
+            in_lo = slots[None, :] < n_lo[:, None]  # [BM, S]
+            w = tl.where(in_lo, lo[:, None], hi[:, None])  # [BM, S] int64
+            k = tl.where(in_lo, slots[None, :], slots[None, :] - n_lo[:, None])
+            p = tl.zeros([BLOCK_M, S], dtype=tl.int32)
+            for step in tl.static_range(6):  # largest p with popc(w below p) <= k: bits 32,16,..,1
+                mid = p + (32 >> step)
+                below = _popc64(w & ((tl.full([BLOCK_M, S], 1, tl.int64) << mid.to(tl.int64)) - 1), HW)
+                p = tl.where(below <= k, mid, p)
+            col = tl.where(valid, tl.where(in_lo, p, p + 64), 0)  # [BM, S] column within the tile
+            g = tl.gather(acc, col, 1)  # [BM, S] fp32
+            words = _pack_cols(g, col, ENT)
             base = ent_ptr + (pid_m * BLOCK_M).to(tl.int64) * NT * S + tile * S
             tl.store(base + (rows * (NT * S))[:, None] + slots[None, :], words, mask=valid)
         elif PACK == 1:
@@ -303,8 +297,10 @@ if HAS_TRITON:
         """Round-6 K1 (16-bit inputs, packed entries): TMA loads; NSUB tiles of T columns per program
         (one x K-slice feeds NSUB MMAs: NSUB = 2 is a 128 x 256 GEMM tile); persistent when launched on
         fewer programs than output tiles (each program walks tiles a grid apart; FLATTEN lets the
-        pipeliner prefetch the next tile's loads during this tile's epilogue); RANK 1 = popcount
-        epilogue (_k1_epilogue_bits), 0 = the scan epilogue of round 5."""
+        pipeliner prefetch the next tile's loads during this tile's epilogue). RANK: 2 = slot-major with
+        64-bit masks (the default), 4 = slot-major with 32-bit mask words (_k1_epilogue_words), 1 =
+        per-column popcount ranks, 0 = the scan epilogue of round 5 (timings: kernels/NOTES.md)."""
+        tl.static_assert(RANK == 0 or RANK == 1 or RANK == 2 or RANK == 4, "RANK is 0, 1, 2 or 4")
         num_pid_m = tl.cdiv(M, BLOCK_M)
         n_groups = tl.cdiv(NT, NSUB)
         num_tiles = num_pid_m * n_groups
