@@ -4,8 +4,8 @@ Legend: M = tokens, d = hidden size, F = intermediate size, T = tile width, S = 
 NT = ceil(F / T), E = gathered rows per chunk in K2. Layout and overflow rules: twell_reference.py.
 
 - K1 `_k1_r6` (round 6; variant "r6", and "r6c" = r6 + compacted K2, the default for bf16/fp16 prefill):
-  TMA loads, NSUB = 2 tiles of T columns per program, and a slot-major epilogue (_k1_epilogue_bits,
-  rank 2): two 64-bit masks per row, then per slot its column (the s-th set bit) and value (tl.gather
+  TMA loads, NSUB = 2 tiles of T columns per program, and a slot-major epilogue (_k1_epilogue_slots):
+  two 64-bit masks per row, then per slot its column (the s-th set bit) and value (tl.gather
   from the accumulator), the row's S words stored together. The per-column scatter of earlier rounds
   spilled registers (eval/results/kernels-h200-r6/).
 - K1 `_k1_gate_pack`: tiled GEMM x [M, d] @ W_gate^T -> acc [BLOCK_M, T] fp32; the epilogue applies ReLU,
@@ -51,24 +51,20 @@ def _next_pow2(n: int) -> int:
 if HAS_TRITON:
 
     @triton.jit
-    def _pack_words(acc, T: tl.constexpr, ENT: tl.constexpr):
-        """[BM, T] fp32 gate values -> int32 words (16-bit value bits << 16 | column within the tile)."""
-        if ENT == 1:  # bf16, round to nearest even done in integers (the interpreter's cast truncates)
-            b = acc.to(tl.int32, bitcast=True)
-            hi = (b + 0x7FFF + ((b >> 16) & 1)) >> 16  # acc > 0 where kept: no sign / NaN cases
-        else:  # fp16 (the cast rounds to nearest even on GPU and in the interpreter)
-            hi = acc.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        return (hi << 16) | tl.arange(0, T)[None, :]
-
-    @triton.jit
     def _pack_cols(g, col, ENT: tl.constexpr):
-        """_pack_words for fp32 values g [BM, S] whose tile columns are col [BM, S] (int32)."""
-        if ENT == 1:
+        """fp32 gate values g > 0 and their columns within the tile col (int32, same shape) -> int32 words
+        (16-bit value bits << 16 | column)."""
+        if ENT == 1:  # bf16, round to nearest even done in integers (the interpreter's cast truncates)
             b = g.to(tl.int32, bitcast=True)
-            hi = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-        else:
+            hi = (b + 0x7FFF + ((b >> 16) & 1)) >> 16  # g > 0 where kept: no sign / NaN cases
+        else:  # fp16 (the cast rounds to nearest even on GPU and in the interpreter)
             hi = g.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         return (hi << 16) | col
+
+    @triton.jit
+    def _pack_words(acc, T: tl.constexpr, ENT: tl.constexpr):
+        """[BM, T] fp32 gate values -> int32 words, column = position in the tile."""
+        return _pack_cols(acc, tl.arange(0, T)[None, :], ENT)
 
     @triton.jit
     def _unpack_value(w, ENT: tl.constexpr):
@@ -78,9 +74,9 @@ if HAS_TRITON:
         return (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
-    def _grouped_tile(M, NT, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
-        """(row block, tile) of this program in grouped order: GROUP_M row blocks share W_gate tiles in L2."""
-        pid = tl.program_id(0)
+    def _grouped_tile(pid, M, NT, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
+        """(row block, column tile) of output tile `pid` of cdiv(M, BLOCK_M) x NT in grouped order: GROUP_M
+        row blocks share W_gate tiles in L2."""
         num_pid_m = tl.cdiv(M, BLOCK_M)
         group = GROUP_M * NT
         first_m = (pid // group) * GROUP_M
@@ -98,7 +94,7 @@ if HAS_TRITON:
         # MB (the power-of-two bucket of M) is unused in the body: it is the autotuner's key.
         # ENT: slot encoding, 0 = "split" (col int32 + val fp32), 1 = "bf16", 2 = "fp16" (one int32 word
         # per slot in col_ptr: value bits << 16 | column in tile; val_ptr unused)
-        pid_m, pid_n = _grouped_tile(M, NT, BLOCK_M, GROUP_M)
+        pid_m, pid_n = _grouped_tile(tl.program_id(0), M, NT, BLOCK_M, GROUP_M)
 
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
         offs_n = pid_n * T + tl.arange(0, T)  # [T] global columns of this tile
@@ -160,7 +156,7 @@ if HAS_TRITON:
     ):
         """K1 with tensor-descriptor (TMA on Hopper) loads: out-of-range rows/columns/K arrive as zeros,
         so the main loop has no masks. Same launch order and epilogue as _k1_gate_pack."""
-        pid_m, pid_n = _grouped_tile(M, NT, BLOCK_M, GROUP_M)
+        pid_m, pid_n = _grouped_tile(tl.program_id(0), M, NT, BLOCK_M, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
         offs_n = pid_n * T + tl.arange(0, T)  # [T]
         acc = tl.zeros([BLOCK_M, T], dtype=tl.float32)
@@ -187,71 +183,15 @@ if HAS_TRITON:
         return ((v * 0x0101010101010101) >> 56).to(tl.int32)
 
     @triton.jit
-    def _popc32(v, HW: tl.constexpr):
-        """Set bits of int32 v (SWAR off the GPU, like _popc64)."""
-        if HW:
-            return libdevice.popc(v)
-        v = v - ((v >> 1) & 0x55555555)
-        v = (v & 0x33333333) + ((v >> 2) & 0x33333333)
-        v = (v + (v >> 4)) & 0x0F0F0F0F
-        return (v * 0x01010101) >> 24
-
-    @triton.jit
-    def _k1_epilogue_words(acc, pid_m, tile, M, F, cnt_ptr, ent_ptr, NT,
+    def _k1_epilogue_slots(acc, pid_m, tile, M, F, cnt_ptr, ent_ptr, NT,
                            BLOCK_M: tl.constexpr, T: tl.constexpr, S: tl.constexpr, ENT: tl.constexpr,
-                           PACK: tl.constexpr, HW: tl.constexpr, EVEN_F: tl.constexpr):
-        """Round-6 slot-major epilogue of acc [BM, T]: one 32-bit mask word per 32 columns (a reshape and
-        a row sum: two operations per element), then everything per (row, slot) [BM, S]: the column of
-        slot s is the s-th set bit of the row's mask, its value is gathered from acc, and the row's S
-        words are stored together. Same slots as _k1_epilogue (rank order = ascending column)."""
-        rows = tl.arange(0, BLOCK_M)
-        cols = tl.arange(0, T)
-        m_ok = pid_m * BLOCK_M + rows < M
-        active = acc > 0
-        if not EVEN_F:
-            active = active & (tile * T + cols < F)[None, :]
-        bits = tl.where(active, 1 << (cols & 31)[None, :], 0)  # [BM, T] int32
-        words = tl.sum(tl.reshape(bits, [BLOCK_M, T // 32, 32]), 2)  # [BM, T/32] distinct bits: sum = or
-        cnt = tl.sum(_popc32(words, HW), 1)  # [BM] true count, may exceed S (overflow marker)
-        if PACK != 0:
-            slots = tl.arange(0, S)[None, :]  # [1, S]
-            widx = tl.arange(0, T // 32)[None, :]
-            sel = tl.zeros([BLOCK_M, S], dtype=tl.int32)  # mask word holding slot s
-            first = tl.zeros([BLOCK_M, S], dtype=tl.int32)  # rank of that word's first set bit
-            wcol = tl.zeros([BLOCK_M, S], dtype=tl.int32)  # column of that word's bit 0
-            before = tl.zeros([BLOCK_M], dtype=tl.int32)
-            for j in tl.static_range(T // 32):
-                wj = tl.sum(tl.where(widx == j, words, 0), 1)  # [BM]
-                here = slots >= before[:, None]  # later words take over the slots past their start
-                sel = tl.where(here, wj[:, None], sel)
-                first = tl.where(here, before[:, None], first)
-                wcol = tl.where(here, j * 32, wcol)
-                before += _popc32(wj, HW)
-            k = slots - first  # rank of slot s inside its word
-            p = tl.zeros([BLOCK_M, S], dtype=tl.int32)
-            for step in tl.static_range(5):  # largest p with popc(bits of sel below p) <= k
-                mid = p + (16 >> step)
-                p = tl.where(_popc32(sel & ((1 << mid) - 1), HW) <= k, mid, p)
-            valid = (slots < tl.minimum(cnt, S)[:, None]) & m_ok[:, None]  # [BM, S]
-            col = tl.where(valid, wcol + p, 0)  # [BM, S] column within the tile
-            if PACK == 3:  # benchmark diagnostic: no gather (wrong values), to time it
-                g = col.to(tl.float32)
-            else:
-                g = tl.gather(acc, col, 1)  # [BM, S] fp32
-            base = ent_ptr + (pid_m * BLOCK_M).to(tl.int64) * NT * S + tile * S
-            tl.store(base + (rows * (NT * S))[:, None] + slots, _pack_cols(g, col, ENT), mask=valid)
-        tl.store(cnt_ptr + (pid_m * BLOCK_M + rows).to(tl.int64) * NT + tile, cnt, mask=m_ok)
-
-    @triton.jit
-    def _k1_epilogue_bits(acc, pid_m, tile, M, F, cnt_ptr, ent_ptr, NT,
-                          BLOCK_M: tl.constexpr, T: tl.constexpr, S: tl.constexpr, ENT: tl.constexpr,
-                          PACK: tl.constexpr, HW: tl.constexpr, RANK: tl.constexpr):
-        """Round-6 epilogue of acc [BM, T] (T <= 128) from two 64-bit masks of the positive columns per
-        row (row sums and elementwise ops in the MMA accumulator's register layout: a scan along the
-        tile needs a layout conversion through shared memory). RANK 2 (the default): slot-major, per
-        (row, slot) the column and a gathered value, one store of the row's S words; RANK 1: each
-        column's rank by popcount, one scatter store per column (spills at 128 x 256 tiles). Same slots
-        as _k1_epilogue: rank of the column among the tile's positives."""
+                           PACK: tl.constexpr, HW: tl.constexpr):
+        """Round-6 slot-major epilogue of acc [BM, T] (T <= 128). Per row two 64-bit masks of the positive
+        columns (a select and a row sum per element, in the MMA accumulator's register layout: a scan
+        along the tile needs a layout conversion through shared memory, and a per-column scatter of
+        64-bit addresses spilled registers at 128 x 256 tiles); then per (row, slot) [BM, S]: the column
+        of slot s is the s-th set bit, its value is gathered from acc, and the row's S words are stored
+        together. Same slots as _k1_epilogue: rank of the column among the tile's positives."""
         rows = tl.arange(0, BLOCK_M)
         cols = tl.arange(0, T)
         m_ok = pid_m * BLOCK_M + rows < M
@@ -262,13 +202,12 @@ if HAS_TRITON:
         hi = tl.sum(tl.where(active & (cols >= 64)[None, :], bit[None, :], 0), 1)  # [BM]
         n_lo = _popc64(lo, HW)
         cnt = n_lo + _popc64(hi, HW)  # [BM] true count, may exceed S (overflow marker)
-        if PACK == 1 and RANK == 2:  # slot-major: [BM, S] words, one store per slot, not per column
+        if PACK == 1:  # (PACK 0, a benchmark diagnostic: the GEMM and the counts only)
             slots = tl.arange(0, S)
             valid = (slots[None, :] < tl.minimum(cnt, S)[:, None]) & m_ok[:, None]  # [BM, S]
-            # column of slot s = position of the s-th set bit; its value gathered from acc
             in_lo = slots[None, :] < n_lo[:, None]  # [BM, S]
-            w = tl.where(in_lo, lo[:, None], hi[:, None])  # [BM, S] int64
-            k = tl.where(in_lo, slots[None, :], slots[None, :] - n_lo[:, None])
+            w = tl.where(in_lo, lo[:, None], hi[:, None])  # [BM, S] int64 mask holding slot s
+            k = tl.where(in_lo, slots[None, :], slots[None, :] - n_lo[:, None])  # rank of s inside w
             p = tl.zeros([BLOCK_M, S], dtype=tl.int32)
             for step in tl.static_range(6):  # largest p with popc(w below p) <= k: bits 32,16,..,1
                 mid = p + (32 >> step)
@@ -276,69 +215,54 @@ if HAS_TRITON:
                 p = tl.where(below <= k, mid, p)
             col = tl.where(valid, tl.where(in_lo, p, p + 64), 0)  # [BM, S] column within the tile
             g = tl.gather(acc, col, 1)  # [BM, S] fp32
-            words = _pack_cols(g, col, ENT)
-            base = ent_ptr + (pid_m * BLOCK_M).to(tl.int64) * NT * S + tile * S
-            tl.store(base + (rows * (NT * S))[:, None] + slots[None, :], words, mask=valid)
-        elif PACK == 1:
-            word = tl.where(lo_col[None, :], lo[:, None], hi[:, None])  # [BM, T]
-            rank = _popc64(word & (bit - 1)[None, :], HW) + tl.where(lo_col[None, :], 0, n_lo[:, None])
-            keep = active & (rank < S) & m_ok[:, None]
             base = ent_ptr + (pid_m * BLOCK_M).to(tl.int64) * NT * S + tile * S  # this tile's row-0 slots
-            tl.store(base + (rows * (NT * S))[:, None] + rank, _pack_words(acc, T, ENT), mask=keep)
-        tl.store(cnt_ptr + (pid_m * BLOCK_M + rows).to(tl.int64) * NT + tile, cnt, mask=m_ok)  # callers pass tile < NT
+            tl.store(base + (rows * (NT * S))[:, None] + slots[None, :], _pack_cols(g, col, ENT), mask=valid)
+        tl.store(cnt_ptr + (pid_m * BLOCK_M + rows).to(tl.int64) * NT + tile, cnt, mask=m_ok)
+
+    @triton.jit
+    def _k1_r6_epilogue(acc, pid_m, tile, M, F, cnt_ptr, ent_ptr, NT,
+                        BLOCK_M: tl.constexpr, T: tl.constexpr, S: tl.constexpr, ENT: tl.constexpr,
+                        PACK: tl.constexpr, HW: tl.constexpr, RANK: tl.constexpr):
+        """Epilogue of one tile (tile < NT): RANK 2 slot-major (the default), 0 the scan of round 5."""
+        if RANK == 2:
+            _k1_epilogue_slots(acc, pid_m, tile, M, F, cnt_ptr, ent_ptr, NT, BLOCK_M, T, S, ENT, PACK, HW)
+        else:
+            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            offs_n = tile * T + tl.arange(0, T)
+            _k1_epilogue(acc, offs_m, offs_n, offs_m < M, offs_n < F, tile, cnt_ptr, ent_ptr, cnt_ptr, NT,
+                         BLOCK_M, T, S, ENT, PACK)
 
     @triton.jit
     def _k1_r6(
         x_desc, wg_desc, cnt_ptr, ent_ptr, M, F, D, NT,
         BLOCK_M: tl.constexpr, T: tl.constexpr, BLOCK_K: tl.constexpr, S: tl.constexpr,
         MB, GROUP_M: tl.constexpr, ENT: tl.constexpr, PACK: tl.constexpr, NSUB: tl.constexpr,
-        RANK: tl.constexpr, HW: tl.constexpr, FLATTEN: tl.constexpr, EVEN_F: tl.constexpr,
+        RANK: tl.constexpr, HW: tl.constexpr, FLATTEN: tl.constexpr,
     ):
         """Round-6 K1 (16-bit inputs, packed entries): TMA loads; NSUB tiles of T columns per program
         (one x K-slice feeds NSUB MMAs: NSUB = 2 is a 128 x 256 GEMM tile); persistent when launched on
         fewer programs than output tiles (each program walks tiles a grid apart; FLATTEN lets the
-        pipeliner prefetch the next tile's loads during this tile's epilogue). RANK: 2 = slot-major with
-        64-bit masks (the default), 4 = slot-major with 32-bit mask words (_k1_epilogue_words), 1 =
-        per-column popcount ranks, 0 = the scan epilogue of round 5 (timings: kernels/NOTES.md)."""
-        tl.static_assert(RANK == 0 or RANK == 1 or RANK == 2 or RANK == 4, "RANK is 0, 1, 2 or 4")
-        num_pid_m = tl.cdiv(M, BLOCK_M)
+        pipeliner prefetch the next tile's loads during this tile's epilogue). RANK: 2 = slot-major
+        epilogue (the default), 0 = the scan epilogue of round 5 (timings: kernels/NOTES.md)."""
+        tl.static_assert(RANK == 0 or RANK == 2, "RANK is 0 (scan) or 2 (slot-major)")
         n_groups = tl.cdiv(NT, NSUB)
-        num_tiles = num_pid_m * n_groups
-        k_tiles = tl.cdiv(D, BLOCK_K)
+        num_tiles = tl.cdiv(M, BLOCK_M) * n_groups
         for tid in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=FLATTEN):
-            group = GROUP_M * n_groups
-            first_m = (tid // group) * GROUP_M
-            gsize = tl.minimum(num_pid_m - first_m, GROUP_M)
-            pid_m = first_m + ((tid % group) % gsize)
-            t0 = ((tid % group) // gsize) * NSUB
+            pid_m, group = _grouped_tile(tid, M, n_groups, BLOCK_M, GROUP_M)
+            t0 = group * NSUB
             acc0 = tl.zeros([BLOCK_M, T], dtype=tl.float32)
             acc1 = tl.zeros([BLOCK_M, T], dtype=tl.float32)
-            for k in range(k_tiles):
+            for k in range(tl.cdiv(D, BLOCK_K)):
                 a = x_desc.load([pid_m * BLOCK_M, k * BLOCK_K])  # [BM, BK]
                 b0 = wg_desc.load([t0 * T, k * BLOCK_K])  # [T, BK]
                 acc0 = tl.dot(a, tl.trans(b0), acc0)
                 if NSUB == 2:
                     b1 = wg_desc.load([(t0 + 1) * T, k * BLOCK_K])
                     acc1 = tl.dot(a, tl.trans(b1), acc1)
-            if RANK == 4:
-                _k1_epilogue_words(acc0, pid_m, t0, M, F, cnt_ptr, ent_ptr, NT, BLOCK_M, T, S, ENT, PACK, HW, EVEN_F)
-                if NSUB == 2 and t0 + 1 < NT:
-                    _k1_epilogue_words(acc1, pid_m, t0 + 1, M, F, cnt_ptr, ent_ptr, NT, BLOCK_M, T, S, ENT,
-                                       PACK, HW, EVEN_F)
-            elif RANK >= 1:
-                _k1_epilogue_bits(acc0, pid_m, t0, M, F, cnt_ptr, ent_ptr, NT, BLOCK_M, T, S, ENT, PACK, HW, RANK)
-                if NSUB == 2 and t0 + 1 < NT:  # the last group may hold one tile only
-                    _k1_epilogue_bits(acc1, pid_m, t0 + 1, M, F, cnt_ptr, ent_ptr, NT, BLOCK_M, T, S, ENT,
-                                      PACK, HW, RANK)
-            else:
-                offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-                offs_n = t0 * T + tl.arange(0, T)
-                _k1_epilogue(acc0, offs_m, offs_n, offs_m < M, offs_n < F, t0, cnt_ptr, ent_ptr, cnt_ptr,
-                             NT, BLOCK_M, T, S, ENT, PACK)
-                if NSUB == 2 and t0 + 1 < NT:
-                    offs_n1 = offs_n + T
-                    _k1_epilogue(acc1, offs_m, offs_n1, offs_m < M, offs_n1 < F, t0 + 1, cnt_ptr, ent_ptr,
-                                 cnt_ptr, NT, BLOCK_M, T, S, ENT, PACK)
+            _k1_r6_epilogue(acc0, pid_m, t0, M, F, cnt_ptr, ent_ptr, NT, BLOCK_M, T, S, ENT, PACK, HW, RANK)
+            if NSUB == 2 and t0 + 1 < NT:  # the last group may hold one tile only
+                _k1_r6_epilogue(acc1, pid_m, t0 + 1, M, F, cnt_ptr, ent_ptr, NT, BLOCK_M, T, S, ENT, PACK, HW,
+                                RANK)
 
     @triton.jit
     def _k2_entries(col_ptr, val_ptr, row, NT, S: tl.constexpr, p, K, cum, start, tiles,
@@ -558,18 +482,24 @@ def gate_pack(
     entries: slot encoding ("split", "bf16", "fp16"; default from the dtype and variant). variant "r5"
     autotunes the block sizes on CUDA for M > 16 unless block sizes are given in `overrides`; "r5tma"
     is r5 with tensor-descriptor (TMA) loads (falls back to r5 when a tensor is not 16-byte aligned);
-    "r4" runs the round-4 kernel exactly (split encoding, fixed blocks). autotune=True forces the autotuned
-    launch (tests drive it in the interpreter with a stand-in benchmark).
+    "r4" runs the round-4 kernel exactly (split encoding, fixed blocks); "r6" runs _k1_r6 (autotuned over
+    R6_TUNE; overrides: R6_DEFAULT keys) where its conditions hold, else r5. autotune=True forces the
+    autotuned launch (tests drive it in the interpreter with a stand-in benchmark).
     """
     _require_triton()
     m, d = x2d.shape
     f = w_gate.shape[0]
     entries = entries or default_entries(x2d.dtype, variant)
     cfg = {**k1_config(m, d), **overrides}
-    tma = variant == "r5tma" and _tma_ok(x2d, w_gate)
     # r6 needs 16-bit inputs with packed entries, prefill tiles and TMA-aligned tensors; otherwise r5 runs
-    r6 = (variant == "r6" and x2d.dtype in (torch.bfloat16, torch.float16) and entries != "split"
-          and cfg["T"] == TILE and _tma_ok(x2d, w_gate))
+    if (variant == "r6" and x2d.dtype in (torch.bfloat16, torch.float16) and entries != "split"
+            and cfg["T"] == TILE and _tma_ok(x2d, w_gate)):
+        nt = n_tiles(f, TILE)
+        cnt = torch.empty(m, nt, dtype=torch.int32, device=x2d.device)  # [M, NT]
+        ent = torch.empty(m, nt, SLOTS, dtype=torch.int32, device=x2d.device)  # [M, NT, S] packed words
+        _gate_pack_r6(x2d, w_gate, cnt, ent, entries, overrides, autotune)
+        return TwellPacked(cnt=cnt, col=None, val=None, tile=TILE, n_cols=f, ent=ent, entries=entries)
+    tma = variant == "r5tma" and _tma_ok(x2d, w_gate)
     tuned = (variant != "r4" and x2d.is_cuda and m > 16 and cfg["T"] == TILE
              and not {"BLOCK_M", "BLOCK_K", "num_warps", "num_stages"} & overrides.keys())
     tuned = tuned if autotune is None else autotune
@@ -584,9 +514,7 @@ def gate_pack(
     # MB keys the autotuner (a constant otherwise, so it never causes a recompilation)
     common = dict(T=t, S=s, MB=min(_next_pow2(m), 1 << 16) if tuned else 16, GROUP_M=8, IEEE=(x2d.dtype == torch.float32),
                   ENT=ENT_CODES[entries], PACK=int(cfg.get("PACK", 1)))
-    if r6:
-        _gate_pack_r6(x2d, w_gate, cnt, col, entries, overrides, autotune)
-    elif tma:  # descriptors replace the pointers and strides
+    if tma:  # descriptors replace the pointers and strides
         bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
         descs = (TensorDescriptor.from_tensor(x2d, [bm, bk]), TensorDescriptor.from_tensor(w_gate, [t, bk]))
         targs = (*descs, cnt, col, val, m, f, d, nt)
@@ -637,7 +565,7 @@ def _gate_pack_r6(x2d, w_gate, cnt, ent, entries, overrides: dict, autotune: boo
     f = w_gate.shape[0]
     nt = cnt.shape[1]
     common = dict(T=TILE, S=SLOTS, GROUP_M=8, ENT=ENT_CODES[entries], PACK=int(overrides.get("PACK", 1)),
-                  HW=x2d.is_cuda, EVEN_F=f % TILE == 0)
+                  HW=x2d.is_cuda)
     if autotune or (autotune is None and x2d.is_cuda and not _R6_BLOCKS & overrides.keys()):
         descs = (TensorDescriptor.from_tensor(x2d, [64, 64]), TensorDescriptor.from_tensor(w_gate, [TILE, 64]))
         return _k1_r6_autotuned()[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(nt, meta["NSUB"]),)](
