@@ -14,7 +14,11 @@ import torch
 
 from sparsify import cli
 from sparsify.errors import SparsifyError
+from sparsify import accuracy as acc
+from sparsify import activation_profile as prof
 from sparsify import evaluate as ev
+from sparsify import perplexity as ppl
+from sparsify import speed as sp
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT = REPO / "tests" / "data" / "sample_text.txt"
@@ -71,7 +75,7 @@ def test_layer_stats_match_hand_computed_values():
     active[1, 256:261] = True  # 5 in tile 2
     active[2, [0, 1, 299]] = True  # 2 in tile 0, 1 in tile 2
     active[3, 128:145] = True  # 17 in tile 1 -> overflows 16 (but would fit the old 31-slot layout)
-    stats = ev._LayerStats()
+    stats = prof._LayerStats()
     stats.add(active)
     r = stats.result()
     assert r["tokens"] == 4 and r["width"] == 300
@@ -89,7 +93,7 @@ def test_layer_stats_match_hand_computed_values():
 def test_union_reuse_counts_blocks_across_chunks():
     torch.manual_seed(0)
     active = torch.rand(100, 64) < 0.1  # [N, F]
-    whole, chunked = ev._LayerStats(), ev._LayerStats()
+    whole, chunked = prof._LayerStats(), prof._LayerStats()
     whole.add(active)
     for part in active.split([7, 30, 1, 62]):  # windows of uneven length carry partial blocks over
         chunked.add(part)
@@ -103,7 +107,7 @@ def test_union_reuse_counts_blocks_across_chunks():
 def test_recorder_captures_h_exactly():
     model = _tiny_llama(0, 50)
     ids = torch.randint(0, 50, (1, 12))
-    recorder = ev.SparsityRecorder(ev.down_projs(model))
+    recorder = prof.SparsityRecorder(prof.down_projs(model))
     captured = {}
     mlp = model.model.layers[1].mlp
     handle = mlp.register_forward_pre_hook(lambda m, a: captured.setdefault("x", a[0].detach()))
@@ -130,7 +134,7 @@ def test_text_pass_equals_plain_forward_when_the_text_fits(tiny_folders):
     ids = tok(text, add_special_tokens=False)["input_ids"]
     with torch.no_grad():
         loss = model(torch.tensor([ids]), labels=torch.tensor([ids])).loss.item()
-    r = ev.text_pass(model, tok, text, window=256, max_tokens=None, recorder=None)
+    r = ppl.text_pass(model, tok, text, window=256, max_tokens=None, recorder=None)
     assert r["tokens"] == len(ids) - 1
     assert r["nll"] == pytest.approx(loss, rel=1e-5)
     assert r["perplexity"] == pytest.approx(math.exp(loss), rel=1e-5)
@@ -143,26 +147,26 @@ def test_sliding_windows_score_and_profile_each_token_once(tiny_folders):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_folders[0]).eval()
     tok = AutoTokenizer.from_pretrained(tiny_folders[0])
-    recorder = ev.SparsityRecorder(ev.down_projs(model))
-    r = ev.text_pass(model, tok, TEXT.read_text(), window=64, max_tokens=300, recorder=recorder)
+    recorder = prof.SparsityRecorder(prof.down_projs(model))
+    r = ppl.text_pass(model, tok, TEXT.read_text(), window=64, max_tokens=300, recorder=recorder)
     recorder.remove()
     assert r["tokens"] == 299  # every token but the first predicted exactly once
     assert recorder.summary()["tokens"] == 300  # every position's h counted exactly once
-    full = ev.text_pass(model, tok, TEXT.read_text(), window=256, max_tokens=300, recorder=None)
+    full = ppl.text_pass(model, tok, TEXT.read_text(), window=256, max_tokens=300, recorder=None)
     assert r["nll"] > 0 and abs(r["nll"] - full["nll"]) / full["nll"] < 0.1  # less context, same ballpark
 
 
 # ----------------------------------------------------------------------------------------------- tasks
 def test_local_task_yaml_resolves_data_files_to_absolute_paths(tmp_path):
-    spec = ev.resolve_tasks([str(TASKS / "tech_qa.yaml")], tmp_path)
+    spec = acc.resolve_tasks([str(TASKS / "tech_qa.yaml")], tmp_path)
     assert spec.names == ["sparsify_tech_qa"]
     copied = Path(spec.include_paths[0]) / "tech_qa.yaml"
     text = copied.read_text()
     assert str((TASKS / "tech_qa.jsonl").resolve()) in text
-    folder = ev.resolve_tasks([str(TASKS)], tmp_path / "b")
+    folder = acc.resolve_tasks([str(TASKS)], tmp_path / "b")
     assert sorted(folder.names) == ["sparsify_tech_qa", "sparsify_tech_text"]
-    assert ev.resolve_tasks(["none"], tmp_path / "c").names == []
-    ev.check_tasks(folder)  # the shipped tasks load offline
+    assert acc.resolve_tasks(["none"], tmp_path / "c").names == []
+    acc.check_tasks(folder)  # the shipped tasks load offline
 
 
 def test_shipped_multiple_choice_task_is_well_formed():
@@ -176,16 +180,16 @@ def test_shipped_multiple_choice_task_is_well_formed():
 def test_unreachable_hub_task_names_the_offline_alternative(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    spec = ev.resolve_tasks(["arc_easy"], tmp_path)
+    spec = acc.resolve_tasks(["arc_easy"], tmp_path)
     with pytest.raises(SparsifyError, match=r"arc_easy.*eval/tasks/"):
-        ev.check_tasks(spec)
+        acc.check_tasks(spec)
 
 
 def test_unknown_task_and_bad_inputs_are_clear_errors(tmp_path, tiny_folders, capsys):
     with pytest.raises(SparsifyError, match="neither an lm-eval task"):
-        ev.check_tasks(ev.resolve_tasks(["no_such_task_xyz"], tmp_path))
+        acc.check_tasks(acc.resolve_tasks(["no_such_task_xyz"], tmp_path))
     with pytest.raises(SparsifyError, match="does not exist"):
-        ev.resolve_tasks([str(tmp_path / "missing.yaml")], tmp_path)
+        acc.resolve_tasks([str(tmp_path / "missing.yaml")], tmp_path)
     assert cli.main(["eval", str(tmp_path / "nope"), "--tasks", "none"]) == 2
     assert "not a Hub id" in capsys.readouterr().err
     assert cli.main(["eval", str(tiny_folders[0]), "--tasks", "none", "--text", str(tmp_path / "x.txt")]) == 2
@@ -250,19 +254,19 @@ def test_speed_section_restores_backends_when_a_run_fails(tiny_sparse_folder, mo
         type = "cuda"
 
     model, tok = ev.load_model(ev.ModelSpec("t", str(tiny_sparse_folder)), "cpu", "auto")
-    before = {m: m.ffn_backend for m in ev.mlps(model)}
-    assert set(before.values()) == {"dense"}  # the folder default, so a leftover "twell" shows
+    before = {m: m.ffn_backend for m in sp.mlps(model)}
+    assert "twell" not in before.values()  # the folder default, so a leftover "twell" shows
     monkeypatch.setattr(type(model), "device", property(lambda self: FakeDevice()))
-    monkeypatch.setattr(ev, "_text_batch", lambda tokens, b, s, device: torch.zeros(b, s, dtype=torch.long))
+    monkeypatch.setattr(sp, "_text_batch", lambda tokens, b, s, device: torch.zeros(b, s, dtype=torch.long))
 
     def interrupted(model, backends, fn, *args):  # the first shape switches the backend, then Ctrl-C
-        ev.set_ffn_backend(model, "twell")
+        sp.set_ffn_backend(model, "twell")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(ev, "_each_backend", interrupted)
+    monkeypatch.setattr(sp, "_each_backend", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        ev.speed_section(model, torch.arange(100), ev.SpeedGrid(batches=(1,), seqs=(8,), decode_batches=(1,)))
-    assert {m: m.ffn_backend for m in ev.mlps(model)} == before
+        sp.speed_section(model, torch.arange(100), sp.SpeedGrid(batches=(1,), seqs=(8,), decode_batches=(1,)))
+    assert {m: m.ffn_backend for m in sp.mlps(model)} == before
 
 
 def test_report_cli_missing_path_exits_2_with_a_message(tmp_path, capsys):
@@ -330,12 +334,12 @@ def tiny_sparse_folder(tmp_path_factory):
 
 def test_converted_model_profiles_through_its_sparse_mlp(tiny_sparse_folder):
     model, tok = ev.load_model(ev.ModelSpec("t", str(tiny_sparse_folder)), "cpu", "auto")
-    assert len(ev.set_ffn_backend(model, "auto")) == 2  # the remote-code SparseMLPs
-    ppl, profile = ev.texts_section(model, tok, [TEXT], window=128, max_tokens=200)
+    assert len(sp.set_ffn_backend(model, "auto")) == 2  # the remote-code SparseMLPs
+    perplexity, profile = ppl.texts_section(model, tok, [TEXT], window=128, max_tokens=200)
     assert profile["tokens"] == 200 and len(profile["layers"]) == 2
     assert (profile["tile"], profile["slots"]) == (128, 16)  # the kernels' prefill layout, recorded
-    assert all(m.ffn_backend == "auto" for m in ev.mlps(model))  # restored after the dense-path profile
-    assert ppl["sample_text.txt"]["tokens"] == 199
+    assert all(m.ffn_backend == "auto" for m in sp.mlps(model))  # restored after the dense-path profile
+    assert perplexity["sample_text.txt"]["tokens"] == 199
 
 
 def test_speedups_pair_backends_by_shape():
@@ -346,7 +350,7 @@ def test_speedups_pair_backends_by_shape():
                 {"backend": "twell", "batch": 8, "seq": 64, "error": "out of memory"},
                 {"backend": "auto", "batch": 8, "seq": 64, "tokens_per_s": 380.0}]
     decode = [{"backend": "stock", "batch": 1, "tokens_per_s": 50.0}]
-    got = ev._speedups(prefill, decode)
+    got = sp._speedups(prefill, decode)
     assert got["prefill"] == [
         {"batch": 1, "seq": 64, "twell_over_dense": 1.2, "auto_over_dense": 1.25, "dense_noise": pytest.approx(0.02)},
         {"batch": 8, "seq": 64, "twell_over_dense": None, "auto_over_dense": 0.95, "dense_noise": None}]
@@ -355,7 +359,7 @@ def test_speedups_pair_backends_by_shape():
 
 def test_text_batch_uses_consecutive_real_tokens():
     tokens = torch.arange(10)
-    batch = ev._text_batch(tokens, 3, 4, "cpu")  # needs 12 tokens: the text repeats
+    batch = sp._text_batch(tokens, 3, 4, "cpu")  # needs 12 tokens: the text repeats
     assert batch.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 0, 1]]
 
 
@@ -363,8 +367,9 @@ def test_text_batch_uses_consecutive_real_tokens():
 def test_speed_section_on_cuda(tiny_sparse_folder):
     """Run on the H200: every backend measured, ratios formed, the model's own backend restored."""
     model, tok = ev.load_model(ev.ModelSpec("t", str(tiny_sparse_folder)), "cuda", "auto")
-    grid = ev.SpeedGrid(batches=(1, 4), seqs=(64,), decode_batches=(1,), decode_prompt=16, decode_tokens=4, repeats=3)
-    speed = ev.speed_section(model, ev.speed_tokens(tok, [TEXT]), grid)
+    before = {m: m.ffn_backend for m in sp.mlps(model)}
+    grid = sp.SpeedGrid(batches=(1, 4), seqs=(64,), decode_batches=(1,), decode_prompt=16, decode_tokens=4, repeats=3)
+    speed = sp.speed_section(model, sp.speed_tokens(tok, [TEXT]), grid)
     assert speed["available"] and speed["backends"] == ["dense", "twell", "auto"]
     rows = speed["prefill"] + speed["decode"]
     # 2 shapes x (dense, twell, auto, dense again) + 1 decode shape x 4
@@ -374,7 +379,7 @@ def test_speed_section_on_cuda(tiny_sparse_folder):
     assert {r["path"] for r in speed["prefill"] if r["backend"] == "dense"} == {"torch"}
     assert len(speed["speedup"]["prefill"]) == 2 and speed["speedup"]["prefill"][0]["dense_noise"] is not None
     assert set(speed["ffn_share"]) == {"dense", "twell", "auto"} and 0 < speed["ffn_share"]["dense"]["ffn_share"] < 1
-    assert all(m.ffn_backend == "dense" for m in ev.mlps(model))  # the folder default (low sparsity), restored
+    assert {m: m.ffn_backend for m in sp.mlps(model)} == before  # the folder default, restored
 
 
 # ------------------------------------------------------------------------------ real SmolLM2 (slow)
@@ -453,15 +458,16 @@ def test_speed_section_plumbing_with_cpu_stand_ins(tiny_sparse_folder, monkeypat
         type = "cuda"
 
     model, tok = ev.load_model(ev.ModelSpec("t", str(tiny_sparse_folder)), "cpu", "auto")
+    before = {m: m.ffn_backend for m in sp.mlps(model)}
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 123 * 2**20)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "stand-in")
     monkeypatch.setattr(type(model), "device", property(lambda self: FakeDevice()))
-    text_batch = ev._text_batch
-    monkeypatch.setattr(ev, "_text_batch", lambda tokens, b, s, device: text_batch(tokens, b, s, "cpu"))
-    grid = ev.SpeedGrid(batches=(1, 2), seqs=(16, 4096), decode_batches=(2,), decode_prompt=8, decode_tokens=3, repeats=2)
-    speed = ev.speed_section(model, ev.speed_tokens(tok, [TEXT]), grid)
+    text_batch = sp._text_batch
+    monkeypatch.setattr(sp, "_text_batch", lambda tokens, b, s, device: text_batch(tokens, b, s, "cpu"))
+    grid = sp.SpeedGrid(batches=(1, 2), seqs=(16, 4096), decode_batches=(2,), decode_prompt=8, decode_tokens=3, repeats=2)
+    speed = sp.speed_section(model, sp.speed_tokens(tok, [TEXT]), grid)
     assert speed["backends"] == ["dense", "twell", "auto"] and speed["device"] == "stand-in"
     assert [(r["batch"], r["seq"], r["backend"], bool(r.get("repeat"))) for r in speed["prefill"][:4]] == [
         (1, 16, "dense", False), (1, 16, "twell", False), (1, 16, "auto", False), (1, 16, "dense", True)]
@@ -471,7 +477,7 @@ def test_speed_section_plumbing_with_cpu_stand_ins(tiny_sparse_folder, monkeypat
     assert len(speed["decode"]) == 4 and len(speed["speedup"]["prefill"]) == 4 and len(speed["speedup"]["decode"]) == 1
     assert set(speed["ffn_share"]) == {"dense", "twell", "auto"}
     assert all(0 < s["ffn_share"] < 1 for s in speed["ffn_share"].values())
-    assert all(m.ffn_backend == "dense" for m in ev.mlps(model))  # the folder default (low sparsity), restored
+    assert {m: m.ffn_backend for m in sp.mlps(model)} == before  # the folder default, restored
 
 
 def test_report_with_speed_rows_draws_speed_plot_and_tables(tmp_path):
@@ -483,7 +489,7 @@ def test_report_with_speed_rows_draws_speed_plot_and_tables(tmp_path):
     rows.append({"backend": "dense", "repeat": True, "batch": 8, "seq": 512, "tokens_per_s": 780.0})
     speed = {"available": True, "backends": ["dense", "twell"], "device": "GPU", "dtype": "bfloat16",
              "prefill": rows, "decode": [], "ffn_share": {"dense": {"batch": 8, "seq": 512, "ffn_share": 0.4}},
-             "speedup": ev._speedups(rows, [])}
+             "speedup": sp._speedups(rows, [])}
     report = {"provenance": ev.provenance("cpu"), "models": [{"name": "m", "source": "x", "speed": speed}]}
     rp.write_report(report, tmp_path)
     assert report["plots"] == ["speed_vs_batch.png"]
@@ -505,12 +511,12 @@ def test_local_task_with_function_helper_and_relative_data_runs(tmp_path, tiny_f
         "output_type: multiple_choice\ntest_split: test\nprocess_docs: !function helpers.process_docs\n"
         "doc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\ndoc_to_choice: ['yes', 'no']\n"
         "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
-    spec = ev.resolve_tasks([str(tmp_path / "my_tasks")], tmp_path / "resolved")
+    spec = acc.resolve_tasks([str(tmp_path / "my_tasks")], tmp_path / "resolved")
     assert spec.names == ["my_even"] and not spec.registered
     copied = (Path(spec.include_paths[0]) / "sub" / "even.yaml").read_text()
     assert "!function" in copied and "helpers.process_docs" in copied and str(task_dir / "data.jsonl") in copied
     assert (Path(spec.include_paths[0]) / "sub" / "helpers.py").is_file()
     model = AutoModelForCausalLM.from_pretrained(tiny_folders[0]).eval()
     tok = AutoTokenizer.from_pretrained(tiny_folders[0])
-    got = ev.accuracy(model, tok, spec, limit=None, batch_size=4)
+    got = acc.accuracy(model, tok, spec, limit=None, batch_size=4)
     assert got["my_even"]["samples"] == 3 and got["my_even"]["acc"] in {i / 3 for i in range(4)}  # helper ran

@@ -1,0 +1,139 @@
+"""The activation-sparsity profile: what the TwELL kernels' speed depends on, measured on real text.
+
+Forward pre-hooks on every layer's mlp.down_proj capture h = act(gate) * up (its input in every supported
+family). Per layer: non-zeros per token (mean, p99, max), dead neurons (never active on the text), the
+most non-zeros any token has in one tile of columns against the slots TwELL stores per tile (more spill
+into the overflow path), and the union reuse R(BT) the kernels exploit. Driven by sparsify.perplexity,
+which runs the forward passes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+REUSE_BLOCKS = (16, 32, 64, 128)  # token-block sizes BT for the union reuse R(BT)
+
+
+def down_projs(model: Any) -> list[Any]:
+    """Each layer's down_proj, in layer order: its input is h = act(gate) * up in every supported family."""
+    from .architectures import mlp_modules
+
+    return [m.down_proj for m in mlp_modules(model)]
+
+
+class SparsityRecorder:
+    """Forward pre-hooks on each down_proj accumulating TwELL-relevant statistics of h (exact zeros).
+
+    Only positions in `self.keep` (the newly scored tokens of a sliding window) are counted, so every
+    token of the text contributes once, in order; the union reuse uses consecutive tokens across windows.
+    """
+
+    def __init__(self, modules: list[Any]):
+        self.keep = slice(None)
+        self.layers = [_LayerStats() for _ in modules]
+        self.handles = [m.register_forward_pre_hook(self._hook(i)) for i, m in enumerate(modules)]
+
+    def _hook(self, i: int):
+        def hook(module, inputs):
+            h = inputs[0][:, self.keep]  # [B, t, F]
+            self.layers[i].add((h != 0).reshape(-1, h.shape[-1]))  # [B*t, F] bool
+        return hook
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def summary(self) -> dict:
+        layers = [s.result() for s in self.layers]
+        tile, slots = kernel_layout()
+        return {"tokens": layers[0]["tokens"] if layers else 0, "tile": tile, "slots": slots,
+                "layers": layers, "summary": _summarise(layers)}
+
+
+def kernel_layout() -> tuple[int, int]:
+    """(tile width T, slots S) of the TwELL prefill layout the shipped kernels use."""
+    from .kernels.twell_reference import SLOTS, TILE
+
+    return TILE, SLOTS
+
+
+class _LayerStats:
+    def __init__(self):
+        self.tile, self.slots = kernel_layout()
+        self.nnz: list[Any] = []  # per-token counts, [t] int32 chunks
+        self.neuron_hits = None  # [F] int64: tokens in which each neuron fired
+        self.tile_max = 0
+        self.tiles = self.overflow_tiles = self.overflow_rows = 0
+        self.carry: dict[int, Any] = {}  # BT -> leftover rows [r < BT, F] bool
+        self.pairs = dict.fromkeys(REUSE_BLOCKS, 0)  # active pairs inside full blocks
+        self.unions = dict.fromkeys(REUSE_BLOCKS, 0)
+
+    def add(self, active: Any) -> None:
+        import torch
+
+        rows, width = active.shape
+        self.width = width
+        counts = active.sum(dim=1)  # [t]
+        self.nnz.append(counts.to("cpu", torch.int32))
+        hits = active.sum(dim=0, dtype=torch.int64).cpu()  # [F]
+        self.neuron_hits = hits if self.neuron_hits is None else self.neuron_hits + hits
+        pad = (-width) % self.tile
+        tiled = torch.nn.functional.pad(active, (0, pad)).view(rows, -1, self.tile).sum(dim=2)  # [t, F/T]
+        self.tile_max = max(self.tile_max, int(tiled.max()) if rows else 0)
+        self.tiles += tiled.numel()
+        self.overflow_tiles += int((tiled > self.slots).sum())
+        self.overflow_rows += int((tiled > self.slots).any(dim=1).sum())
+        for bt in REUSE_BLOCKS:
+            self._reuse(bt, active)
+
+    def _reuse(self, bt: int, active: Any) -> None:
+        import torch
+
+        rows = torch.cat([self.carry[bt], active]) if bt in self.carry else active  # [r, F]
+        full = rows.shape[0] // bt * bt
+        if full:
+            blocks = rows[:full].view(-1, bt, rows.shape[1])  # [n, BT, F]
+            self.pairs[bt] += int(blocks.sum())
+            self.unions[bt] += int(blocks.any(dim=1).sum())
+        self.carry[bt] = rows[full:]
+
+    def result(self) -> dict:
+        import torch
+
+        if not self.nnz:
+            return {"tokens": 0}
+        nnz = torch.cat(self.nnz).double()  # [N]
+        dead = int((self.neuron_hits == 0).sum())
+        return {
+            "tokens": nnz.numel(), "width": self.width,
+            "nnz_mean": float(nnz.mean()), "nnz_p99": float(torch.quantile(nnz, 0.99)), "nnz_max": int(nnz.max()),
+            "density": float(nnz.mean()) / self.width,
+            "dead": dead, "dead_frac": dead / self.width,
+            "tile_max": self.tile_max, "overflow_rate": self.overflow_tiles / max(self.tiles, 1),
+            "overflow_row_rate": self.overflow_rows / nnz.numel(),
+            "reuse": {str(bt): (self.pairs[bt] / self.unions[bt] if self.unions[bt] else None) for bt in REUSE_BLOCKS},
+        }
+
+
+def _summarise(layers: list[dict]) -> dict:
+    """Across layers: mean non-zeros per token, zeros %, dead %, worst tile, overflow, pooled reuse."""
+    layers = [l for l in layers if l.get("tokens")]
+    if not layers:
+        return {}
+    n = len(layers)
+    width = sum(l["width"] for l in layers)
+    return {
+        "nnz_mean": sum(l["nnz_mean"] for l in layers) / n,
+        "nnz_p99_max": max(l["nnz_p99"] for l in layers),
+        "nnz_max": max(l["nnz_max"] for l in layers),
+        "zeros": 1 - sum(l["nnz_mean"] for l in layers) / width,
+        "dead_frac": sum(l["dead"] for l in layers) / width,
+        "tile_max": max(l["tile_max"] for l in layers),
+        "overflow_rate": sum(l["overflow_rate"] for l in layers) / n,
+        "reuse": {bt: _mean_or_none([l["reuse"][bt] for l in layers]) for bt in map(str, REUSE_BLOCKS)},
+    }
+
+
+def _mean_or_none(values: list[float | None]) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
