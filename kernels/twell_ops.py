@@ -62,6 +62,11 @@ MAX_RETUNE = 8  # re-timings per (layer, M bucket)
 K1_VARIANT, COMPACT = split_variant(DEFAULT_VARIANT)
 MARGIN = 0.97  # twell must be at least 3% faster than dense at calibration (median paired ratio)
 GRAPH_TIMED_M = 256  # up to this M, also time both paths inside CUDA graphs (decode is CPU-bound eagerly)
+# Prefill (M > GRAPH_TIMED_M) runs twell only where the layer's density is at most this (99% zeros): in
+# every H200 prefill measurement below it twell lost to cuBLAS (r6c at M = 16384: 0.97x at 99% zeros,
+# 1.29-1.33x at 99.5%; eval/results/kernels-h200-r6/), and timing such a bucket costs up to ~125 ms per
+# layer while a timing at 95% zeros could still pick twell on noise (read 0.92x of dense in 2 of 48 cases).
+PREFILL_MAX_DENSITY = 0.01
 GRAPH_CALLS = 5  # calls per captured graph when timing graph replay
 CAL_LOOP_MS = 1.0  # one timed loop: back-to-back calls making ~1 ms (at most CAL_MAX_CALLS)
 CAL_MAX_CALLS = 64
@@ -244,11 +249,17 @@ def _graph_rounds(st: _LayerState, x2d, w_gate, w_up, w_down, w_down_t) -> dict[
 
 
 def _calibrate(st: _LayerState, x2d, w_gate, w_up, w_down, w_down_t) -> None:
-    """Set st.decision (and st.graph_decision for M <= GRAPH_TIMED_M) from paired timings.
+    """Set st.decision (and st.graph_decision for M <= GRAPH_TIMED_M) from paired timings; prefill
+    buckets denser than PREFILL_MAX_DENSITY go dense untimed.
 
     Both sides run twell_ffn(backend="auto") with this bucket's decision forced, i.e. exactly what a
     later call runs: dense = the fast path, twell = checks + dispatcher + W_down^T lookup + K1/K2 (+ a
     refresh whenever the call count reaches one). st.timing holds off re-timings meanwhile."""
+    if x2d.shape[0] > GRAPH_TIMED_M and st.density > PREFILL_MAX_DENSITY:  # measured sparsity decides
+        st.decision = st.graph_decision = "dense"
+        st.times = {"density": st.density, "rule": f"prefill density > {PREFILL_MAX_DENSITY}"}
+        st.density0 = st.density
+        return
     call = lambda: twell_ffn(x2d, w_gate, w_up, w_down, backend="auto", w_down_t=w_down_t)  # noqa: E731
 
     def force(decision: str):  # the graph decision too: a dense fast path then skips its capture query

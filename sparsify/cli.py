@@ -18,6 +18,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("sparsify.convert", "turn a SiLU-gated checkpoint (Hub id, folder, .gguf) into a ReLU model folder"),
     "finetune": ("sparsify.finetune", "continued pretraining with an L1 penalty until sparsity stabilises"),
     "eval": ("sparsify.evaluate", "accuracy, perplexity, sparsity and speed reports for one or more models"),
+    "synth": ("sparsify.synth", "a random-weight model folder of any config at a chosen sparsity (speed, not quality)"),
+    "bench": ("sparsify.bench", "end-to-end generation speed (time to first token, decode tokens/s), dense vs sparse"),
     "push": ("sparsify.push", "upload a model folder to the Hugging Face Hub with a model card"),
     "demo": ("sparsify.demo", "the whole pipeline offline on the embedded SmolLM2-135M"),
 }

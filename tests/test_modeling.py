@@ -11,9 +11,11 @@ from sparsify.convert import convert
 from .test_architectures import make_source
 
 
-@pytest.mark.parametrize("recorded, expected", [(None, "dense"), (0.90, "dense"), (0.985, "auto"),
-                                                ({"ffn_backend": "twell", "sparsity": 0.5}, "twell")])
-def test_default_backend_follows_recorded_sparsity(recorded, expected, tmp_path):
+@pytest.mark.parametrize("recorded, expected", [(None, "auto"), (0.90, "auto"), (0.985, "auto"),
+                                                ({"ffn_backend": "twell", "sparsity": 0.5}, "twell"),
+                                                ({"ffn_backend": "dense", "sparsity": 0.99}, "dense")])
+def test_default_backend_is_auto_unless_pinned(recorded, expected, tmp_path):
+    """The dispatcher decides per layer and regime from measured sparsity; a folder may pin a backend."""
     make_source("llama", tmp_path / "src")
     out = convert(tmp_path / "src", tmp_path / "out", progress=False)
     config = json.loads((out / "config.json").read_text())

@@ -15,7 +15,10 @@ expression, identical to the stock model's.
 
 from __future__ import annotations
 
+import functools
 import logging
+import weakref
+from collections import OrderedDict
 
 import torch
 import torch.nn as nn
@@ -32,12 +35,6 @@ except ImportError as e:  # an older folder without the kernel files: dense torc
 
 logger = logging.getLogger("sparsify")
 BACKENDS = ("auto", "twell", "dense")
-# Below this fraction of zeros in h the TwELL path lost to cuBLAS at every measured shape (H200,
-# eval/results/kernels-h200-r4.md: 95-98% zeros prefill 0.14-0.46x of dense), and the "auto" dispatcher's
-# own probing cost up to 40% of eager decode speed on SmolLM2-135M at 90% zeros
-# (eval/results/eval-smollm2-h200). So a model folder whose recorded sparsity is lower starts on "dense";
-# `config.sparsify.ffn_backend` or `model.set_ffn_backend(...)` overrides.
-AUTO_MIN_ZEROS = 0.98
 _announced: set[str] = set()
 
 
@@ -134,15 +131,288 @@ def set_ffn_backend(model: nn.Module, backend: str) -> None:
 
 
 def default_backend(config) -> str:
-    """The FFN backend a model starts with: `sparsify.ffn_backend` if the folder pins one, else "auto" when
-    its recorded sparsity (fraction of zeros in h) reaches AUTO_MIN_ZEROS, else "dense"."""
+    """The FFN backend a model starts with: `sparsify.ffn_backend` if the folder pins one, else "auto".
+
+    "auto" (the kernels' dispatcher) decides per layer, per power-of-two token-count bucket and per regime
+    (eager calls, calls captured in CUDA graphs) from that layer's measured density and paired timings,
+    so a folder at moderate sparsity decodes on TwELL under graphs where that wins and prefills dense."""
     info = getattr(config, "sparsify", None) or {}
     if info.get("ffn_backend") in BACKENDS:
         return info["ffn_backend"]
-    zeros = info.get("sparsity")
-    backend = "auto" if isinstance(zeros, (int, float)) and zeros >= AUTO_MIN_ZEROS else "dense"
-    _announce(f"default ffn_backend={backend}", f"recorded sparsity {zeros}; threshold {AUTO_MIN_ZEROS}")
-    return backend
+    return "auto"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Fast decode: static KV cache + the decode step replayed from a CUDA graph.
+#
+# Eager decode is bound by the host: a 16-30 layer model launches hundreds of kernels per token, each a few
+# microseconds of Python and driver time, which is longer than the GPU needs to read the weights. So on
+# CUDA `generate()` defaults to transformers' static cache (fixed-shape key/value tensors) and the model's
+# forward, when called for one new token per sequence on such a cache, is captured once into a CUDA graph
+# and replayed for every later token. The generate loop itself (sampling, stopping criteria, masks) stays
+# transformers' own, so every generation option keeps working. Prefill (many tokens) runs eagerly, through
+# the FFN dispatcher. We capture the forward ourselves rather than use transformers' automatic
+# torch.compile of static-cache decoding: capture takes well under a second where compiling a model takes
+# tens of seconds to minutes per shape, and the FFN dispatcher times its graph-replay decision in an eager
+# warm-up step right before the capture. `enable_fast_decode(model)` gives any transformers causal LM
+# (the dense original too) the same regime, so comparisons are like for like.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _static_layers_only(cache) -> bool:
+    """A cache whose every layer is a plain StaticLayer: fixed tensors and no rolling window, so a replayed
+    step writes where the eager step would."""
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and getattr(cache, "is_compileable", False) and all(
+        type(layer).__name__ == "StaticLayer" for layer in layers)
+
+
+def _signature(value):
+    """Hashable description of one forward argument: tensors by shape/dtype/device, plain values as they
+    are, dicts item by item. Raises TypeError for anything a graph cannot take as a replaceable input."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype, value.device)
+    if isinstance(value, dict):
+        return ("dict", tuple((k, _signature(v)) for k, v in sorted(value.items())))
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(type(value).__name__)
+
+
+def _clone_inputs(value):
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: _clone_inputs(v) for k, v in value.items()}
+    return value
+
+
+def _copy_inputs(dst, src) -> None:
+    if isinstance(dst, torch.Tensor):
+        dst.copy_(src)
+    elif isinstance(dst, dict):
+        for k, v in dst.items():
+            _copy_inputs(v, src[k])
+
+
+def _cache_counters(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(tensor, saved copy) of each cache layer's small bookkeeping tensors (e.g. cumulative_length), so
+    the warm-up run before a capture can be undone: it must not count as a step."""
+    saved = []
+    for layer in cache.layers:
+        for name, t in vars(layer).items():
+            if isinstance(t, torch.Tensor) and name not in ("keys", "values"):
+                saved.append((t, t.clone()))
+    return saved
+
+
+class _Graph:
+    __slots__ = ("cache", "graph", "inputs", "output", "failed")
+
+    def __init__(self, cache):
+        try:
+            self.cache = weakref.ref(cache)
+        except TypeError:  # a cache class without weak references: hold it (freed with the entry)
+            self.cache = lambda c=cache: c
+        self.graph = self.inputs = self.output = None
+        self.failed = False
+
+
+class _EagerReplay:
+    """cpu_emulation's stand-in for a CUDA graph: replay() runs the forward on the captured inputs."""
+
+    def __init__(self, forward, inputs):
+        self.forward, self.inputs, self.output = forward, inputs, None
+
+    def replay(self) -> None:
+        self.output = self.forward(**self.inputs)
+
+
+class FastDecode:
+    """Replays a model's decode step from CUDA graphs: one graph per (static cache, input shapes), made
+    on the second decode step (the first runs eagerly and warms kernels, autotuners and the FFN
+    dispatcher's graph-replay timing), replayed from the third on. At most MAX_GRAPHS are kept.
+
+    `enabled` switches it off; `replays` / `captures` count what it did (tests and benchmarks read them).
+    `cpu_emulation` (tests) runs the same flow on CPU tensors, a "replay" then being a forward call on the
+    captured input buffers: the capture/replay bookkeeping is checked without a GPU.
+    """
+
+    MAX_GRAPHS = 4
+
+    def __init__(self, forward):
+        self.forward = forward  # the model's own forward, bound
+        self.enabled = True
+        self.cpu_emulation = False
+        self.cache = None  # the static cache generate() reuses (see _reused_cache) and its (batch, length)
+        self.cache_key = None
+        self.replays = 0
+        self.captures = 0
+        self._graphs: OrderedDict = OrderedDict()
+        self._pool = None
+
+    def cache_of(self, args, kwargs):
+        """The static cache this call decodes on, or None if the call is not a graphable decode step."""
+        if not self.enabled or args or torch.is_grad_enabled():
+            return None
+        ids = kwargs.get("input_ids")
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1:
+            return None
+        if not ids.is_cuda and not (self.cpu_emulation and ids.device.type == "cpu"):
+            return None
+        if kwargs.get("inputs_embeds") is not None or kwargs.get("labels") is not None:
+            return None
+        if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
+            return None
+        if torch.compiler.is_compiling() or (ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return None
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        return cache if cache is not None and _static_layers_only(cache) else None
+
+    def __call__(self, cache, kwargs):
+        try:
+            key = (id(cache), _signature({k: v for k, v in kwargs.items() if v is not cache}))
+        except TypeError:
+            return self.forward(**kwargs)
+        entry = self._graphs.get(key)
+        if entry is None or entry.cache() is not cache:  # first decode step on this cache: eager warm-up
+            for dead in [k for k, e in self._graphs.items() if e.cache() is None]:  # their caches are gone
+                del self._graphs[dead]
+            self._graphs[key] = _Graph(cache)
+            while len(self._graphs) > self.MAX_GRAPHS:
+                self._graphs.popitem(last=False)
+            return self.forward(**kwargs)
+        self._graphs.move_to_end(key)
+        if entry.failed:
+            return self.forward(**kwargs)
+        if entry.graph is None:
+            try:
+                self._capture(entry, cache, kwargs)
+            except Exception as e:  # noqa: BLE001 - anything a model does that a graph cannot hold
+                entry.failed = True
+                entry.graph = entry.inputs = entry.output = None
+                logger.warning("sparsify: decode step not capturable in a CUDA graph (%s: %s); it runs eagerly",
+                               type(e).__name__, e)
+                return self.forward(**kwargs)
+        else:
+            _copy_inputs(entry.inputs, kwargs)
+        entry.graph.replay()
+        self.replays += 1
+        out = entry.output.output if isinstance(entry.output, _EagerReplay) else entry.output
+        result = type(out)(**{k: v for k, v in out.items()})
+        result["logits"] = out.logits.clone()  # the graph overwrites its own buffer at the next replay
+        return result
+
+    def _capture(self, entry: _Graph, cache, kwargs) -> None:
+        inputs = {k: (v if v is cache else _clone_inputs(v)) for k, v in kwargs.items()}
+        counters = _cache_counters(cache)
+        if inputs["input_ids"].is_cuda:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # one run on a side stream before capturing (cuBLAS workspaces)
+                self.forward(**inputs)
+            torch.cuda.current_stream().wait_stream(stream)
+        else:
+            self.forward(**inputs)
+        for t, saved in counters:
+            t.copy_(saved)
+        if inputs["input_ids"].is_cuda:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                output = self.forward(**inputs)
+            self._pool = graph.pool()
+        else:  # cpu_emulation
+            graph = output = _EagerReplay(self.forward, inputs)
+        entry.graph, entry.inputs, entry.output = graph, inputs, output
+        self.captures += 1
+
+
+def _no_sliding_window(config) -> bool:
+    """True when every attention layer is full attention (a static cache then has only StaticLayers)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    types = getattr(text, "layer_types", None)
+    if types:
+        return all(t == "full_attention" for t in types)
+    return getattr(text, "sliding_window", None) in (None, 0) or not getattr(text, "use_sliding_window", True)
+
+
+CACHE_ROUND = 256  # reused static caches are sized up to a multiple of this many positions
+
+
+def _cache_kwarg(model) -> str:
+    """The name generate() and forward() give the KV cache: `cache` (transformers >= 5.2x) or the older
+    `past_key_values`."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+
+
+def _reused_cache(model, fast: "FastDecode", args: tuple, kwargs: dict):
+    """A StaticCache for this call, reset and reused across generate() calls of the same batch size and
+    length class, so the decode graphs captured on it are replayed again instead of captured anew. None
+    when the prompt or the token budget cannot be read off the call (generate then makes its own)."""
+    from transformers import StaticCache
+
+    ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    config = kwargs.get("generation_config") or model.generation_config
+    new = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or new is None:
+        return None
+    need = ids.shape[1] + int(new)
+    length = -(-need // CACHE_ROUND) * CACHE_ROUND
+    key = (ids.shape[0], length)
+    if fast.cache_key != key:
+        fast.cache = None  # one reused cache at a time (its memory is the KV of every position)
+        try:
+            fast.cache = StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=length)
+        except TypeError:  # another StaticCache signature: let generate make its own
+            return None
+        fast.cache_key = key
+    else:
+        fast.cache.reset()
+    return fast.cache
+
+
+def _fast_generate_kwargs(model, args: tuple, kwargs: dict) -> dict:
+    """generate() kwargs with a static cache as the default on CUDA (unless the caller chose a cache)."""
+    fast = model.__dict__.get("_fast_decode")
+    on_device = model.device.type == "cuda" or (fast is not None and fast.cpu_emulation)
+    if fast is None or not fast.enabled or not on_device or not _no_sliding_window(model.config):
+        return kwargs
+    chosen = kwargs.get("generation_config") or model.generation_config
+    if any(k in kwargs for k in ("cache_implementation", "cache", "past_key_values")) or getattr(
+            chosen, "cache_implementation", None) is not None or kwargs.get("use_cache") is False:
+        return kwargs
+    # disable_compile: our graphs replace transformers' automatic torch.compile of static-cache decoding
+    cache = _reused_cache(model, fast, args, kwargs)
+    if cache is None:
+        return {**kwargs, "cache_implementation": "static", "disable_compile": True}
+    return {**kwargs, _cache_kwarg(model): cache, "disable_compile": True}
+
+
+def enable_fast_decode(model, enabled: bool = True) -> "FastDecode":
+    """Give a loaded causal LM (a sparsify model, or any transformers one, e.g. the dense original) the fast
+    decode regime: generate() on CUDA defaults to a static cache and replays decode steps from CUDA graphs.
+    Returns the FastDecode object (`.enabled`, `.replays`, `.captures`). Sparsify models have it from load."""
+    fast = model.__dict__.get("_fast_decode")
+    if fast is None:
+        forward, generate = model.forward, model.generate  # bound methods of the class
+
+        @functools.wraps(forward)
+        def fast_forward(*args, **kwargs):
+            cache = fast.cache_of(args, kwargs)
+            return forward(*args, **kwargs) if cache is None else fast(cache, kwargs)
+
+        @functools.wraps(generate)
+        def fast_generate(*args, **kwargs):
+            return generate(*args, **_fast_generate_kwargs(model, args, kwargs))
+
+        fast = FastDecode(forward)
+        model.__dict__["_fast_decode"] = fast
+        model.__dict__["forward"] = fast_forward
+        model.__dict__["generate"] = fast_generate
+    fast.enabled = enabled
+    return fast
 
 
 _classes: dict[str, type] = {}
@@ -155,10 +425,12 @@ def _sparse_class(base_name: str) -> type:
         base.__init__(self, config, *args, **kwargs)
         sparsify_mlps(self)
         set_ffn_backend(self, default_backend(config))
+        info = getattr(config, "sparsify", None) or {}
+        enable_fast_decode(self, enabled=info.get("fast_decode", True) is not False)
 
     cls = type(f"Sparse{base_name}", (base,), {
         "__init__": __init__, "__module__": __name__, "__doc__": f"{base_name} with SparseMLP FFNs.",
-        "set_ffn_backend": set_ffn_backend,
+        "set_ffn_backend": set_ffn_backend, "enable_fast_decode": enable_fast_decode,
     })
     return cls
 
