@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -29,9 +30,11 @@ from typing import Any
 from .accuracy import PAPER_TASKS, TaskSpec, accuracy, check_tasks, resolve_tasks
 from .convert import is_hub_id, load_gguf
 from .errors import SparsifyError
+from .folder import MODELING_FILE
 from .perplexity import check_texts, model_window, texts_section
 from .speed import SpeedGrid, speed_section, speed_tokens
 
+logger = logging.getLogger("sparsify")
 # Weights dtype names, as `sparsify convert --dtype` accepts them -> torch dtype attribute.
 DTYPES = {"auto": None, "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
           "fp32": "float32", "float32": "float32"}
@@ -45,6 +48,7 @@ class ModelSpec:
     name: str
     source: str  # local model folder, Hub id, or .gguf file
     gguf_file: str | None = None  # file name inside `source` when loading a .gguf
+    code: str | None = None  # which modeling code load_model used: installed, stock or remote
 
 
 def parse_models(models: list[str | Path]) -> list[ModelSpec]:
@@ -112,37 +116,112 @@ def torch_dtype(dtype: str, device: str) -> Any:
     return getattr(torch, DTYPES[dtype])
 
 
-def is_sparsify_folder(spec: ModelSpec) -> bool:
-    """A local folder written by sparsify: config.json with a `sparsify` section and auto_map pointing
-    at our flat modeling_sparsify.py. Only such folders run their modeling code without --trust-remote-code."""
-    config = Path(spec.source) / "config.json"
-    if spec.gguf_file or not config.is_file():
-        return False
+def read_config(spec: ModelSpec) -> dict | None:
+    """The model's config.json as a dict (a local folder's, or a Hub repo's: that file only, no code runs);
+    None for a .gguf file or when it cannot be read (loading then reports why)."""
+    if spec.gguf_file:
+        return None
+    local = Path(spec.source) / "config.json"
     try:
-        cfg = json.loads(config.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    if not isinstance(cfg, dict):
-        return False
+        if local.is_file():
+            cfg = json.loads(local.read_text(encoding="utf-8"))
+        else:
+            from transformers import PretrainedConfig
+
+            cfg, _ = PretrainedConfig.get_config_dict(spec.source)
+    except Exception:  # unreadable, not JSON, Hub unreachable: from_pretrained says it better
+        return None
+    return cfg if isinstance(cfg, dict) else None
+
+
+def is_sparsify_config(cfg: dict | None) -> bool:
+    """Written by sparsify: a `sparsify` section and auto_map pointing only at modeling_sparsify. Anyone can
+    write these keys, so they only choose the toolkit's own installed classes, never code from the folder."""
+    cfg = cfg or {}
     auto_map = cfg.get("auto_map")
     return (isinstance(cfg.get("sparsify"), dict) and isinstance(auto_map, dict) and bool(auto_map)
-            and all(str(v).split("--")[-1].startswith("modeling_sparsify.") for v in auto_map.values()))
+            and all(str(v).split("--")[-1].startswith(MODELING_FILE[:-3] + ".") for v in auto_map.values()))
+
+
+def modeling_code(spec: ModelSpec, cfg: dict | None, trust_remote_code: bool) -> str:
+    """Which code builds the model: "installed" (a sparsify folder: sparsify's own modeling_sparsify.py and
+    kernels as installed with the toolkit, never the folder's copies), "stock" (transformers' built-in class
+    for the model_type) or "remote" (the model's own Python files, only with --trust-remote-code).
+
+    A model that ships its own code (auto_map) but whose model_type transformers knows loads stock, and a
+    warning says the shipped code was not run; one that cannot load without its own code is refused."""
+    if spec.gguf_file:
+        return "stock"
+    if is_sparsify_config(cfg):
+        return "installed"
+    auto_map = (cfg or {}).get("auto_map")
+    if trust_remote_code:
+        return "remote" if auto_map or cfg is None else "stock"
+    if not auto_map:
+        return "stock"
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    target = auto_map.get("AutoModelForCausalLM", next(iter(auto_map.values()))) if isinstance(auto_map, dict) else auto_map
+    model_type = cfg.get("model_type")
+    if model_type in CONFIG_MAPPING:
+        logger.warning("sparsify eval: model %s (%s) ships its own modeling code (config.json auto_map -> %s), "
+                       "which was not run; it loads as transformers' built-in %r model. Pass --trust-remote-code "
+                       "to run the shipped code instead (only for code you have read or trust).",
+                       spec.name, spec.source, target, model_type)
+        return "stock"
+    raise SparsifyError(
+        f"model {spec.name} ({spec.source}) needs its own Python code to load (config.json auto_map -> {target}; "
+        f"transformers has no built-in class for model_type {model_type!r}), and sparsify eval does not run code "
+        "that comes with a model unless you pass --trust-remote-code (only for models whose code you have read "
+        "or trust). A folder written by sparsify needs no flag: it loads with the modeling code installed "
+        "with sparsify, not with the folder's copy.")
+
+
+def installed_modeling() -> Any:
+    """sparsify's own modeling_sparsify.py, imported the way a model folder holds it, beside the kernel files:
+    here the installed sparsify.kernels package, so its `from .twell_ops import ...` finds the toolkit's own
+    kernels. Nothing from a model folder is imported."""
+    import importlib.util
+    import sys
+
+    name = f"sparsify.kernels.{MODELING_FILE[:-3]}"
+    if name not in sys.modules:
+        import sparsify.kernels  # noqa: F401  the package the module's relative imports resolve in
+
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / "modeling" / MODELING_FILE)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return sys.modules[name]
 
 
 def load_model(spec: ModelSpec, device: str, dtype: str, trust_remote_code: bool = False) -> tuple[Any, Any]:
-    """Load model + tokenizer. Modeling code shipped with the model runs only for sparsify folders (our own
-    modeling_sparsify.py) or when the user asked for it (`trust_remote_code`); others load stock."""
+    """Load model + tokenizer. A sparsify folder (or Hub repo) gets sparsify's installed modeling classes;
+    a model's own code runs only with `trust_remote_code`; everything else loads as stock transformers.
+    Records the choice in `spec.code` (see modeling_code)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dt = torch_dtype(dtype, device)
-    trust = trust_remote_code or is_sparsify_folder(spec)
     where = str(Path(spec.source) / spec.gguf_file) if spec.gguf_file else spec.source
+    cfg = read_config(spec)
+    spec.code = modeling_code(spec, cfg, trust_remote_code)  # refuses before anything is loaded
+    remote = spec.code == "remote"
     try:
         if spec.gguf_file:  # dequantised like `sparsify convert` does it, same errors
             model, tok = load_gguf(Path(spec.source) / spec.gguf_file, str(dt).removeprefix("torch."))
+        elif spec.code == "installed":
+            from .architectures import family_for
+
+            tok = AutoTokenizer.from_pretrained(spec.source, trust_remote_code=False)
+            cls = getattr(installed_modeling(), f"Sparse{family_for(cfg).causal_lm}")
+            model = cls.from_pretrained(spec.source, dtype=dt)
         else:
-            tok = AutoTokenizer.from_pretrained(spec.source, trust_remote_code=trust)
-            model = AutoModelForCausalLM.from_pretrained(spec.source, trust_remote_code=trust, dtype=dt)
+            tok = AutoTokenizer.from_pretrained(spec.source, trust_remote_code=remote)
+            model = AutoModelForCausalLM.from_pretrained(spec.source, trust_remote_code=remote, dtype=dt)
     except SparsifyError as e:
         raise SparsifyError(f"model {spec.name} ({where}) could not be loaded: {e}") from None
     except Exception as e:  # corrupt .gguf (struct.error), config without tokenizer (ValueError), no Hub (OSError)...
@@ -197,7 +276,7 @@ def model_info(model: Any, spec: ModelSpec) -> dict:
     return {
         "name": spec.name, "source": spec.source + (f"/{spec.gguf_file}" if spec.gguf_file else ""),
         "path": str(Path(spec.source).resolve()) if Path(spec.source).exists() else None,
-        "class": type(model).__name__, "model_type": getattr(cfg, "model_type", None),
+        "class": type(model).__name__, "modeling_code": spec.code, "model_type": getattr(cfg, "model_type", None),
         "activation": getattr(cfg, "hidden_act", None) or getattr(cfg, "hidden_activation", None),
         "layers": getattr(cfg, "num_hidden_layers", None), "hidden_size": getattr(cfg, "hidden_size", None),
         "intermediate_size": getattr(cfg, "intermediate_size", None),
@@ -221,7 +300,7 @@ class EvalSettings:
     text_tokens: int | None = 16384
     device: str | None = None
     dtype: str = "auto"
-    trust_remote_code: bool = False  # run modeling code of models other than sparsify folders
+    trust_remote_code: bool = False  # run the modeling code a model ships (sparsify folders never need it)
     grid: SpeedGrid = field(default_factory=SpeedGrid)
 
 
@@ -240,7 +319,8 @@ def evaluate(models: list[str | Path], *, tasks: list[str] | None = None, texts:
         out: output folder; files are replaced atomically.
         **options: EvalSettings fields (batch_size, window, text_tokens, device, dtype, trust_remote_code,
             grid). dtype: auto, bf16/bfloat16, fp16/float16 or fp32/float32. trust_remote_code: run the
-            modeling code of Hub ids and folders other than sparsify's own (sparsify folders always run theirs).
+            modeling code a Hub model or folder ships; without it such code never runs (sparsify folders
+            load with sparsify's installed modeling code either way, never the folder's copy).
     Returns:
         The report dict (what report.json holds).
     """
@@ -340,9 +420,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=list(DTYPES),
                         help="weights dtype (auto: bfloat16 on CUDA, float32 on CPU)")
     parser.add_argument("--trust-remote-code", action="store_true",
-                        help="run the modeling code that a Hub model or a non-sparsify folder ships (only for "
-                             "models you trust); folders written by sparsify always run their own "
-                             "modeling_sparsify.py, other models load as stock transformers classes")
+                        help="run the Python modeling code a Hub model or folder ships (only for models you "
+                             "trust). Without it that code never runs: folders written by sparsify load with the "
+                             "modeling code installed with sparsify (never the folder's copy), models transformers "
+                             "knows load as its built-in classes, others are refused")
     parser.add_argument("--speed-batches", type=_ints, default=SpeedGrid.batches, help="prefill batch sizes, e.g. 1,8,32")
     parser.add_argument("--speed-seqs", type=_ints, default=SpeedGrid.seqs, help="prefill sequence lengths, e.g. 512,2048")
     parser.add_argument("--decode-batches", type=_ints, default=SpeedGrid.decode_batches, help="decode batch sizes")

@@ -209,36 +209,102 @@ def test_corrupt_gguf_and_tokenizerless_folder_are_clear_errors(tmp_path, capsys
     assert "model b (" in err and "could not be loaded" in err and "tokenizer files" in err and "Traceback" not in err
 
 
-def test_remote_code_runs_only_for_sparsify_folders_or_when_asked(tmp_path, tiny_sparse_folder, monkeypatch):
-    import transformers
+# ------------------------------------------------------------------------ whose code runs (security)
+PLANTED = "from pathlib import Path\nPath({marker!r}).write_text('planted code ran')\n"
 
-    seen = []
 
-    def fake(cls, source, trust_remote_code, **kw):
-        seen.append((cls, trust_remote_code))
-        raise RuntimeError("stop here")
+def _plant(folder: Path, names: list[str], marker: Path) -> None:
+    """Python files in a model folder that, imported, write `marker` (what a malicious folder would do)."""
+    for name in names:
+        (folder / name).write_text(PLANTED.format(marker=str(marker)))
 
-    for cls in ("AutoTokenizer", "AutoModelForCausalLM"):
-        monkeypatch.setattr(getattr(transformers, cls), "from_pretrained",
-                            classmethod(lambda c, src, trust_remote_code=None, **kw: fake(c.__name__, src, trust_remote_code, **kw)))
+
+def test_sparsify_folder_loads_installed_code_never_the_folders_copy(tmp_path, tiny_sparse_folder):
+    """Anyone can write a `sparsify` section and an auto_map to modeling_sparsify into config.json: those
+    keys select sparsify's own installed classes, and the folder's Python files never run."""
+    import shutil
+    import sys
+
+    folder = tmp_path / "downloaded"
+    shutil.copytree(tiny_sparse_folder, folder)
+    marker = tmp_path / "marker"
+    _plant(folder, [p.name for p in folder.glob("*.py")], marker)
+    assert {"modeling_sparsify.py", "twell_ops.py"} <= {p.name for p in folder.glob("*.py")}
+    for trust in (False, True):  # --trust-remote-code does not make a sparsify folder run its own copy
+        spec = ev.ModelSpec("d", str(folder))
+        model, tok = ev.load_model(spec, "cpu", "auto", trust_remote_code=trust)
+        assert not marker.exists() and spec.code == "installed"
+        module = sys.modules[type(model).__module__]
+        assert type(model).__name__ == "SparseLlamaForCausalLM"
+        assert Path(module.__file__).resolve() == (REPO / "sparsify" / "modeling" / "modeling_sparsify.py").resolve()
+        assert module.twell_ffn is sys.modules["sparsify.kernels.twell_ops"].twell_ffn  # the installed kernels
+        assert len(sp.set_ffn_backend(model, "auto")) == 2  # SparseMLPs: the TwELL path is there
+    row = ev.model_info(model, spec)
+    assert row["modeling_code"] == "installed" and row["twell_capable"]
+
+
+def test_other_remote_code_is_refused_without_the_flag(tmp_path, tiny_folders, capsys, monkeypatch):
+    """A folder whose model needs its own Python (unknown model_type + auto_map) is refused with the reason;
+    the same folder with --trust-remote-code does run it (so the refusal is what kept the marker away)."""
+    import shutil
+
+    import transformers.dynamic_module_utils as dyn
+
+    folder = tmp_path / "custom"
+    shutil.copytree(tiny_folders[0], folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(model_type="planted_lm", auto_map={"AutoConfig": "modeling_planted.PlantedConfig",
+                                                  "AutoModelForCausalLM": "modeling_planted.PlantedForCausalLM"})
+    (folder / "config.json").write_text(json.dumps(cfg))
+    marker = tmp_path / "marker"
+    _plant(folder, ["modeling_planted.py"], marker)
+    assert cli.main(["eval", f"c={folder}", "--tasks", "none", "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "model c (" in err and "needs its own Python code" in err and "modeling_planted.PlantedForCausalLM" in err
+    assert "--trust-remote-code" in err and "Traceback" not in err
+    assert not marker.exists() and not (tmp_path / "r").exists()
+    monkeypatch.setattr(dyn, "HF_MODULES_CACHE", str(tmp_path / "hf_modules"))  # keep the copy out of ~/.cache
+    with pytest.raises(SparsifyError):  # the planted module defines no model: loading fails after it ran
+        ev.load_model(ev.ModelSpec("c", str(folder)), "cpu", "auto", trust_remote_code=True)
+    assert marker.read_text() == "planted code ran"
+
+
+def test_known_family_with_its_own_code_loads_stock_and_says_so(tmp_path, tiny_folders, caplog):
+    """Like Phi-3 on the Hub: auto_map to shipped code, but transformers has the class built in. The shipped
+    code is not run; the model loads as the built-in class and a warning says so."""
+    import shutil
+
+    folder = tmp_path / "llama-with-code"
+    shutil.copytree(tiny_folders[0], folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_planted.PlantedForCausalLM"}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    marker = tmp_path / "marker"
+    _plant(folder, ["modeling_planted.py"], marker)
+    spec = ev.ModelSpec("l", str(folder))
+    with caplog.at_level("WARNING", logger="sparsify"):
+        model, _ = ev.load_model(spec, "cpu", "auto")
+    assert type(model).__name__ == "LlamaForCausalLM" and spec.code == "stock" and not marker.exists()
+    assert "modeling_planted.PlantedForCausalLM" in caplog.text and "was not run" in caplog.text
+
+
+def test_modeling_code_decisions():
+    sparse = {"model_type": "llama", "sparsify": {"version": "0.1.0"},
+              "auto_map": {"AutoModelForCausalLM": "modeling_sparsify.SparseLlamaForCausalLM"}}
     hub = ev.ModelSpec("h", "someone/model")
-    with pytest.raises(SparsifyError, match="stop here.*--trust-remote-code"):
-        ev.load_model(hub, "cpu", "auto")
-    assert seen == [("AutoTokenizer", False)]
-    with pytest.raises(SparsifyError):
-        ev.load_model(hub, "cpu", "auto", trust_remote_code=True)
-    assert seen[-1] == ("AutoTokenizer", True)
-    assert ev.is_sparsify_folder(ev.ModelSpec("s", str(tiny_sparse_folder)))
-    # remote code that is not ours (auto_map elsewhere), or ours without the sparsify section: not trusted
-    cfg = json.loads((tiny_sparse_folder / "config.json").read_text())
-    for name, change in (("other", {"auto_map": {"AutoModelForCausalLM": "evil.Model"}}), ("nosec", {"sparsify": None})):
-        folder = tmp_path / name
-        folder.mkdir()
-        (folder / "config.json").write_text(json.dumps({**cfg, **change}))
-        assert not ev.is_sparsify_folder(ev.ModelSpec(name, str(folder)))
-        with pytest.raises(SparsifyError):
-            ev.load_model(ev.ModelSpec(name, str(folder)), "cpu", "auto")
-        assert seen[-1] == ("AutoTokenizer", False)
+    assert ev.modeling_code(hub, sparse, False) == ev.modeling_code(hub, sparse, True) == "installed"
+    assert ev.modeling_code(hub, {"model_type": "llama"}, False) == "stock"
+    assert ev.modeling_code(hub, {"model_type": "llama"}, True) == "stock"  # nothing of its own to run
+    assert ev.modeling_code(hub, None, False) == "stock"  # config unreadable: transformers refuses custom code
+    assert ev.modeling_code(hub, None, True) == "remote"
+    # the sparsify section alone, or an auto_map elsewhere, is not sparsify's: refused (unknown type) or stock
+    for cfg in ({**sparse, "sparsify": None}, {**sparse, "auto_map": {"AutoModelForCausalLM": "evil.Model"}}):
+        assert not ev.is_sparsify_config(cfg)
+        assert ev.modeling_code(hub, cfg, False) == "stock"
+        with pytest.raises(SparsifyError, match="--trust-remote-code"):
+            ev.modeling_code(hub, {**cfg, "model_type": "evil"}, False)
+        assert ev.modeling_code(hub, {**cfg, "model_type": "evil"}, True) == "remote"
+    assert ev.modeling_code(ev.ModelSpec("g", "dir", gguf_file="m.gguf"), None, True) == "stock"
 
 
 def test_dtype_aliases_and_unknown_dtype():
