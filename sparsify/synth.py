@@ -53,6 +53,17 @@ def load_config(src: str | Path) -> tuple[dict[str, Any], Path | None, str]:
                             "config.json elsewhere and pass the file.") from e
 
 
+def synthetic_tokenizer(vocab: int) -> Any:
+    """A tokenizer for a random model: token i is the word `<i>` (whitespace-separated), so the folder loads
+    like any other with AutoTokenizer; real text maps to <0> (unknown)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(vocab)}, unk_token="<0>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<0>", pad_token="<0>")
+
+
 def neuron_rates(f: int, zeros: float, skew: float, generator) -> Any:
     """Per-neuron firing probabilities p [F]: log-normal(0, skew) shape, clipped to [0, 1], mean 1 - zeros."""
     import torch
@@ -178,6 +189,10 @@ def synth(config: str | Path, out: str | Path, *, zeros: float = 0.9, layers: in
         raise SparsifyError(f"--dtype {dtype!r} is not one of {sorted(DTYPES)}.")
     if layers is not None and layers < 1:
         raise SparsifyError(f"--layers {layers} must be at least 1.")
+    if not progress:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     raw, folder, name = load_config(config)
     family = family_for(raw)
     source_act = activation_of(raw)
@@ -208,13 +223,15 @@ def synth(config: str | Path, out: str | Path, *, zeros: float = 0.9, layers: in
     measured = measure_zeros(model, check)
     record = {"zeros_requested": zeros, "zeros_per_layer": [round(z, 4) for z in measured], "skew": skew,
               "seed": seed, "dtype": dtype, "note": "random weights: for measuring speed, not quality"}
-    extra = {}
+    extra, tokenizer = {}, None
     if folder is not None:
         extra = {f: (folder / f).read_bytes() for f in TOKENIZER_FILES if (folder / f).is_file()}
+    if not extra:
+        tokenizer = synthetic_tokenizer(vocab)
     model.config.sparsify = {"sparsity": sum(measured) / len(measured), "synthetic": record}
     provenance = {"source": f"synthetic ({name})", "activation": "relu", "source_activation": source_act,
                   "synthetic": record, "sparsity": sum(measured) / len(measured)}
-    save_model_folder(model, None, out, provenance=provenance, overwrite=overwrite, extra_files=extra)
+    save_model_folder(model, tokenizer, out, provenance=provenance, overwrite=overwrite, extra_files=extra)
     if progress:
         per = ", ".join(f"{z:.3f}" for z in measured)
         print(f"synth: wrote {out}: zeros per layer {per} (requested {zeros}); random weights: speed, not quality.")

@@ -36,3 +36,32 @@ def test_remote_code_runs_twell_kernels_on_cuda(model_type, tmp_path):
     model.train()
     model(ids).logits.sum().backward()
     assert {m.last_path for m in mlp_modules(model)} == {"torch"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["dense", "twell", "auto"])
+def test_fast_decode_graphs_match_eager_on_cuda(backend, tmp_path):
+    """generate() on CUDA: static cache + CUDA-graph decode gives the eager dynamic-cache tokens (fp32)."""
+    import json
+
+    from sparsify.synth import synth
+
+    from .test_synth import TINY
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    synth(tmp_path / "config.json", tmp_path / "m", zeros=0.9, dtype="fp32", device="cuda", progress=False)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "m", trust_remote_code=True, dtype=torch.float32).cuda().eval()
+    ids = torch.randint(0, TINY["vocab_size"], (3, 9), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    fast = model._fast_decode
+    model.set_ffn_backend("dense")
+    fast.enabled = False
+    eager = model.generate(ids, max_new_tokens=64, do_sample=False)
+    fast.enabled = True
+    model.set_ffn_backend(backend)
+    got = model.generate(ids, max_new_tokens=64, do_sample=False)
+    assert fast.captures == 1 and fast.replays == 62
+    assert torch.equal(eager, got)
+    again = model.generate(ids, max_new_tokens=64, do_sample=False)  # the reused cache replays the same graph
+    assert fast.captures == 1 and torch.equal(eager, again)
+    if backend != "dense":
+        assert {m.last_path for m in mlp_modules(model)} <= {"twell_ffn:twell", "twell_ffn:dense"}

@@ -36,3 +36,19 @@ def test_real_gguf_stock_and_remote_logits_agree(smol):
     uncached = remote.generate(prompt, max_new_tokens=12, do_sample=False, use_cache=False)
     assert cached.shape[1] == prompt.shape[1] + 12
     assert torch.equal(cached, uncached)
+
+
+@pytest.mark.slow
+def test_real_gguf_fast_decode_matches_eager_dense_for_64_tokens(smol):
+    """The fast decode path (static cache, captured decode step; replayed on CPU by cpu_emulation) gives the
+    stock eager model's greedy tokens, token for token, in fp32."""
+    tok = AutoTokenizer.from_pretrained(smol)
+    prompt = tok("Lists in Python are", return_tensors="pt").input_ids
+    stock = AutoModelForCausalLM.from_pretrained(smol, dtype=torch.float32).eval()
+    eager = stock.generate(prompt, max_new_tokens=64, do_sample=False)
+    del stock
+    remote = AutoModelForCausalLM.from_pretrained(smol, trust_remote_code=True, dtype=torch.float32).eval()
+    remote._fast_decode.cpu_emulation = True
+    fast = remote.generate(prompt, max_new_tokens=64, do_sample=False)
+    assert remote._fast_decode.replays == 62
+    assert torch.equal(eager, fast)

@@ -1,0 +1,80 @@
+"""Fast decode (static cache + decode steps replayed from graphs) and the dispatcher's regime rules, on CPU.
+
+CUDA graphs need a GPU; `cpu_emulation` runs the same capture/replay bookkeeping on CPU tensors (a replay is
+then a forward call on the captured input buffers), so what can go wrong outside the graph itself is tested
+here: static-cache equivalence, input buffers, undoing the warm-up step, graph reuse across calls.
+"""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from sparsify.kernels import twell_ops
+from sparsify.synth import synth
+
+from .test_synth import TINY
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fast")
+    (root / "config.json").write_text(json.dumps(TINY))
+    synth(root / "config.json", root / "model", zeros=0.9, dtype="fp32", progress=False)
+    return AutoModelForCausalLM.from_pretrained(root / "model", trust_remote_code=True, dtype=torch.float32).eval()
+
+
+def test_fast_decode_equals_eager_dynamic_cache_and_reuses_its_graph(tiny):
+    ids = torch.randint(0, TINY["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(1))
+    fast = tiny._fast_decode
+    fast.cpu_emulation = False  # plain CPU: transformers' default dynamic cache, eager
+    ref = tiny.generate(ids, max_new_tokens=24, do_sample=False)
+    fast.cpu_emulation = True
+    try:
+        got = tiny.generate(ids, max_new_tokens=24, do_sample=False)
+        assert fast.captures == 1 and fast.replays == 22  # step 1 prefill, step 2 eager warm-up, then replays
+        again = tiny.generate(ids, max_new_tokens=24, do_sample=False)  # same cache reused: no new capture
+        assert fast.captures == 1 and fast.replays == 22 + 23
+        other = tiny.generate(ids[:1], max_new_tokens=24, do_sample=False)  # another batch: another cache
+        assert fast.captures == 2
+        sampled = tiny.generate(ids, max_new_tokens=8, do_sample=True, top_k=5)  # generate options still work
+        assert sampled.shape == (2, 15)
+    finally:
+        fast.cpu_emulation = False
+    assert torch.equal(ref, got) and torch.equal(ref, again) and torch.equal(ref[:1], other)
+
+
+def test_fast_decode_keeps_out_of_what_it_cannot_replay(tiny):
+    fast = tiny._fast_decode
+    ids = torch.tensor([[1, 2, 3]])
+    fast.cpu_emulation = True
+    try:
+        # a user-chosen dynamic cache, gradients on, several tokens at once: never captured
+        assert fast.cache_of((), {"input_ids": ids[:, :1], "cache": None}) is None
+        captures = fast.captures
+        tiny.generate(ids, max_new_tokens=5, do_sample=False, cache_implementation="dynamic")
+        assert fast.captures == captures
+        fast.enabled = False
+        tiny.generate(ids, max_new_tokens=5, do_sample=False)
+        assert fast.captures == captures
+    finally:
+        fast.enabled, fast.cpu_emulation = True, False
+
+
+def test_prefill_above_one_percent_density_goes_dense_untimed(monkeypatch):
+    timed = []
+    monkeypatch.setattr(twell_ops, "_paired_rounds", lambda fns, x2d, per_call=1: timed.append(x2d.shape[0]) or {
+        "dense": [1.0] * 5, "twell": [2.0] * 5})
+    monkeypatch.setattr(twell_ops, "_graph_rounds", lambda *a: {"dense": [1.0] * 5, "twell": [0.5] * 5})
+    x = torch.randn(twell_ops.GRAPH_TIMED_M + 1, 8)
+    st = twell_ops._LayerState(density=0.05)
+    twell_ops._calibrate(st, x, None, None, None, None)
+    assert (st.decision, st.graph_decision, timed) == ("dense", "dense", [])
+    assert "prefill density" in st.times["rule"]
+    st = twell_ops._LayerState(density=0.005)  # sparse enough: timed as before
+    twell_ops._calibrate(st, x, None, None, None, None)
+    assert timed == [x.shape[0]] and st.decision == "dense"
+    st = twell_ops._LayerState(density=0.05)  # decode bucket: timed (eager and graph replay) at any density
+    twell_ops._calibrate(st, x[:8], None, None, None, None)
+    assert timed[-1] == 8 and (st.decision, st.graph_decision) == ("dense", "twell")
