@@ -17,7 +17,11 @@ NT = ceil(F / T), E = gathered rows per chunk in K2. Layout and overflow rules: 
   h = val * dot(x, W_up[j]) never leaves registers, out += h * W_down^T[j]. Overflowed tiles are
   recomputed densely from W_gate (lossless). SPLIT > 1 (decode) spreads a row's entries over programs
   that add into an fp32 output with atomics.
-- Decode (M <= 16) uses the same two kernels with T = 32, S = 32 and K2 split across programs.
+- Decode (M <= DECODE_MAX_M = 32, `decode_ffn`, what twell_ffn_triton runs there): phase A `_dec_gate_up`
+  (gate for all M rows at once, W_up rows of neurons active in any row), phase B `_dec_down` (W_down^T
+  rows of neurons with a non-zero h, over d blocks x F splits), `_dec_sum` (the splits' fp32 partials).
+  Each weight row is read once for all M rows, nothing spills at d = 8192. gate_pack / updown keep their
+  M <= 16 configuration (T = 32, S = 32, K2 split across programs) for auto's twell path.
 """
 
 from __future__ import annotations
@@ -378,6 +382,110 @@ if HAS_TRITON:
         else:
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=d_ok)
 
+    # ------------------------------------------------------------------ decode (M <= DECODE_MAX_M)
+    @triton.jit
+    def _dot(a, b, acc, IEEE: tl.constexpr):
+        if IEEE:  # fp32 inputs: true fp32 products (tf32 would lose 13 bits)
+            return tl.dot(a, b, acc, input_precision="ieee")
+        return tl.dot(a, b, acc)
+
+    @triton.jit
+    def _dec_gate_up(
+        x_ptr, wg_ptr, wu_ptr, g_ptr, h_ptr,
+        M, F, D, stride_xm, stride_wg, stride_wu, stride_gm, stride_hm,
+        BLOCK_M: tl.constexpr, E: tl.constexpr, BK: tl.constexpr, GATE_IN: tl.constexpr,
+        EVEN_D: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        """Decode phase A: neurons [pid * E, pid * E + E) for all M rows at once.
+
+        g = x @ W_gate[chunk]^T [BM, E] (or read from g_ptr when GATE_IN: a cuBLAS gate); a neuron is
+        active when any row has g > 0; u = x @ W_up[chunk]^T loads W_up rows of active neurons only
+        (masked-off rows are predicated loads: no bytes move); h = relu(g) * u -> h_ptr [M, F]
+        (x's dtype, every (row < M, neuron < F) written, zeros included). Rows >= M are padding for
+        tl.dot (x loads masked to 0)."""
+        pid = tl.program_id(0)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_e = pid * E + tl.arange(0, E)  # [E] neurons of this program
+        offs_k = tl.arange(0, BK)
+        m_ok = offs_m < M
+        e_ok = offs_e < F
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BM, BK]
+        rows_e = offs_e.to(tl.int64)[None, :]  # [1, E]
+        n_k = tl.cdiv(D, BK)
+        if GATE_IN:
+            g = tl.load(g_ptr + offs_m[:, None] * stride_gm + offs_e[None, :],
+                        mask=m_ok[:, None] & e_ok[None, :], other=0.0).to(tl.float32)  # [BM, E]
+        else:
+            g = tl.zeros([BLOCK_M, E], dtype=tl.float32)
+            wg_ptrs = wg_ptr + rows_e * stride_wg + offs_k[:, None]  # [BK, E]
+            for k in range(0, n_k):
+                if EVEN_D:
+                    xk = tl.load(x_ptrs + k * BK, mask=m_ok[:, None], other=0.0)
+                    wk = tl.load(wg_ptrs + k * BK, mask=e_ok[None, :], other=0.0)
+                else:
+                    k_ok = offs_k < D - k * BK
+                    xk = tl.load(x_ptrs + k * BK, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                    wk = tl.load(wg_ptrs + k * BK, mask=k_ok[:, None] & e_ok[None, :], other=0.0)
+                g = _dot(xk, wk, g, IEEE)
+        act = (tl.max(((g > 0) & m_ok[:, None]).to(tl.int32), 0) > 0) & e_ok  # [E] any row positive
+        u = tl.zeros([BLOCK_M, E], dtype=tl.float32)
+        if tl.sum(act.to(tl.int32), 0) > 0:  # a chunk with no active neuron reads no W_up at all
+            wu_ptrs = wu_ptr + rows_e * stride_wu + offs_k[:, None]  # [BK, E]
+            for k in range(0, n_k):
+                if EVEN_D:
+                    xk = tl.load(x_ptrs + k * BK, mask=m_ok[:, None], other=0.0)
+                    wk = tl.load(wu_ptrs + k * BK, mask=act[None, :], other=0.0)
+                else:
+                    k_ok = offs_k < D - k * BK
+                    xk = tl.load(x_ptrs + k * BK, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                    wk = tl.load(wu_ptrs + k * BK, mask=k_ok[:, None] & act[None, :], other=0.0)
+                u = _dot(xk, wk, u, IEEE)
+        h = tl.maximum(g, 0.0) * u  # [BM, E] fp32, rounded once to x's dtype below
+        tl.store(h_ptr + offs_m[:, None] * stride_hm + offs_e[None, :], h.to(h_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & e_ok[None, :])
+
+    @triton.jit
+    def _dec_down(
+        h_ptr, wdt_ptr, out_ptr, M, F, D, F_PER, stride_hm, stride_wd, stride_om, stride_os,
+        BLOCK_M: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        """Decode phase B: out[:, d block] (+)= h[:, F range] @ W_down^T[F range, d block].
+
+        Program (pid_d, pid_s) walks neurons [pid_s * F_PER, +F_PER) (F_PER a multiple of BF) in chunks
+        of BF; a W_down^T row is loaded only if some row of h is non-zero at that neuron. Writes fp32
+        partial sums to out_ptr + pid_s * stride_os (summed by _dec_sum), or, with one split, the
+        output in its dtype."""
+        pid_d = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = pid_d * BD + tl.arange(0, BD)  # [BD]
+        m_ok = offs_m < M
+        d_ok = offs_d < D
+        acc = tl.zeros([BLOCK_M, BD], dtype=tl.float32)
+        f0 = pid_s * F_PER
+        for f in range(f0, tl.minimum(f0 + F_PER, F), BF):
+            offs_f = f + tl.arange(0, BF)  # [BF]
+            f_ok = offs_f < F
+            h = tl.load(h_ptr + offs_m[:, None] * stride_hm + offs_f[None, :],
+                        mask=m_ok[:, None] & f_ok[None, :], other=0.0)  # [BM, BF]
+            live = tl.max((h != 0).to(tl.int32), 0) > 0  # [BF] neurons with a non-zero h in some row
+            wd = tl.load(wdt_ptr + offs_f.to(tl.int64)[:, None] * stride_wd + offs_d[None, :],
+                         mask=live[:, None] & d_ok[None, :], other=0.0)  # [BF, BD]
+            acc = _dot(h, wd, acc, IEEE)
+        ptrs = out_ptr + pid_s * stride_os + offs_m[:, None] * stride_om + offs_d[None, :]
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+
+    @triton.jit
+    def _dec_sum(part_ptr, out_ptr, D, SPLIT, stride_ps, stride_pm, stride_om, BLOCK: tl.constexpr):
+        """out[row, block] = sum over the SPLIT fp32 partials, in split order (deterministic)."""
+        row = tl.program_id(0)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < D
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for s in range(0, SPLIT):
+            acc += tl.load(part_ptr + s * stride_ps + row * stride_pm + offs, mask=ok, other=0.0)
+        tl.store(out_ptr + row * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
 
 def _require_triton() -> None:
     if not HAS_TRITON:
@@ -641,11 +749,127 @@ def updown(
     return out.to(x2d.dtype) if split > 1 else out
 
 
+# ---------------------------------------------------------------------------------------- decode
+# Decode (M <= DECODE_MAX_M rows): two Triton phases that share every weight row across the M rows.
+#   phase A (_dec_gate_up), grid cdiv(F, E): g = x W_gate[chunk]^T, neuron active if g > 0 in any row,
+#     u = x W_up[chunk]^T over active neurons only, h = relu(g) * u -> [M, F] in x's dtype (the dense
+#     path rounds h to that dtype too).
+#   phase B (_dec_down), grid cdiv(d, BD) x SPLIT: out[:, d block] = sum over F of h[:, f] W_down^T[f],
+#     W_down^T rows loaded only where some row of h is non-zero; SPLIT > 1 writes fp32 partials that
+#     _dec_sum adds up in a fixed order (deterministic, no atomics, no zero-fill) and casts.
+# Bytes (b = bytes per weight element, U = neurons active in some row, n_d = cdiv(d, BD)):
+#   dense:   3 F d b (every weight once).
+#   phase A: F d b (W_gate, HBM) + U d b (W_up, HBM) + cdiv(F, E) M d b per loop (x, from L2)
+#            + M F b (h written).
+#   phase B: U d b (W_down^T, HBM) + n_d M F b (h re-read per d block, L2) + SPLIT M d 4 (partials, L2).
+#   So at 90% zeros and M = 1 (U ~ F / 10): 1.2 F d b against dense's 3 F d b; U grows with M (the
+#   union of the rows' active sets) and with it both gathers; x and h traffic stays in L2.
+# Lossless by construction: no slots, nothing to overflow (a row with every neuron active reads every
+# W_up / W_down^T row, like dense). No host synchronisation, no data-dependent host control flow:
+# capturable in CUDA graphs. Why not the prefill K2 at decode: one program per (row, split) holds the
+# x row, an fp32 output row and [E, next_pow2(d)] weight chunks in 128 threads' registers; at d = 8192
+# that is ~640 fp32 values per thread: the sm_90 cubin of _k2_updown spills (7.3 KB stack frame,
+# 15.7 KB of spill stores; `python eval/bench_decode.py --compile-report`), and each of the M rows
+# gathers its own copy of a shared neuron's rows.
+DECODE_MAX_M = 32
+_SMS: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached); 132 (the H200) elsewhere, so CPU runs pick the
+    same configs as the GPU."""
+    if device.type != "cuda":
+        return 132
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SMS:
+        _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SMS[i]
+
+
+def decode_config(m: int, d: int, f: int, sms: int = 132, elem: int = 2) -> dict:
+    """Block sizes of the decode phases for M rows, hidden d, intermediate F, `sms` SMs, `elem`-byte weights.
+
+    Phase A: E neurons per program, the largest of 128/64/32/16 that still gives >= 3 programs per SM
+    (enough loads in flight to stream W_gate at HBM speed: 8192x28672 -> E 64, 448 programs; 4096x14336
+    -> 32, 448; 2048x8192 -> 16, 512), but E >= M, so the x rows each program re-reads from L2 are at
+    most its own weight bytes (M = 32 at 2048x8192 -> E 32, 256 programs). BK keeps one stage's weight
+    tile at 8-16 KB (E x BK x b: 64 x 128, or 16/32 x 256); stages fill ~96 KB of shared memory (two
+    programs per SM). BLOCK_M = 16 (tl.dot's minimum) up to M = 16, else 32.
+    Phase B: BD = 128 output columns (a neuron's W_down^T row segment is 256 contiguous bytes in bf16),
+    BF = 64 neurons per chunk (a 16 KB tile); SPLIT splits F so that cdiv(d, BD) x SPLIT fills ~4
+    programs per SM (8192 -> 64 x 9, 2048 -> 16 x 32), with SPLIT x M <= 256 (the fp32 partials, written
+    and re-read through L2, stay <= 1 KB per output column: 8 MB at d = 8192) and >= 1 chunk per split.
+    These are reasoned, not swept: `eval/bench_decode.py --sweep` times alternatives on the H200.
+    """
+    bm = 16 if m <= 16 else 32
+    e_min = max(16, _next_pow2(m))
+    e = next((c for c in (128, 64, 32, 16) if c >= e_min and -(-f // c) >= 3 * sms), e_min)
+    e = min(e, max(16, _next_pow2(f)))
+    bk = min(128 if e >= 64 else 256, max(16, _next_pow2(d)))
+    stages_a = max(2, min(4, (96 << 10) // ((e + bm) * bk * elem)))
+    bd = min(128, max(16, _next_pow2(d)))
+    bf = min(64, max(16, _next_pow2(f)))
+    n_d = -(-d // bd)
+    split = max(1, min(-(-4 * sms // n_d), -(-f // bf), 256 // _next_pow2(m)))
+    stages_b = max(2, min(4, (96 << 10) // ((bf * bd + bm * bf) * elem)))
+    return dict(BLOCK_M=bm, E=e, BK=bk, warps_a=4, stages_a=stages_a,
+                BD=bd, BF=bf, SPLIT=split, warps_b=4, stages_b=stages_b)
+
+
+def decode_ffn(
+    x2d: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down_t: torch.Tensor, *,
+    gate: str = "fused", **overrides,
+) -> torch.Tensor:
+    """relu(x2d @ w_gate.T) * (x2d @ w_up.T) @ w_down_t -> [M, d] in x2d's dtype, for M <= DECODE_MAX_M.
+
+    x2d [M, d] with unit column stride; w_gate, w_up, w_down_t [F, d] with unit column stride
+    (w_down_t = transpose_down(w_down)). gate: "fused" (phase A computes the gate itself, W_gate read
+    once) or "cublas" (F.linear computes it first: one more launch, phase A then reads only W_up).
+    overrides: keys of decode_config. Two or three launches, no host synchronisation.
+    """
+    _require_triton()
+    m, d = x2d.shape
+    f = w_gate.shape[0]
+    if not 1 <= m <= DECODE_MAX_M:
+        raise ValueError(f"decode_ffn takes 1..{DECODE_MAX_M} rows, got M={m}; use twell_ffn_triton.")
+    if gate not in ("fused", "cublas"):
+        raise ValueError(f"gate={gate!r} is not 'fused' or 'cublas'")
+    for name, t in (("x2d", x2d), ("w_gate", w_gate), ("w_up", w_up), ("w_down_t", w_down_t)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} needs unit stride along d (got strides {tuple(t.stride())}); pass .contiguous()")
+    cfg = {**decode_config(m, d, f, _sm_count(x2d.device), w_gate.element_size()), **overrides}
+    bm, e, bk = cfg["BLOCK_M"], cfg["E"], cfg["BK"]
+    ieee = x2d.dtype == torch.float32
+    h = torch.empty(m, f, dtype=x2d.dtype, device=x2d.device)  # [M, F]
+    g = torch.nn.functional.linear(x2d, w_gate) if gate == "cublas" else h  # [M, F] (else unused)
+    _dec_gate_up[(triton.cdiv(f, e),)](
+        x2d, w_gate, w_up, g, h, m, f, d, x2d.stride(0), w_gate.stride(0), w_up.stride(0), g.stride(0),
+        h.stride(0), BLOCK_M=bm, E=e, BK=bk, GATE_IN=gate == "cublas", EVEN_D=d % bk == 0, IEEE=ieee,
+        num_warps=cfg["warps_a"], num_stages=cfg["stages_a"])
+    bd, bf = cfg["BD"], cfg["BF"]
+    f_per = triton.cdiv(triton.cdiv(f, cfg["SPLIT"]), bf) * bf  # neurons per split, whole chunks
+    split = triton.cdiv(f, f_per)  # no empty split
+    out = torch.empty(m, d, dtype=x2d.dtype, device=x2d.device)  # [M, d]
+    dst = out if split == 1 else torch.empty(split, m, d, dtype=torch.float32, device=x2d.device)  # [S, M, d]
+    _dec_down[(triton.cdiv(d, bd), split)](
+        h, w_down_t, dst, m, f, d, f_per, h.stride(0), w_down_t.stride(0), dst.stride(-2),
+        dst.stride(0) if split > 1 else 0, BLOCK_M=bm, BF=bf, BD=bd, IEEE=ieee,
+        num_warps=cfg["warps_b"], num_stages=cfg["stages_b"])
+    if split > 1:
+        block = min(1024, _next_pow2(d))
+        _dec_sum[(m, triton.cdiv(d, block))](dst, out, d, split, dst.stride(0), dst.stride(1), out.stride(0),
+                                            BLOCK=block, num_warps=4)
+    return out
+
+
 def twell_ffn_triton(
     x2d: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down_t: torch.Tensor,
     variant: str = DEFAULT_VARIANT,
 ) -> torch.Tensor:
-    """The whole sparse FFN on [M, d]: K1 (gate + pack) then K2 (fused up/down). variant: see gate_pack."""
+    """The whole sparse FFN on [M, d]: decode_ffn for M <= DECODE_MAX_M, else K1 (gate + pack) then K2
+    (fused up/down). variant: see gate_pack (prefill only)."""
     k1, compact = split_variant(variant)
+    if 0 < x2d.shape[0] <= DECODE_MAX_M:
+        return decode_ffn(x2d, w_gate, w_up, w_down_t)
     packed = gate_pack(x2d, w_gate, variant=k1)
     return updown(x2d, packed, w_gate, w_up, w_down_t, compact=compact)

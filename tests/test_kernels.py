@@ -113,13 +113,126 @@ def test_k2_overflow_is_lossless_on_mixed_rows():
 @pytest.mark.parametrize("m", [1, 3, 16])
 @pytest.mark.parametrize("zeros", [0.0, 0.9, 0.99])
 def test_decode_path(m, zeros):
-    """M <= 16: narrow tiles (T = 32, S = 32) and K2 split over programs with fp32 atomics."""
+    """K1/K2 at M <= 16 (auto's twell path, and the old decode path of eval/bench_decode.py): narrow
+    tiles (T = 32, S = 32) and K2 split over programs with fp32 atomics."""
     x, wg, wu, wd = make_case(m, 24, 200, zeros, seed=4)
     assert tt.k2_config(m, 24)["SPLIT"] > 1 and tt.k1_config(m, 24)["T"] == ref.DECODE_TILE
     packed = tt.gate_pack(x, wg)
     check_packed(packed, x, wg, f"decode K1 m={m}")
     out = tt.updown(x, packed, wg, wu, twell_ops.transpose_down(wd))
     assert_close(out, ref.ffn_reference(x, wg, wu, wd), what=f"decode m={m} zeros={zeros}", **FP32)
+
+
+# ------------------------------------- decode_ffn (M <= 32): every weight row read once for all M rows
+def ffn64(x, wg, wu, wd):
+    """The FFN in float64 (the fp32 kernels' reference)."""
+    x, wg, wu, wd = (t.double() for t in (x, wg, wu, wd))
+    return (torch.relu(x @ wg.t()) * (x @ wu.t())) @ wd.t()
+
+
+def poison_empty(mp) -> None:
+    """torch.empty returns NaN-filled floats (-1 for integers): any value a kernel should write and does
+    not (output, h, partial sums) propagates to the output as NaN."""
+    real = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-1)
+
+    mp.setattr(torch, "empty", empty)
+
+
+def run_decode(monkeypatch, x, wg, wu, wd, **kw):
+    wdt = twell_ops.transpose_down(wd)
+    with monkeypatch.context() as mp:
+        poison_empty(mp)
+        return tt.decode_ffn(x, wg, wu, wdt, **kw)
+
+
+@pytest.mark.parametrize("m,d,f,gate", [(1, 40, 1000, "fused"), (3, 129, 300, "fused"), (17, 72, 1000, "cublas"),
+                                        (32, 33, 257, "fused")])
+def test_decode_ffn_matches_float64(monkeypatch, m, d, f, gate):
+    """Odd M, d and F (not multiples of any block), 90% zeros, fp32 against float64, outputs poisoned."""
+    x, wg, wu, wd = make_case(m, d, f, 0.9, seed=40)
+    got = run_decode(monkeypatch, x, wg, wu, wd, gate=gate)
+    assert got.dtype == x.dtype
+    assert_close(got, ffn64(x, wg, wu, wd), what=f"decode_ffn {m}x{d}x{f} gate={gate}", **FP32)
+
+
+@pytest.mark.parametrize("zeros", [0.0, 1.0])
+def test_decode_ffn_all_dense_and_all_zero(monkeypatch, zeros):
+    """0% zeros: every neuron active in every row (every weight row read, like dense); 100%: h is all
+    zero and no W_up / W_down^T row is read: the output is exactly 0."""
+    x, wg, wu, wd = make_case(5, 40, 300, zeros, seed=41)
+    got = run_decode(monkeypatch, x, wg, wu, wd)
+    assert_close(got, ffn64(x, wg, wu, wd), what=f"decode_ffn zeros={zeros}", **FP32)
+    if zeros == 1.0:
+        assert torch.equal(got, torch.zeros_like(got))
+
+
+@pytest.mark.parametrize("m", [17, 32])
+def test_decode_ffn_mixed_rows(monkeypatch, m):
+    """Rows of one call differ: every neuron active, none active, an all-zero x row (gate exactly 0:
+    inactive), and 90%-sparse rows; the union decides which weight rows are read, each row's h which
+    of them count."""
+    x, wg, wu, wd = make_case(m, 40, 1000, 0.9, seed=42)
+    x[0::4, 0] = -1000.0  # flips the bias: every gate value positive
+    x[1::4, 0] = 1000.0  # every gate value negative
+    x[2::4] = 0.0
+    gate = x @ wg.t()  # [M, F]
+    assert (gate[0::4] > 0).all() and (gate[1::4] < 0).all() and (gate[3::4] > 0).float().mean() < 0.2
+    got = run_decode(monkeypatch, x, wg, wu, wd)
+    assert_close(got, ffn64(x, wg, wu, wd), what=f"decode_ffn mixed rows m={m}", **FP32)
+    assert torch.equal(got[1::4], torch.zeros_like(got[1::4])) and torch.equal(got[2::4], torch.zeros_like(got[2::4]))
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(SPLIT=1),  # phase B stores the output itself (no partials, no _dec_sum)
+    dict(BLOCK_M=32, E=32, BK=16, BF=16, BD=16, SPLIT=7),  # d = 40 not a multiple of BK; 3 d blocks
+    dict(E=128, BK=64, BF=128, BD=64, SPLIT=3, warps_a=8, warps_b=8, stages_a=2, stages_b=2),
+])
+def test_decode_ffn_block_configs(monkeypatch, cfg):
+    """Other block sizes (the --sweep of eval/bench_decode.py) compute the same FFN, deterministically."""
+    x, wg, wu, wd = make_case(5, 40, 1000, 0.9, seed=43)
+    got = run_decode(monkeypatch, x, wg, wu, wd, **cfg)
+    assert_close(got, ffn64(x, wg, wu, wd), what=f"decode_ffn {cfg}", **FP32)
+    assert torch.equal(got, run_decode(monkeypatch, x, wg, wu, wd, **cfg)), "two calls differ"
+
+
+def test_decode_ffn_is_the_triton_path_up_to_32_rows():
+    """twell_ffn_triton (and so twell_ffn(backend="twell")) runs decode_ffn for M <= DECODE_MAX_M, K1/K2
+    above; decode_ffn refuses larger M and bad arguments with the fix."""
+    x, wg, wu, wd = make_case(33, 40, 300, 0.9, seed=44)
+    wdt = twell_ops.transpose_down(wd)
+    assert tt.DECODE_MAX_M == 32
+    for m in (1, 32):
+        want = tt.decode_ffn(x[:m], wg, wu, wdt)
+        assert torch.equal(tt.twell_ffn_triton(x[:m], wg, wu, wdt), want), m
+        assert torch.equal(twell_ops.twell_ffn(x[:m], wg, wu, wd, backend="twell", w_down_t=wdt), want), m
+    with pytest.raises(ValueError, match="1..32 rows, got M=33"):
+        tt.decode_ffn(x, wg, wu, wdt)
+    with pytest.raises(ValueError, match="unit stride"):
+        tt.decode_ffn(x[:2], wg, wu, wd.t())
+    with pytest.raises(ValueError, match="gate='gemv'"):
+        tt.decode_ffn(x[:2], wg, wu, wdt, gate="gemv")
+    assert_close(tt.twell_ffn_triton(x, wg, wu, wdt), ref.ffn_reference(x, wg, wu, wd), what="M=33 K1/K2", **FP32)
+
+
+def test_bench_decode_smoke_on_cpu(tmp_path):
+    """eval/bench_decode.py's code paths (case builder, correctness gate, timing, JSON + tables) on a tiny
+    shape in the interpreter (~20 s)."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    res = subprocess.run([sys.executable, str(root / "eval" / "bench_decode.py"), "--smoke", "--out", str(tmp_path)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = json.loads((tmp_path / "decode-bench.json").read_text())["rows"]
+    assert [r["M"] for r in rows] == [1, 32]
+    for r in rows:
+        assert "errors" not in r and "bad" not in r, r
+        assert set(r["ms"]) == {"dense", "dense_b", "decode", "decode_cg", "old"}
+        assert r["rel_err"]["decode"] < 1e-5 and 0 < r["union_frac"] < 1, r["rel_err"]
+    assert "dense / decode" in res.stdout and (tmp_path / "decode-bench.md").exists()
 
 
 @pytest.mark.parametrize("m,d,f", [(257, 72, 130), (3, 129, 257), (20, 16, 64)])
@@ -601,6 +714,39 @@ def test_gpu_twell_matches_oracle(dtype, m, d, f, zeros):
         assert_close(got, ref.ffn_reference(x, wg, wu, wd), what=f"gpu fp32 {m}x{d}x{f}", rtol=1e-4, atol=1e-4)
     else:
         bf16_rule(got, x, wg, wu, wd, f"gpu {dtype} {m}x{d}x{f} zeros={zeros}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,d,f", [(1, 2048, 8192), (8, 4096, 14336), (17, 576, 1536), (32, 2048, 8192),
+                                   (5, 8192, 28672)])
+def test_gpu_decode_ffn_matches_oracle(dtype, m, d, f):
+    """decode_ffn (both gate modes) within the low-precision rule, skewed 90% zeros, every 3rd row with
+    every neuron active."""
+    x, wg, wu, wd = make_case(m, d, f, 0.9, seed=45, dtype=dtype, device="cuda", skew=f <= 8192)
+    x[::3, 0] = -30.0
+    wdt = twell_ops.transpose_down(wd)
+    for gate in ("fused", "cublas"):
+        bf16_rule(tt.decode_ffn(x, wg, wu, wdt, gate=gate), x, wg, wu, wd, f"gpu decode {dtype} {m}x{d}x{f} {gate}")
+
+
+@pytest.mark.gpu
+def test_gpu_decode_ffn_fp32_graph_and_determinism():
+    """fp32 (ieee dots) against the oracle; replayed from a CUDA graph it equals the eager call bit for bit."""
+    x, wg, wu, wd = make_case(3, 2048, 8192, 0.9, seed=46, device="cuda")
+    wdt = twell_ops.transpose_down(wd)
+    eager = tt.decode_ffn(x, wg, wu, wdt)
+    assert_close(eager, ref.ffn_reference(x, wg, wu, wd), what="gpu decode fp32", rtol=1e-4, atol=1e-4)
+    xb, wgb, wub, wdb = make_case(32, 4096, 14336, 0.9, seed=47, dtype=torch.bfloat16, device="cuda")
+    wdtb = twell_ops.transpose_down(wdb)
+    first = tt.decode_ffn(xb, wgb, wub, wdtb)
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        static = tt.decode_ffn(xb, wgb, wub, wdtb)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static, first) and torch.equal(tt.decode_ffn(xb, wgb, wub, wdtb), first)
 
 
 @pytest.mark.gpu

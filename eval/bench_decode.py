@@ -1,0 +1,495 @@
+"""Decode FFN benchmark (M = 1..32 rows): decode_ffn against the dense cuBLAS FFN and the old decode path.
+
+Usage on the H200 (repo not installed; the symlink makes `sparsify.kernels` importable):
+  cd repo && ln -sfn ../kernels sparsify/kernels
+  PYTHONPATH=$PWD PYTHONUNBUFFERED=1 python eval/bench_decode.py --out $OUT/decode --budget-s 200
+Registers and spills of the sm_90 builds of the old K2 and the decode phases (no GPU needed: Triton
+compiles for sm_90 and ptxas -v reports; run it on the H200 too for its Triton version):
+  python eval/bench_decode.py --compile-report --out /tmp/dec
+CPU dry run of every code path (Triton interpreter, tiny shape, fp32, eager timing):
+  TRITON_INTERPRET=1 python eval/bench_decode.py --smoke --out /tmp/dec
+
+Grid: d x F in {576x1536, 2048x8192, 4096x14336, 8192x28672}, M in {1, 2, 4, 8, 16, 32}, zeros 0.85 /
+0.90 / 0.95 / 0.99, skewed pattern with honest sparsity (eval/bench_kernels.py: make_layer + set_sparsity),
+bf16. Per case:
+  1. correctness of every function against ffn_dense on the fp32-upcast tensors: rel err = max |err| /
+     max |ref|, which must be <= 2 x the plain bf16 dense FFN's rel err + 1e-3 (the tests' bf16 rule);
+     a function that fails is reported ("bad") and not timed.
+  2. timing: each function is captured in a CUDA graph of `calls` calls (2..20, ~2 ms per replay from an
+     eager estimate); the graphs are replayed in interleaved rounds (rotating order), each measurement a
+     loop of `reps` replays between CUDA events; medians per call; ratios are medians of the per-round
+     paired ratios dense / x (> 1: faster than dense).
+       dense, dense_b  ffn_dense (3 cuBLAS GEMMs + relu * mul); dense / dense_b is the same-run noise
+       decode          twell_triton.decode_ffn (gate computed in phase A)
+       decode_cg       decode_ffn(gate="cublas") (the gate GEMV by cuBLAS, phase A reads only W_up)
+       old             the path decode_ffn replaces: gate_pack + updown as twell_ffn_triton ran them
+                       (r5 K1 with 32-column tiles + K2 split over programs up to M = 16; r6 K1 +
+                       compacted K2 above)
+  3. measured zeros, the union U of neurons active in some row (what decode_ffn gathers), the bytes each
+     side must move (dense 3 F d b, decode F d b + 2 U d b; b = 2) and the implied GB/s.
+--sweep: after the grid, a few decode_ffn block configs on four cases (own budget, --sweep-budget-s).
+Writes DIR/decode-bench.json and DIR/decode-bench.md; prints the ratio tables last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "eval"))
+
+from bench_kernels import env_info, make_layer, med, set_sparsity  # noqa: E402
+
+SHAPES = [(576, 1536), (2048, 8192), (4096, 14336), (8192, 28672)]
+MS = [1, 2, 4, 8, 16, 32]
+ZEROS = [0.85, 0.90, 0.95, 0.99]
+FNS = ("dense", "dense_b", "decode", "decode_cg", "old")
+GRAPH_MS = 2.0  # target GPU time of one graph replay (calls per graph follow from it)
+MAX_CALLS = 20
+# --sweep: (d, F, M, zeros) and decode_config overrides (relative to the default config of each case)
+SWEEP_CASES = [(8192, 28672, 1, 0.9), (8192, 28672, 8, 0.9), (4096, 14336, 8, 0.9), (2048, 8192, 32, 0.9)]
+SWEEP = {  # name -> overrides as a function of the case's default config c
+    "default": lambda c: {}, "E/2": lambda c: {"E": max(16, c["E"] // 2)}, "Ex2": lambda c: {"E": 2 * c["E"]},
+    "BK64": lambda c: {"BK": 64}, "BK256": lambda c: {"BK": 256}, "BF32": lambda c: {"BF": 32},
+    "BF128": lambda c: {"BF": 128}, "BD64": lambda c: {"BD": 64}, "BD256": lambda c: {"BD": 256},
+    "SPLIT/2": lambda c: {"SPLIT": max(1, c["SPLIT"] // 2)}, "SPLITx2": lambda c: {"SPLIT": 2 * c["SPLIT"]},
+    "warps8": lambda c: {"warps_a": 8, "warps_b": 8}, "stages2": lambda c: {"stages_a": 2, "stages_b": 2},
+}
+
+
+# ----------------------------------------------------------------------------------------- functions
+def old_path(tt, x, w_gate, w_up, w_down_t):
+    """twell_ffn_triton before decode_ffn (variant r6c): K1 + K2; r6 K1 falls back to r5 at M <= 16."""
+    packed = tt.gate_pack(x, w_gate, variant="r6")
+    return tt.updown(x, packed, w_gate, w_up, w_down_t, compact=True)
+
+
+def case_fns(tt, ffn_dense, x, w_gate, w_up, w_down, w_down_t, old: bool = True) -> dict:
+    fns = {"dense": lambda: ffn_dense(x, w_gate, w_up, w_down),
+           "dense_b": lambda: ffn_dense(x, w_gate, w_up, w_down),
+           "decode": lambda: tt.decode_ffn(x, w_gate, w_up, w_down_t),
+           "decode_cg": lambda: tt.decode_ffn(x, w_gate, w_up, w_down_t, gate="cublas")}
+    if old:
+        fns["old"] = lambda: old_path(tt, x, w_gate, w_up, w_down_t)
+    return fns
+
+
+def check(fns: dict, ref: torch.Tensor, row: dict) -> dict:
+    """Rel err of each fn vs the fp32 reference; drops (and records) the ones beyond the bf16 rule."""
+    scale = ref.abs().max().item() or 1.0
+    errs = {k: (fn().float() - ref).abs().max().item() / scale for k, fn in fns.items()}
+    bound = 2 * errs["dense"] + 1e-3
+    row["rel_err"], row["bound"] = errs, bound
+    bad = {k: v for k, v in errs.items() if not v <= bound}  # NaN fails too
+    if bad:
+        row["bad"] = bad
+    return {k: fn for k, fn in fns.items() if k not in bad}
+
+
+# ------------------------------------------------------------------------------------------- timing
+def loop_ms(fn, n: int) -> float:
+    """ms per call of n back-to-back calls (CUDA events)."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(n):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / n
+
+
+def capture(fn, calls: int):
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    torch.cuda.synchronize()
+    return graph
+
+
+def time_graphs(fns: dict, budget_ms: float, errors: dict, max_rounds: int = 60) -> tuple[dict, dict]:
+    """{name: [ms per call, one per round]} of CUDA-graph replays in interleaved rounds; {name: calls}."""
+    graphs, calls, reps = {}, {}, {}
+    for k, fn in fns.items():
+        try:
+            est = max(loop_ms(fn, 3), 1e-3)  # eager: launch overhead included, so calls err low
+            calls[k] = max(2, min(MAX_CALLS, int(GRAPH_MS / est)))
+            graphs[k] = capture(fn, calls[k])
+            one = max(loop_ms(graphs[k].replay, 1), 1e-3)
+            reps[k] = max(1, min(8, math.ceil(1.0 / one)))  # >= ~1 ms per measurement: a replay's launch gap < 1%
+        except Exception as e:  # noqa: BLE001 - one function failing must not lose the case
+            errors[k] = f"{type(e).__name__}: {e}"[:300]
+    if not graphs:
+        return {}, calls
+    round_ms = sum(reps[k] * loop_ms(g.replay, 1) for k, g in graphs.items())
+    rounds = int(max(5, min(max_rounds, budget_ms / max(round_ms, 1e-3))))
+    names = list(graphs)
+    out = {k: [] for k in names}
+    for r in range(rounds):
+        for i in range(len(names)):
+            k = names[(i + r) % len(names)]
+            out[k].append(loop_ms(graphs[k].replay, reps[k]) / calls[k])
+    del graphs
+    return out, calls
+
+
+def time_eager(fns: dict, rounds: int = 2) -> dict:
+    """CPU (interpreter) stand-in: perf_counter per call, interleaved."""
+    out = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            out[k].append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def paired(t: dict, num: str, den: str) -> float | None:
+    if num not in t or den not in t or not t[num] or not t[den]:
+        return None
+    return med([a / b for a, b in zip(t[num], t[den])])
+
+
+# --------------------------------------------------------------------------------------------- cases
+def run_case(ctx, layer32, x, layer, w_down_t, zeros) -> dict:
+    tt, ffn_dense, cuda = ctx["tt"], ctx["ffn_dense"], ctx["cuda"]
+    w_gate, w_up, w_down = layer
+    m, d = x.shape
+    f = w_gate.shape[0]
+    row = {"d": d, "F": f, "M": m, "zeros": zeros, "pattern": "skewed", "dtype": str(x.dtype), "errors": {}}
+    wg32, wu32, wd32 = layer32
+    xf = x.float()
+    g = xf @ wg32.t()  # [M, F]
+    union = int((g > 0).any(0).sum())
+    row.update(measured_zeros=1 - (g > 0).float().mean().item(), union=union, union_frac=union / f,
+               config=tt.decode_config(m, d, f, tt._sm_count(x.device), x.element_size()))
+    b = x.element_size()
+    row["bytes_dense"], row["bytes_decode"] = 3 * f * d * b, (f + 2 * union) * d * b
+    ref = ffn_dense(xf, wg32, wu32, wd32)
+    fns = case_fns(tt, ffn_dense, x, w_gate, w_up, w_down, w_down_t, old=not ctx["no_old"])
+    try:
+        fns = check(fns, ref, row)
+    except Exception as e:  # noqa: BLE001 - a function that raises: record it, keep the others
+        row["errors"]["check"] = f"{type(e).__name__}: {e}"[:300]
+        good = {}
+        for k, fn in fns.items():
+            try:
+                fn()
+                good[k] = fn
+            except Exception as e2:  # noqa: BLE001
+                row["errors"][k] = f"{type(e2).__name__}: {e2}"[:300]
+        fns = check(good, ref, row) if "dense" in good else {}
+    if cuda:
+        t, calls = time_graphs(fns, ctx["budget"](), row["errors"], ctx["max_rounds"])
+        row["calls_per_graph"] = calls
+    else:
+        t = time_eager(fns)
+    row["timing"] = "CUDA graphs" if cuda else "eager, Triton interpreter"
+    row["ms"] = {k: med(v) for k, v in t.items()}
+    row["x"] = {k: paired(t, "dense", k) for k in t if k not in ("dense",)}  # dense / k
+    noise = [a / b for a, b in zip(t.get("dense", []), t.get("dense_b", []))]
+    if noise:
+        row["noise"] = [min(noise), med(noise), max(noise)]
+    for k in ("dense", "decode", "decode_cg"):
+        if k in row["ms"] and cuda:
+            row[f"GBps_{k}"] = row["bytes_dense" if k == "dense" else "bytes_decode"] / row["ms"][k] / 1e6
+    if not row["errors"]:
+        del row["errors"]
+    return row
+
+
+# --------------------------------------------------------------------------------------------- sweep
+def run_sweep(ctx, budget_s: float) -> list[dict]:
+    tt, ffn_dense = ctx["tt"], ctx["ffn_dense"]
+    rows, deadline = [], time.time() + budget_s
+    for i, (d, f, m, zeros) in enumerate(SWEEP_CASES):
+        layer = make_layer(d, f, "cuda", torch.bfloat16)
+        set_sparsity(layer[0], zeros, "skewed")
+        w_down_t = layer[2].t().contiguous()
+        x = torch.randn(m, d, device="cuda").to(torch.bfloat16)
+        x[:, 0] = 1.0
+        base = tt.decode_config(m, d, f, tt._sm_count(x.device), 2)
+        ref = ffn_dense(x.float(), layer[0].float(), layer[1].float(), layer[2].float())
+        row = {"d": d, "F": f, "M": m, "zeros": zeros, "base": base, "cfg": {}, "rel_err": {}, "errors": {}}
+        fns = {"dense": lambda: ffn_dense(x, *layer)}
+        for name, change in SWEEP.items():
+            cfg = {**base, **change(base)}
+            row["cfg"][name] = change(base)
+            fn = (lambda cfg=cfg: tt.decode_ffn(x, layer[0], layer[1], w_down_t, **cfg))
+            try:
+                row["rel_err"][name] = (fn().float() - ref).abs().max().item() / ref.abs().max().item()
+                fns[name] = fn
+            except Exception as e:  # noqa: BLE001 - a config that does not compile
+                row["errors"][name] = f"{type(e).__name__}: {e}"[:300]
+        left = max(1.0, deadline - time.time()) / (len(SWEEP_CASES) - i)
+        t, _ = time_graphs(fns, 1000 * 0.5 * left, row["errors"])
+        row["ms"] = {k: med(v) for k, v in t.items()}
+        row["x"] = {k: paired(t, "dense", k) for k in t if k != "dense"}
+        rows.append(row)
+        best = max(row["x"], key=lambda k: row["x"][k] or 0) if row["x"] else None
+        print(f"sweep {d}x{f} M={m} {zeros:.0%}: " + ", ".join(f"{k} {v:.2f}x" for k, v in row["x"].items() if v)
+              + f"; best {best}", flush=True)
+        del layer, w_down_t, fns
+        torch.cuda.empty_cache()
+    return rows
+
+
+# ------------------------------------------------------------------------------------ compile report
+def _ptxas_verbose(ptx: str) -> str | None:
+    """ptxas -v on the PTX with the ptxas builds Triton ships (the first that accepts its PTX version)."""
+    import triton
+
+    bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        for exe in ("ptxas", "ptxas-blackwell"):
+            if not (bindir / exe).exists():
+                continue
+            res = subprocess.run([str(bindir / exe), "-v", "-arch=sm_90a", str(src), "-o", str(Path(tmp) / "k.cubin")],
+                                 capture_output=True, text=True)
+            if res.returncode == 0:
+                return res.stderr
+    return None
+
+
+def compile_usage(fn, types: dict, constexprs: dict, num_warps: int, num_stages: int, div16: set) -> dict:
+    """Compile fn for sm_90 (no GPU) and read registers, stack frame and spill bytes. Integer / pointer
+    arguments in div16 get Triton's divisibility-by-16 attribute, as a real launch with such values
+    would (that is what lets Triton vectorise the loads)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {n: ("constexpr" if n in constexprs else types.get(n, "i32")) for n in fn.arg_names}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16 if n in fn.arg_names}
+    t0 = time.time()
+    kern = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+    out = {"compile_s": round(time.time() - t0, 1)}
+    text = _ptxas_verbose(kern.asm["ptx"]) or ""
+    m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    r = re.search(r"Used (\d+) registers", text)
+    if m and r:
+        out.update(registers=int(r.group(1)), stack=int(m.group(1)), spill_stores=int(m.group(2)),
+                   spill_loads=int(m.group(3)))
+    else:
+        out["ptxas"] = "no ptxas accepted the PTX"
+    return out
+
+
+def compile_report(out_dir: Path) -> list[dict]:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("--compile-report compiles for the GPU: unset TRITON_INTERPRET")
+    import triton
+
+    from sparsify.kernels import twell_triton as tt
+
+    rows = []
+    ptr16 = {"x_ptr", "wg_ptr", "wu_ptr", "wdt_ptr", "g_ptr", "h_ptr", "out_ptr", "part_ptr", "cnt_ptr",
+             "col_ptr", "val_ptr", "sj_ptr", "sg_ptr"}
+    bf16 = {n: "*bf16" for n in ("x_ptr", "wg_ptr", "wu_ptr", "wdt_ptr", "g_ptr", "h_ptr")}
+    for d, f in SHAPES:
+        k2 = tt.k2_config(1, d)
+        nt = -(-f // 32)
+        types = {**bf16, "cnt_ptr": "*i32", "col_ptr": "*i32", "val_ptr": "*i32", "out_ptr": "*fp32",
+                 "sj_ptr": "*i32", "sg_ptr": "*i32"}
+        const = dict(T=32, S=32, NT_PAD=triton.next_power_of_2(nt), BLOCK_D=triton.next_power_of_2(d), E=k2["E"],
+                     SPLIT=k2["SPLIT"], ENT=1, COMPACT=False)
+        div = ptr16 | {n for n, v in (("D", d), ("F", f), ("NT", nt), ("stride_xm", d), ("stride_om", d)) if v % 16 == 0}
+        row = {"d": d, "F": f, "kernel": "old K2 decode (_k2_updown, M <= 16)", "E": k2["E"],
+               **compile_usage(tt._k2_updown, types, const, k2["num_warps"], 3, div)}
+        rows.append(row)
+        print(row, flush=True)
+        for m in (1, 8, 32):
+            cfg = tt.decode_config(m, d, f)
+            ints = {"D": d, "F": f, "stride_xm": d, "stride_wg": d, "stride_wu": d, "stride_gm": f, "stride_hm": f,
+                    "stride_wd": d, "stride_om": d, "stride_os": m * d}
+            div = ptr16 | {n for n, v in ints.items() if v % 16 == 0}
+            a = compile_usage(tt._dec_gate_up, {**bf16}, dict(BLOCK_M=cfg["BLOCK_M"], E=cfg["E"], BK=cfg["BK"],
+                              GATE_IN=False, EVEN_D=d % cfg["BK"] == 0, IEEE=False),
+                              cfg["warps_a"], cfg["stages_a"], div)
+            b = compile_usage(tt._dec_down, {**bf16, "out_ptr": "*fp32"}, dict(BLOCK_M=cfg["BLOCK_M"], BF=cfg["BF"],
+                              BD=cfg["BD"], IEEE=False), cfg["warps_b"], cfg["stages_b"], div)
+            for name, res in (("decode phase A (_dec_gate_up)", a), ("decode phase B (_dec_down)", b)):
+                rows.append({"d": d, "F": f, "M": m, "kernel": name, "config": cfg, **res})
+                print(rows[-1], flush=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "decode-compile.json").write_text(json.dumps({"triton": triton.__version__, "rows": rows}, indent=1))
+    lines = ["| kernel | d x F | M | registers | stack B | spill stores B | spill loads B |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['kernel']} | {r['d']}x{r['F']} | {r.get('M', '1-16')} | {r.get('registers', '-')} | "
+                     f"{r.get('stack', '-')} | {r.get('spill_stores', '-')} | {r.get('spill_loads', '-')} |")
+    text = "\n".join(lines)
+    (out_dir / "decode-compile.md").write_text(f"triton {triton.__version__}, sm_90\n\n{text}\n")
+    print(text)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------- reporting
+def fmt(v, spec=".2f", suffix="x") -> str:
+    return "-" if v is None else f"{v:{spec}}{suffix}"
+
+
+def row_line(r: dict) -> str:
+    ms, x = r.get("ms", {}), r.get("x", {})
+    cells = [f"{r['d']}x{r['F']}", str(r["M"]), f"{r['zeros']:.2f}", f"{r['measured_zeros']:.3f}",
+             f"{r['union_frac']:.3f}", fmt(ms.get("dense"), ".4f", ""),
+             f"{fmt(ms.get('decode'), '.4f', '')} ({fmt(x.get('decode'))})",
+             f"{fmt(ms.get('decode_cg'), '.4f', '')} ({fmt(x.get('decode_cg'))})",
+             f"{fmt(ms.get('old'), '.4f', '')} ({fmt(x.get('old'))})",
+             "-" if "noise" not in r else f"{r['noise'][0]:.2f}-{r['noise'][2]:.2f}",
+             fmt(r.get("GBps_dense"), ".0f", ""), fmt(r.get("GBps_decode"), ".0f", ""),
+             f"{r['rel_err'].get('decode', float('nan')):.1e} / {r['rel_err'].get('dense', float('nan')):.1e}"]
+    bad = {**r.get("bad", {}), **r.get("errors", {})}
+    if bad:
+        cells.append("BAD " + "; ".join(f"{k}: {str(v)[:60]}" for k, v in bad.items()))
+    return "| " + " | ".join(cells) + " |"
+
+
+HEADER = ("| d x F | M | zeros | measured | union U/F | dense ms | decode ms (x) | decode_cg ms (x) | old ms (x) | "
+          "dense/dense | dense GB/s | decode GB/s | rel err decode / dense bf16 |\n" + "|---" * 13 + "|")
+
+
+def ratio_tables(rows: list[dict]) -> list[str]:
+    """dense / fn per (shape, zeros) x M, one table per function."""
+    lines = []
+    ms = sorted({r["M"] for r in rows})
+    for fn in ("decode", "decode_cg", "old"):
+        if not any(fn in r.get("x", {}) for r in rows):
+            continue
+        lines += [f"dense / {fn} ({rows[0].get('timing')}, skewed, {rows[0].get('dtype')}; > 1 = faster than dense)",
+                  "| d x F | zeros | " + " | ".join(f"M={m}" for m in ms) + " |", "|---|---|" + "---|" * len(ms)]
+        keys = sorted({(r["d"], r["F"], r["zeros"]) for r in rows})
+        for d, f, z in keys:
+            cells = []
+            for m in ms:
+                r = next((r for r in rows if (r["d"], r["F"], r["zeros"], r["M"]) == (d, f, z, m)), None)
+                cells.append(fmt(None if r is None else r.get("x", {}).get(fn)))
+            lines.append(f"| {d}x{f} | {z:.2f} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
+
+
+def write(out_dir: Path, rows: list[dict], meta: dict, sweep: list[dict]) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / "decode-bench.json.tmp"
+    tmp.write_text(json.dumps({"meta": meta, "rows": rows, "sweep": sweep}, indent=1, default=str))
+    tmp.replace(out_dir / "decode-bench.json")
+    text = [f"{meta.get('env')}", "", HEADER, *map(row_line, rows), "", *ratio_tables(rows)]
+    for s in sweep:
+        text.append(f"sweep {s['d']}x{s['F']} M={s['M']} {s['zeros']:.2f}: " +
+                    ", ".join(f"{k} {v:.2f}x" for k, v in s["x"].items() if v))
+    (out_dir / "decode-bench.md").write_text("\n".join(text) + "\n")
+
+
+# -------------------------------------------------------------------------------------------- main
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True, help="folder for decode-bench.json / .md")
+    p.add_argument("--budget-s", type=float, default=200, help="wall time of the grid (compiles included)")
+    p.add_argument("--max-rounds", type=int, default=60, help="cap on interleaved rounds per case")
+    p.add_argument("--smoke", action="store_true", help="tiny shape, fp32, Triton interpreter on CPU")
+    p.add_argument("--no-old", action="store_true", help="skip the old decode path")
+    p.add_argument("--sweep", action="store_true", help="then time decode_ffn block configs on 4 cases")
+    p.add_argument("--sweep-budget-s", type=float, default=60)
+    p.add_argument("--compile-report", action="store_true", help="only: registers/spills of the sm_90 builds")
+    p.add_argument("--shapes", default=",".join(f"{d}x{f}" for d, f in SHAPES))
+    p.add_argument("--ms", default=",".join(map(str, MS)))
+    p.add_argument("--zeros", default=",".join(map(str, ZEROS)))
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.shapes, args.ms, args.zeros = "40x300", "1,32", "0.9"
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.compile_report:
+        compile_report(args.out)
+        return 0
+    start = time.time()
+    from sparsify.kernels import twell_triton as tt
+    from sparsify.kernels.twell_reference import ffn_dense
+
+    cuda = torch.cuda.is_available() and not args.smoke
+    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        print("no CUDA GPU: set TRITON_INTERPRET=1 (with --smoke) for a CPU dry run", file=sys.stderr)
+        return 2
+    dev, dt = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    meta = {"env": env_info(), "args": {k: str(v) for k, v in vars(args).items()}, "sections_s": {}}
+    print(meta["env"], flush=True)
+    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
+    ms = [int(m) for m in args.ms.split(",")]
+    zs = [float(z) for z in args.zeros.split(",")]
+    total, done = len(shapes) * len(ms) * len(zs), [0]
+    deadline = start + args.budget_s
+
+    def budget_ms() -> float:  # per case: an even share of what is left, 40% kept for compiles/captures
+        return 1000 * 0.6 * max(0.0, deadline - time.time()) / max(1, total - done[0])
+
+    ctx = {"tt": tt, "ffn_dense": ffn_dense, "cuda": cuda, "budget": budget_ms, "no_old": args.no_old,
+           "max_rounds": args.max_rounds}
+    rows: list[dict] = []
+    for d, f in shapes:
+        t0 = time.time()
+        layer = make_layer(d, f, dev, dt)
+        w_down_t = layer[2].t().contiguous()  # [F, d]
+        wu32, wd32 = layer[1].float(), layer[2].float()
+        gen = torch.Generator(device=dev).manual_seed(1)
+        xs = {}
+        for m in ms:
+            x = torch.randn(m, d, device=dev, generator=gen).to(dt)
+            x[:, 0] = 1.0  # the bias feature of the honest sparsity (set_sparsity)
+            xs[m] = x
+        for z in zs:
+            set_sparsity(layer[0], z, "skewed")
+            layer32 = (layer[0].float(), wu32, wd32)
+            for m in ms:
+                try:
+                    row = run_case(ctx, layer32, xs[m], layer, w_down_t, z)
+                except Exception as e:  # noqa: BLE001 - one case must not lose the others
+                    row = {"d": d, "F": f, "M": m, "zeros": z, "measured_zeros": float("nan"),
+                           "union_frac": float("nan"), "rel_err": {}, "errors": {"case": f"{type(e).__name__}: {e}"[:400]}}
+                rows.append({**row})
+                done[0] += 1
+                print(row_line(row), flush=True)
+            del layer32
+        meta["sections_s"][f"{d}x{f}"] = round(time.time() - t0, 1)
+        write(args.out, rows, meta, [])
+        del layer, w_down_t, wu32, wd32, xs
+        if cuda:
+            torch.cuda.empty_cache()
+    sweep = []
+    if args.sweep and cuda:
+        t0 = time.time()
+        sweep = run_sweep(ctx, args.sweep_budget_s)
+        meta["sections_s"]["sweep"] = round(time.time() - t0, 1)
+    meta["total_s"] = round(time.time() - start, 1)
+    write(args.out, rows, meta, sweep)
+    print("\n" + HEADER)
+    for r in rows:
+        print(row_line(r))
+    print()
+    for line in ratio_tables(rows):
+        print(line)
+    print(f"sections: {meta['sections_s']}; total {meta['total_s']} s; JSON: {args.out / 'decode-bench.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
