@@ -110,11 +110,11 @@ def bench_model(model: Any, *, batches: tuple[int, ...], prompts: tuple[int, ...
     """Rows {regime, variant, batch, prompt, ttft_ms, decode_tok_s, step_ms, ...} for one loaded model."""
     import torch
 
-    from .modeling.modeling_sparsify import enable_fast_decode
+    from .evaluate import installed_modeling
 
     if model.device.type != "cuda":
         raise SparsifyError("sparsify bench needs a CUDA GPU: CPU timings say nothing about the TwELL kernels.")
-    fast = enable_fast_decode(model)
+    fast = installed_modeling().enable_fast_decode(model)
     variants = _variants(model)
     vocab = model.get_input_embeddings().weight.shape[0]
     limit = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
