@@ -539,6 +539,7 @@ def run_sweep_smoke(script: str, out: Path) -> dict:
     return json.loads((out / script.replace("_", "-").replace(".py", ".json")).read_text())["rows"][0]
 
 
+@pytest.mark.slow  # 50-56 s on 2 CPU cores (the interpreter runs every config)
 def test_k1_sweep_smoke_on_cpu(tmp_path):
     """The K1 sweep (correctness gate against r5tma, interleaved timing, JSON)."""
     row = run_sweep_smoke("k1_sweep.py", tmp_path)
@@ -546,6 +547,7 @@ def test_k1_sweep_smoke_on_cpu(tmp_path):
     assert {"gate", "k1_tma"} < row["k1_ms"].keys() and row["best_r6"] and "r6c" in row["ffn_ms"]
 
 
+@pytest.mark.slow  # 50-56 s on 2 CPU cores (the interpreter runs every config)
 def test_k2_sweep_smoke_on_cpu(tmp_path):
     """The K2 sweep: every (E, warps) config sums the same entries as the default (to rounding)."""
     row = run_sweep_smoke("k2_sweep.py", tmp_path)
