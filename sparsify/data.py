@@ -60,16 +60,21 @@ class TokenData:
         self.train = np.memmap(self.folder / "train.bin", dtype=dtype, mode="r")
         self.validation = np.memmap(self.folder / "validation.bin", dtype=dtype, mode="r")
         self.n_train = (len(self.train) - 1) // self.seq_len
-        self.n_validation = (len(self.validation) - 1) // self.seq_len
-        if self.n_train < 1 or self.n_validation < 1:
+        # a held-out text shorter than one training window is validated on whole, in one shorter window
+        self.val_len = min(self.seq_len, len(self.validation) - 1)
+        self.n_validation = (len(self.validation) - 1) // self.val_len if self.val_len > 0 else 0
+        if self.n_train < 1:
             raise SparsifyError(
-                f"{self.folder}: {len(self.train)} training and {len(self.validation)} validation tokens make "
-                f"{self.n_train} / {self.n_validation} sequences of train.seq_len={self.seq_len}; add text to "
-                "data.train, raise data.validation_fraction, or lower train.seq_len.")
+                f"{self.folder}: {len(self.train)} training tokens do not fill one sequence of "
+                f"train.seq_len={self.seq_len}; add text to data.train or lower train.seq_len.")
+        if self.n_validation < 1:
+            raise SparsifyError(
+                f"{self.folder}: {len(self.validation)} validation tokens leave nothing to validate on; add text to "
+                "data.validation, or raise data.validation_fraction when it is held out of data.train.")
         self._epoch, self._perm = -1, None
 
-    def _window(self, stream: np.ndarray, j: int) -> np.ndarray:
-        return stream[j * self.seq_len : j * self.seq_len + self.seq_len + 1]
+    def _window(self, stream: np.ndarray, j: int, length: int) -> np.ndarray:
+        return stream[j * length : j * length + length + 1]
 
     def _order(self, epoch: int) -> np.ndarray:
         if epoch != self._epoch:
@@ -78,24 +83,41 @@ class TokenData:
 
     def train_batch(self, first: int, count: int) -> torch.Tensor:
         """Training sequences first .. first+count-1 of the run: [count, seq_len + 1] int64."""
-        rows = [self._window(self.train, self._order(i // self.n_train)[i % self.n_train]) for i in
+        rows = [self._window(self.train, self._order(i // self.n_train)[i % self.n_train], self.seq_len) for i in
                 range(first, first + count)]
         return torch.from_numpy(np.stack(rows).astype(np.int64))
 
+    def _validation_shape(self, batch_size: int, max_batches: int, world: int) -> tuple[int, int]:
+        """(sequences per batch, batches over all ranks): batch_size x up to max_batches x world, or what the
+        held-out text holds when that is less (smaller batches, down to one sequence per rank)."""
+        per_batch = min(batch_size, self.n_validation // world)
+        if per_batch == 0:
+            raise SparsifyError(f"{self.n_validation} validation sequence(s) cannot give one to each of {world} "
+                                "processes; add validation text.")
+        return per_batch, min(self.n_validation // per_batch, max_batches * world) // world * world
+
     def validation_batches(self, batch_size: int, max_batches: int, rank: int = 0, world: int = 1
                            ) -> Iterator[torch.Tensor]:
-        """This rank's share of the first batch_size * max_batches * world validation sequences: [B, seq_len + 1].
+        """This rank's share of the first batch_size * max_batches * world validation sequences: [B, val_len + 1].
 
         The set is fixed (the same whatever the process count for the same global batch) and every rank gets
-        the same number of batches, as FSDP needs; sum the losses over ranks.
+        the same number of batches, as FSDP needs; sum the losses over ranks. A short held-out text gives
+        what it has (see validation_note).
         """
-        n_batches = min(self.n_validation // batch_size, max_batches * world) // world * world
-        if n_batches == 0:
-            raise SparsifyError(f"{self.n_validation} validation sequences cannot fill one batch of "
-                                f"{batch_size} on each of {world} processes; add validation text.")
+        per_batch, n_batches = self._validation_shape(batch_size, max_batches, world)
         for b in range(rank, n_batches, world):
-            rows = [self._window(self.validation, j) for j in range(b * batch_size, (b + 1) * batch_size)]
+            rows = [self._window(self.validation, j, self.val_len) for j in range(b * per_batch, (b + 1) * per_batch)]
             yield torch.from_numpy(np.stack(rows).astype(np.int64))
+
+    def validation_note(self, batch_size: int, max_batches: int, world: int = 1) -> str | None:
+        """A line saying that validation runs on less than asked (short held-out text); None when it does not."""
+        per_batch, n_batches = self._validation_shape(batch_size, max_batches, world)
+        used, asked = per_batch * n_batches, batch_size * max_batches * world
+        if used == asked and self.val_len == self.seq_len:
+            return None
+        return (f"validation runs on {used} sequence(s) of {self.val_len} tokens, all the held-out text holds: less "
+                f"than the {asked} of {self.seq_len} tokens asked (train.eval_batches x train.batch_size x processes). "
+                "Add validation text or raise data.validation_fraction for a steadier measure.")
 
 
 # ----------------------------------------------------------------------------------------------- preparing
@@ -168,18 +190,55 @@ def resolve_source(entry: str) -> Source:
     if entry.startswith("hub:"):
         name, _, config = entry[4:].partition(":")
         return Source("hub", [name, config])
-    path = os.path.expanduser(entry)
-    files = sorted(glob.glob(path, recursive=True)) if any(c in path for c in "*?[") else [path]
-    files = [f for f in files if os.path.isfile(f)]
+    files = _match_files(entry)
     if not files:
-        raise SparsifyError(f"data source {entry!r} matches no file; give existing files or globs "
-                            "(e.g. data/text/*.txt), or hub:NAME for a Hub dataset.")
+        raise SparsifyError(f"data source {entry!r} {_no_file(entry)}")
     suffixes = {Path(f).suffix.lower() for f in files}
     builders = {BUILDERS.get(s) for s in suffixes}
     if None in builders or len(builders) != 1:
         raise SparsifyError(f"data source {entry!r} holds files of types {sorted(suffixes)}; each entry must be "
                             f"one type among {sorted(BUILDERS)}. Split it into one entry per type.")
     return Source(builders.pop(), files)
+
+
+def _match_files(entry: str) -> list[str]:
+    """The files a local data entry names (a glob's matches, sorted; `**` recurses)."""
+    path = os.path.expanduser(entry)
+    files = sorted(glob.glob(path, recursive=True)) if any(c in path for c in "*?[") else [path]
+    return [f for f in files if os.path.isfile(f)]
+
+
+def _no_file(entry: str, fetch: str = "") -> str:
+    """Why an entry matched nothing, with the fix: the recipe's data.fetch command when it has one."""
+    path = Path(entry).expanduser()
+    if path.is_dir():
+        return (f"is a folder: name its files with a glob (e.g. {entry.rstrip('/')}/**/*.txt), or give a folder "
+                "prepared by an earlier run (OUTPUT/data) as the only data.train entry.")
+    where = "" if path.is_absolute() else f" (relative to the current folder {Path.cwd()})"
+    if fetch.strip():
+        command = "\n".join("      " + line for line in fetch.strip().splitlines())
+        return (f"matches no file{where}. This recipe's data.fetch gets the data; run it from {Path.cwd()}, then "
+                f"run again:\n{command}")
+    return f"matches no file{where}; give existing files or globs (e.g. data/text/*.txt), or hub:NAME for a Hub dataset."
+
+
+def source_problems(cfg: DataSection) -> list[str]:
+    """Every problem with the local entries of data.train / data.validation, found without reading any text:
+    entries that match no file (with the recipe's data.fetch command when it has one) or mix file types."""
+    if len(cfg.train) == 1 and not cfg.validation and _is_prepared(Path(cfg.train[0]).expanduser()):
+        return []
+    problems, fetch = [], cfg.fetch
+    for key, entries in (("data.train", cfg.train), ("data.validation", cfg.validation)):
+        for entry in entries:
+            if not entry.startswith("hub:") and not _match_files(entry):
+                problems.append(f"{key}: {entry!r} {_no_file(entry, fetch)}")
+                fetch = ""  # the command once, with the first missing entry
+                continue
+            try:
+                resolve_source(entry)
+            except SparsifyError as err:
+                problems.append(f"{key}: {err}")
+    return problems
 
 
 def _key(cfg: DataSection, train: list[Source], val: list[Source], fingerprint: str) -> str:

@@ -60,6 +60,10 @@ class DataSection:
     )
     num_proc: int = doc(0, "Processes for tokenisation (datasets.map num_proc); 0 = one per CPU core, capped at 16.")
     seed: int = doc(0, "Seed of the sequence order (reshuffled each epoch) and of the validation hold-out.")
+    fetch: str = doc(
+        "", "Shell command that fetches the local files of data.train / data.validation; when they match no file, "
+        "the error shows it to run. Recipes whose text needs a download fill it in.",
+    )
 
 
 @dataclass
@@ -256,7 +260,9 @@ def _unknown(key: str, choices: list[str]) -> str:
     return f"{key}: unknown key; {fix}"
 
 
-def _build(raw: dict, errors: list[str]) -> Recipe:
+def _build(raw: dict, errors: list[str], bad: set[str]) -> Recipe:
+    """The Recipe of `raw`; a value of the wrong type is reported in `errors`, its key added to `bad` and its
+    default used in its place, so the other keys can still be checked in the same round."""
     sections = {}
     for name, raw_section in raw.items():
         if name not in SECTIONS:
@@ -266,12 +272,13 @@ def _build(raw: dict, errors: list[str]) -> Recipe:
             raw_section = {}
         if not isinstance(raw_section, dict):
             errors.append(f"{name}: expected a mapping of keys, got {type(raw_section).__name__}; write `{name}:` then indented `key: value` lines")
+            bad.add(f"{name}.*")
             continue
-        sections[name] = _build_section(name, raw_section, errors)
+        sections[name] = _build_section(name, raw_section, errors, bad)
     return Recipe(**sections)
 
 
-def _build_section(name: str, raw: dict, errors: list[str]) -> Any:
+def _build_section(name: str, raw: dict, errors: list[str], bad: set[str]) -> Any:
     fields = _fields(SECTIONS[name])
     values = {}
     for key, value in raw.items():
@@ -284,6 +291,7 @@ def _build_section(name: str, raw: dict, errors: list[str]) -> Any:
         except (TypeError, ValueError) as e:
             reason = str(e) if "expected" in str(e) else f"expected {_type_name(tp)}"
             errors.append(f"{name}.{key}: got {value!r} ({type(value).__name__}); {reason}")
+            bad.add(f"{name}.{key}")
     return SECTIONS[name](**values)
 
 
@@ -304,51 +312,102 @@ def _apply_override(raw: dict, override: str, errors: list[str]) -> None:
         errors.append(f"override {override!r}: `{parts[0]}` is not a section in the recipe file")
 
 
-def _check_values(r: Recipe) -> list[str]:
-    """Problems with values that have the right type but make no sense; each names the fix."""
-    e = []
+def _check_values(r: Recipe) -> list[tuple[tuple[str, ...], str]]:
+    """Problems with values that have the right type but make no sense: (keys involved, message naming the fix)."""
+    e: list[tuple[tuple[str, ...], str]] = []
     t = r.train
     positive = {"train.seq_len": t.seq_len, "train.batch_size": t.batch_size, "train.grad_accum": t.grad_accum,
                 "train.lr": t.lr, "train.log_every": t.log_every, "train.eval_batches": t.eval_batches,
                 "train.keep_checkpoints": t.keep_checkpoints, "sparsity.plateau_window": r.sparsity.plateau_window}
-    e += [f"{k}: got {v}; must be > 0" for k, v in positive.items() if v <= 0]
+    e += [((k,), f"{k}: got {v}; must be > 0") for k, v in positive.items() if v <= 0]
     non_negative = {"train.warmup_steps": t.warmup_steps, "train.weight_decay": t.weight_decay,
                     "train.clip": t.clip, "train.save_every": t.save_every, "train.eval_every": t.eval_every,
                     "train.profile_steps": t.profile_steps,
                     "sparsity.l1": r.sparsity.l1, "sparsity.ramp_steps": r.sparsity.ramp_steps,
                     "sparsity.plateau_tolerance": r.sparsity.plateau_tolerance, "distill.kd": r.distill.kd,
                     "lora.r": r.lora.r, "data.num_proc": r.data.num_proc}
-    e += [f"{k}: got {v}; must be >= 0" for k, v in non_negative.items() if v < 0]
+    e += [((k,), f"{k}: got {v}; must be >= 0") for k, v in non_negative.items() if v < 0]
     if t.max_steps is None and t.max_tokens is None:
-        e.append("train: neither max_steps nor max_tokens is set; set one, e.g. train.max_tokens=50_000_000")
+        e.append((("train.max_steps", "train.max_tokens"),
+                  "train: neither max_steps nor max_tokens is set; set one, e.g. train.max_tokens=50_000_000"))
     for k in ("max_steps", "max_tokens"):
         if getattr(t, k) is not None and getattr(t, k) < 0:
-            e.append(f"train.{k}: got {getattr(t, k)}; must be >= 0")
+            e.append(((f"train.{k}",), f"train.{k}: got {getattr(t, k)}; must be >= 0"))
     if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
-        e.append(f"train.betas: got {t.betas}; expected two numbers in [0, 1), e.g. [0.9, 0.95]")
+        e.append((("train.betas",), f"train.betas: got {t.betas}; expected two numbers in [0, 1), e.g. [0.9, 0.95]"))
     if not 0 <= t.min_lr_ratio <= 1:
-        e.append(f"train.min_lr_ratio: got {t.min_lr_ratio}; must be in [0, 1]")
+        e.append((("train.min_lr_ratio",), f"train.min_lr_ratio: got {t.min_lr_ratio}; must be in [0, 1]"))
     if not 0 <= r.data.validation_fraction < 0.5:
-        e.append(f"data.validation_fraction: got {r.data.validation_fraction}; must be in [0, 0.5)")
+        e.append((("data.validation_fraction",),
+                  f"data.validation_fraction: got {r.data.validation_fraction}; must be in [0, 0.5)"))
     if r.data.max_tokens is None and any(x.startswith("hub:") for x in r.data.train + r.data.validation):
-        e.append("data.max_tokens: not set while data.train streams a Hub dataset; set how many tokens to read, "
-                 "e.g. data.max_tokens=1_000_000_000")
+        e.append((("data.max_tokens", "data.train", "data.validation"),
+                  "data.max_tokens: not set while data.train streams a Hub dataset; set how many tokens to read, "
+                  "e.g. data.max_tokens=1_000_000_000"))
     if not r.data.train:
-        e.append("data.train: empty; list text files, globs or hub:NAME datasets, e.g. data.train=docs/*.txt")
+        e.append((("data.train",),
+                  "data.train: empty; list text files, globs or hub:NAME datasets, e.g. data.train=docs/*.txt"))
     if r.sparsity.schedule == "ramp" and r.sparsity.ramp_steps == 0:
-        e.append("sparsity.ramp_steps: 0 with schedule `ramp`; set the ramp length, e.g. sparsity.ramp_steps=200")
+        e.append((("sparsity.schedule", "sparsity.ramp_steps"),
+                  "sparsity.ramp_steps: 0 with schedule `ramp`; set the ramp length, e.g. sparsity.ramp_steps=200"))
     if r.distill.temperature <= 0:
-        e.append(f"distill.temperature: got {r.distill.temperature}; must be > 0")
+        e.append((("distill.temperature",), f"distill.temperature: got {r.distill.temperature}; must be > 0"))
     if not 0 <= r.lora.dropout < 1:
-        e.append(f"lora.dropout: got {r.lora.dropout}; must be in [0, 1)")
+        e.append((("lora.dropout",), f"lora.dropout: got {r.lora.dropout}; must be in [0, 1)"))
     return e
 
 
-def load_recipe(source: str | Path | dict | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+def _check_paths(r: Recipe) -> list[tuple[tuple[str, ...], str]]:
+    """What is missing on disk (model source, data files), told without loading a model or reading the text."""
+    from .architectures import activation_of
+    from .data import source_problems  # data.py imports this module: import it when first needed
+    from .sources import local_config, source_problem
+
+    e = [(("data.train", "data.validation"), msg) for msg in source_problems(r.data)]
+    problem = source_problem(r.model.source)
+    if problem:
+        e.append((("model.source",), f"model.source: {problem}"))
+    config = local_config(r.model.source)
+    if config is None:
+        return e
+    try:
+        activation = activation_of(config)
+    except SparsifyError as err:  # a family convert and finetune do not handle
+        return e + [(("model.source",), f"model.source: {err}")]
+    if r.distill.kd > 0 and activation == "relu" and config.get("sparsify", {}).get("source_activation") in (None, "relu"):
+        e.append((("model.source", "distill.kd"),
+                  f"distill.kd: {r.distill.kd} needs the original dense model, but {r.model.source} is a ReLU folder "
+                  "that does not record its source activation (config.json sparsify.source_activation); give the "
+                  "SiLU source as model.source (it is converted first), or set distill.kd=0."))
+    return e
+
+
+def recipe_problems(recipe: Recipe, *, check_paths: bool = True, skip: set[str] = frozenset()) -> list[str]:
+    """Every problem of a well-typed recipe that can be found without loading a model: values out of range, and
+    (check_paths) a missing model source or data file. Checks involving a key in `skip` ("section.key" or
+    "section.*": keys whose value had the wrong type) are left out."""
+    found = _check_values(recipe) + (_check_paths(recipe) if check_paths else [])
+    return [msg for keys, msg in found if not any(k in skip or f"{k.split('.')[0]}.*" in skip for k in keys)]
+
+
+def raise_problems(where: str, errors: list[str]) -> None:
+    """One SparsifyError listing every problem (nothing to do when there is none)."""
+    if errors:
+        listing = "\n".join(f"  - {msg}" for msg in errors)
+        raise SparsifyError(f"{where} has {len(errors)} problem(s):\n{listing}\n"
+                            f"Fix them in the file or override on the command line (section.key=value); "
+                            f"`sparsify finetune --help` lists every key.")
+
+
+def load_recipe(source: str | Path | dict | None = None, overrides: list[str] | tuple[str, ...] = (), *,
+                check_paths: bool = True) -> Recipe:
     """Reads a recipe (YAML path, mapping, or None for the defaults), applies `section.key=value` overrides.
 
+    check_paths: also check that the model source and the local data files exist (off only to print or
+    compare a recipe on a machine without them).
+
     Raises:
-        SparsifyError: listing every unknown key, wrongly typed value and invalid setting at once.
+        SparsifyError: listing every unknown key, wrongly typed value, invalid setting and missing file at once.
     """
     where = "the recipe"
     if source is None:
@@ -368,16 +427,12 @@ def load_recipe(source: str | Path | dict | None = None, overrides: list[str] | 
         raise SparsifyError(f"{where}: expected a mapping of sections ({', '.join(SECTIONS)}), got {type(raw).__name__}")
     raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}  # overrides must not touch the caller's dict
     errors: list[str] = []
+    bad: set[str] = set()
     for override in overrides:
         _apply_override(raw, override, errors)
-    recipe = _build(raw, errors)
-    if not errors:  # value checks only make sense once every field has its type
-        errors += _check_values(recipe)
-    if errors:
-        listing = "\n".join(f"  - {msg}" for msg in errors)
-        raise SparsifyError(f"{where} has {len(errors)} problem(s):\n{listing}\n"
-                            f"Fix them in the file or override on the command line (section.key=value); "
-                            f"`sparsify finetune --help` lists every key.")
+    recipe = _build(raw, errors, bad)
+    errors += recipe_problems(recipe, check_paths=check_paths, skip=bad)
+    raise_problems(where, errors)
     return recipe
 
 

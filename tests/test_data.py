@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sparsify.data import TokenData, prepare_data, resolve_source
+from sparsify.data import TokenData, prepare_data, resolve_source, source_problems
 from sparsify.errors import SparsifyError
 from sparsify.recipe import DataSection
 
@@ -114,6 +114,48 @@ def test_bad_sources_are_explained(tmp_path):
         resolve_source(str(tmp_path / "*"))
     assert resolve_source("hub:HuggingFaceFW/fineweb-edu:sample-10BT").files == ["HuggingFaceFW/fineweb-edu",
                                                                                   "sample-10BT"]
+
+
+def test_source_problems_found_without_reading_text(prepared, tmp_path, monkeypatch):
+    """Every missing or mixed entry, with the recipe's fetch command once; a prepared folder alone is fine."""
+    _, folder = prepared
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.txt").write_text("x")
+    (tmp_path / "b.csv").write_text("x")
+    cfg = DataSection(train=["a.txt", "gone/*.txt", "hub:x/y"], validation=["*", "also-gone.txt"],
+                      fetch="mkdir gone\necho hi > gone/a.txt")
+    problems = source_problems(cfg)
+    assert len(problems) == 3, problems
+    assert problems[0].startswith(f"data.train: 'gone/*.txt' matches no file (relative to the current folder {tmp_path})")
+    assert f"data.fetch gets the data; run it from {tmp_path}" in problems[0]
+    assert "\n      mkdir gone\n      echo hi > gone/a.txt" in problems[0]
+    assert problems[1].startswith("data.validation: data source '*' holds files of types ['.csv', '.txt']")
+    assert problems[2].startswith("data.validation: 'also-gone.txt' matches no file") and "fetch" not in problems[2]
+    assert "is a folder: name its files with a glob" in source_problems(DataSection(train=[str(tmp_path)]))[0]
+    assert source_problems(DataSection(train=[str(folder)])) == []
+
+
+def test_short_validation_text_is_used_whole_not_refused(tmp_path):
+    """A held-out stream with fewer sequences than one batch (or fewer tokens than one window) is evaluated on
+    what it holds, and the note says so; nothing to validate on at all is still an error."""
+    meta = {"format": "sparsify-tokens/1", "dtype": "uint16"}
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    np.arange(1000, dtype=np.uint16).tofile(tmp_path / "train.bin")
+    np.arange(70, dtype=np.uint16).tofile(tmp_path / "validation.bin")
+    d = TokenData(tmp_path, 32, seed=0)  # 69 // 32 = 2 validation sequences
+    assert d.n_validation == 2 and d.val_len == 32
+    batches = list(d.validation_batches(4, 16))
+    assert [b.shape for b in batches] == [(2, 33)]
+    assert batches[0][1].tolist() == list(range(32, 65))
+    assert "runs on 2 sequence(s) of 32 tokens" in d.validation_note(4, 16) and d.validation_note(2, 1) is None
+    short = TokenData(tmp_path, 128, seed=0)  # 70 tokens: one window of 69 + 1
+    assert short.val_len == 69 and [b.shape for b in short.validation_batches(4, 16)] == [(1, 70)]
+    assert "of 69 tokens" in short.validation_note(4, 16)
+    with pytest.raises(SparsifyError, match="cannot give one to each of 4 processes"):
+        list(d.validation_batches(1, 1, rank=0, world=4))
+    np.arange(1, dtype=np.uint16).tofile(tmp_path / "validation.bin")
+    with pytest.raises(SparsifyError, match="1 validation tokens leave nothing to validate on"):
+        TokenData(tmp_path, 32, seed=0)
 
 
 def test_incomplete_token_folder_is_explained(prepared, tmp_path):

