@@ -7,6 +7,8 @@ it; every task is built once before any model loads, so missing data fails fast.
 
 from __future__ import annotations
 
+import logging
+import math
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -142,11 +144,42 @@ def check_tasks(spec: TaskSpec) -> None:
 
 
 # --------------------------------------------------------------------------------------------- accuracy
+# Metrics whose per-item score is 0 or 1, so the task value is a proportion p over n items and its standard
+# error is sqrt(p (1 - p) / (n - 1)): what lm-eval's mean_stderr gives for them, computed here because
+# sparsify runs lm-eval without bootstrapping (bootstrap_iters=0 skips every stderr, and bootstrapping other
+# metrics starts a process pool per task).
+PROPORTION_METRICS = ("acc", "acc_norm", "acc_mutual_info", "exact_match")
+# lm-eval warns, once per HFLM, that it was handed a model object instead of a name. That is what sparsify
+# does on purpose (one process; each model is loaded once and shared by every section), so exactly these two
+# messages are dropped; every other lm-eval message still shows.
+EXPECTED_LM_EVAL_WARNINGS = ("Passed an already-initialized model through `pretrained`",
+                             "`pretrained` model kwarg is not of type `str`")
+
+
+class _DropExpectedWarnings(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(EXPECTED_LM_EVAL_WARNINGS)
+
+
+def silence_expected_warnings() -> None:
+    """Drop EXPECTED_LM_EVAL_WARNINGS from lm-eval's HF model logger (once per process)."""
+    log = logging.getLogger("lm_eval.models.huggingface")
+    if not any(isinstance(f, _DropExpectedWarnings) for f in log.filters):
+        log.addFilter(_DropExpectedWarnings())
+
+
+def proportion_stderr(p: float, n: int) -> float | None:
+    """Standard error of a proportion p measured on n items (None below 2 items)."""
+    return math.sqrt(max(p * (1 - p), 0.0) / (n - 1)) if n >= 2 else None
+
+
 def accuracy(model: Any, tok: Any, spec: TaskSpec, limit: int | None, batch_size: int) -> dict[str, dict]:
-    """lm-eval in-process on the loaded model; returns {task: {metric: value, "samples": n}}."""
+    """lm-eval in-process on the loaded model; returns {task: {metric: value, "<metric>_stderr": standard
+    error (PROPORTION_METRICS only), "samples": n}}."""
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
+    silence_expected_warnings()
     lm = HFLM(pretrained=model, tokenizer=tok, batch_size=batch_size)
     out = simple_evaluate(model=lm, tasks=list(spec.names), task_manager=spec.manager(), limit=limit,
                           bootstrap_iters=0, log_samples=False)
@@ -155,6 +188,9 @@ def accuracy(model: Any, tok: Any, spec: TaskSpec, limit: int | None, batch_size
         row = {k.split(",")[0]: float(v) for k, v in metrics.items()
                if "," in k and "stderr" not in k and isinstance(v, (int, float))}
         samples = out.get("n-samples", {}).get(task, {})
-        row["samples"] = int(samples.get("effective", samples.get("original", 0)))
+        n = int(samples.get("effective", samples.get("original", 0)))
+        for metric in [m for m in row if m in PROPORTION_METRICS]:
+            row[f"{metric}_stderr"] = proportion_stderr(row[metric], n)
+        row["samples"] = n
         results[task] = row
     return results

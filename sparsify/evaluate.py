@@ -18,11 +18,15 @@ Writes report.json (with provenance), report.md and PNG plots into the output fo
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import gc
 import json
 import logging
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,7 +35,7 @@ from .accuracy import PAPER_TASKS, TaskSpec, accuracy, check_tasks, resolve_task
 from .convert import is_hub_id, load_gguf
 from .errors import SparsifyError
 from .folder import MODELING_FILE
-from .perplexity import check_texts, model_window, texts_section
+from .perplexity import HELDOUT_TEXT, check_texts, model_window, texts_section
 from .speed import SpeedGrid, speed_section, speed_tokens
 
 logger = logging.getLogger("sparsify")
@@ -182,7 +186,6 @@ def installed_modeling() -> Any:
     here the installed sparsify.kernels package, so its `from .twell_ops import ...` finds the toolkit's own
     kernels. Nothing from a model folder is imported."""
     import importlib.util
-    import sys
 
     name = f"sparsify.kernels.{MODELING_FILE[:-3]}"
     if name not in sys.modules:
@@ -244,7 +247,6 @@ def provenance(device: str) -> dict:
     import importlib.metadata as md
     import platform
     import subprocess
-    import sys
 
     import torch
 
@@ -302,9 +304,10 @@ class EvalSettings:
     dtype: str = "auto"
     trust_remote_code: bool = False  # run the modeling code a model ships (sparsify folders never need it)
     grid: SpeedGrid = field(default_factory=SpeedGrid)
+    progress: bool = True  # False: no progress bars at all, lm-eval's and transformers' included
 
 
-def evaluate(models: list[str | Path], *, tasks: list[str] | None = None, texts: list[str | Path] = (),
+def evaluate(models: list[str | Path], *, tasks: list[str] | None = None, texts: list[str | Path] | None = None,
              limit: int | None = None, speed: bool = False, out: str | Path | None = None,
              **options: Any) -> dict:
     """Evaluate one or more models side by side and (if `out`) write report.json, report.md and plots.
@@ -313,17 +316,20 @@ def evaluate(models: list[str | Path], *, tasks: list[str] | None = None, texts:
         models: model folders, .gguf files or Hub ids, each optionally labelled `NAME=PATH`.
         tasks: lm-eval task names and/or local task YAML files/folders; None = the paper's seven
             (needs the Hub); [] or ["none"] = no accuracy section.
-        texts: text files for perplexity, bits per byte and the sparsity profile.
+        texts: text files for perplexity, bits per byte and the sparsity profile; None = the held-out
+            text bundled with sparsify (perplexity.HELDOUT_TEXT); [] = no text section.
         limit: at most this many examples per task.
         speed: time prefill/decode, TwELL vs dense (CUDA only; on CPU the section says so).
         out: output folder; files are replaced atomically.
         **options: EvalSettings fields (batch_size, window, text_tokens, device, dtype, trust_remote_code,
-            grid). dtype: auto, bf16/bfloat16, fp16/float16 or fp32/float32. trust_remote_code: run the
+            grid, progress). dtype: auto, bf16/bfloat16, fp16/float16 or fp32/float32. trust_remote_code: run the
             modeling code a Hub model or folder ships; without it such code never runs (sparsify folders
             load with sparsify's installed modeling code either way, never the folder's copy).
     Returns:
         The report dict (what report.json holds).
     """
+    bundled = texts is None
+    texts = [HELDOUT_TEXT] if bundled else texts
     settings = EvalSettings(tasks=tasks, texts=[str(t) for t in texts], limit=limit, speed=speed, **options)
     torch_dtype(settings.dtype, "cpu")  # an unknown --dtype fails before any model is loaded
     specs = parse_models(list(models))
@@ -332,9 +338,11 @@ def evaluate(models: list[str | Path], *, tasks: list[str] | None = None, texts:
     with tempfile.TemporaryDirectory(prefix="sparsify-tasks-") as tmp:
         task_spec = resolve_tasks(tasks, Path(tmp))
         check_tasks(task_spec)
-        rows = _run_all(specs, task_spec, text_paths, settings, device)
+        with quiet_bars(not settings.progress):
+            rows = _run_all(specs, task_spec, text_paths, settings, device)
     report = {"sparsify_report": 1, "provenance": provenance(device),
-              "settings": {**asdict(settings), "device": device, "task_names": task_spec.names},
+              "settings": {**asdict(settings), "device": device, "task_names": task_spec.names,
+                           "texts_bundled": bundled},
               "models": rows}
     if out is not None:
         from .report import write_report
@@ -343,13 +351,36 @@ def evaluate(models: list[str | Path], *, tasks: list[str] | None = None, texts:
     return report
 
 
+@contextlib.contextmanager
+def quiet_bars(quiet: bool) -> Iterator[None]:
+    """With `quiet`, no tqdm progress bar shows while the block runs, ours or a library's: lm-eval builds some
+    bars with no way to turn them off, so tqdm's constructor is made to pass disable=True (restored after)."""
+    if not quiet:
+        yield
+        return
+    from tqdm import std
+
+    saved, init = std.tqdm.__dict__["__init__"], std.tqdm.__init__  # the class attribute as it is, and as called
+
+    @functools.wraps(init)
+    def disabled(self, *args, **kwargs):
+        kwargs["disable"] = True
+        init(self, *args, **kwargs)
+
+    std.tqdm.__init__ = disabled
+    try:
+        yield
+    finally:
+        std.tqdm.__init__ = saved
+
+
 def _run_all(specs: list[ModelSpec], task_spec: TaskSpec, texts: list[Path], settings: EvalSettings,
              device: str) -> list[dict]:
     from tqdm.auto import tqdm
 
     stages = ["load"] + ["accuracy"] * bool(task_spec.names) + ["text"] * bool(texts) + ["speed"] * settings.speed
     rows = []
-    with tqdm(total=len(specs) * len(stages), desc="sparsify eval", unit="stage") as bar:
+    with tqdm(total=len(specs) * len(stages), desc="sparsify eval", unit="stage", disable=not settings.progress) as bar:
         for spec in specs:
             rows.append(_run_one(spec, task_spec, texts, settings, device, stages, bar))
     return rows
@@ -407,7 +438,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(offline: eval/tasks/); 'none' skips accuracy. Default: {','.join(PAPER_TASKS)} "
                              "(the paper's suite; needs the Hub)")
     parser.add_argument("--text", nargs="+", action="extend", default=[], metavar="FILE",
-                        help="text files for perplexity, bits per byte and the sparsity profile")
+                        help="text files for perplexity, bits per byte and the sparsity profile (default: the "
+                             f"held-out text bundled with sparsify, {HELDOUT_TEXT.name}; 'none' skips them)")
     parser.add_argument("--limit", type=int, default=None, help="at most N examples per task (quick runs)")
     parser.add_argument("--speed", action="store_true", help="time prefill/decode, TwELL vs dense (CUDA only)")
     parser.add_argument("--out", default="eval-report", help="output folder (default: %(default)s)")
@@ -427,6 +459,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speed-batches", type=_ints, default=SpeedGrid.batches, help="prefill batch sizes, e.g. 1,8,32")
     parser.add_argument("--speed-seqs", type=_ints, default=SpeedGrid.seqs, help="prefill sequence lengths, e.g. 512,2048")
     parser.add_argument("--decode-batches", type=_ints, default=SpeedGrid.decode_batches, help="decode batch sizes")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars (errors and warnings still show)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -434,12 +467,16 @@ def main(args: argparse.Namespace) -> int:
         raise SparsifyError(f"--limit {args.limit}: must be a positive number of examples.")
     tasks = None if args.tasks is None else [t.strip() for t in args.tasks.split(",") if t.strip()]
     grid = SpeedGrid(batches=args.speed_batches, seqs=args.speed_seqs, decode_batches=args.decode_batches)
-    report = evaluate(args.models, tasks=tasks, texts=args.text, limit=args.limit, speed=args.speed,
+    texts = None if not args.text else [] if [t.lower() for t in args.text] == ["none"] else args.text
+    if texts is None:
+        print(f"sparsify eval: no --text given, so perplexity and the sparsity profile are measured on the "
+              f"held-out text bundled with sparsify ({HELDOUT_TEXT.name}: Python HOWTO documents); pass --text "
+              "FILE for your own, or --text none to skip them.", file=sys.stderr)
+    report = evaluate(args.models, tasks=tasks, texts=texts, limit=args.limit, speed=args.speed,
                       out=args.out, batch_size=args.batch_size, window=args.window,
                       text_tokens=args.text_tokens or None, device=args.device, dtype=args.dtype,
-                      trust_remote_code=args.trust_remote_code, grid=grid)
-    from .report import render_markdown
+                      trust_remote_code=args.trust_remote_code, grid=grid, progress=not args.quiet)
+    from .report import summary
 
-    print(render_markdown(report))
-    print(f"wrote {Path(args.out) / 'report.json'}, report.md and plots")
+    print(summary(report, Path(args.out)))
     return 0

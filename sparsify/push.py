@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .convert import is_hub_id
+from .report import is_metric
 from .errors import SparsifyError
 
 # Top-level files that belong to a model folder. Anything else (sub-folders such as checkpoints/,
@@ -273,7 +274,7 @@ def _index_results(row: dict) -> list[dict]:
         return {"task": {"type": "text-generation", "name": "Text Generation"}, "dataset": {"name": name, "type": kind},
                 "metrics": values, "source": source} if values else None
 
-    results = [entry(task, task, {k: v for k, v in sorted(m.items()) if k != "samples"})
+    results = [entry(task, task, {k: v for k, v in sorted(m.items()) if is_metric(k)})
                for task, m in sorted((row.get("accuracy") or {}).items())]
     summary = (row.get("sparsity") or {}).get("summary") or {}
     for text, ppl in sorted((row.get("perplexity") or {}).items()):
@@ -319,12 +320,13 @@ dense = AutoModelForCausalLM.from_pretrained("{repo_id}", revision=revision)
 
 def _results_section(report: dict, row: dict) -> str:
     """The report's numbers for this model only; every number comes from report.json."""
-    from .report import _fmt, _table
+    from .report import _fmt, _table, with_stderr
 
     parts = ["## Evaluation (`sparsify eval`)"]
     if row.get("accuracy"):
-        rows = [[t, k, v] for t, m in sorted(row["accuracy"].items()) for k, v in sorted(m.items())]
-        parts.append(_table(["task", "metric", "value"], rows))
+        rows = [[t, k, with_stderr(m, k), m.get("samples")] for t, m in sorted(row["accuracy"].items())
+                for k in sorted(m) if is_metric(k)]
+        parts.append(_table(["task", "metric", "value (± standard error)", "items"], rows))
     if row.get("perplexity"):
         parts.append(_table(["text", "tokens", "perplexity", "bits per byte"],
                             [[t, p["tokens"], p["perplexity"], p["bits_per_byte"]] for t, p in row["perplexity"].items()]))
@@ -332,12 +334,14 @@ def _results_section(report: dict, row: dict) -> str:
     if summary:
         reuse = ", ".join(f"R({bt}) {_fmt(v, 2)}" for bt, v in (summary.get("reuse") or {}).items())
         tile, slots = row["sparsity"].get("tile"), row["sparsity"].get("slots")  # the layout eval measured against
-        layout = (f"{tile}-column tile", f"TwELL holds {slots} per tile; ") if tile and slots else ("tile", "")
+        block = f"{tile}-neuron block" if tile else "neuron block"
         parts.append(f"Activation sparsity over {row['sparsity'].get('tokens')} tokens: {_fmt(summary['nnz_mean'], 1)} "
-                     f"non-zeros per token per layer on average ({_fmt(100 * summary['zeros'], 2)}% zeros), "
-                     f"{_fmt(100 * summary['dead_frac'], 1)}% dead neurons, largest (row, {layout[0]}) count "
-                     f"{summary['tile_max']} ({layout[1]}overflow rate {_fmt(summary['overflow_rate'], 4)}), "
-                     f"union reuse {reuse}.")
+                     f"non-zeros per token per layer on average ({_fmt(100 * summary['zeros'], 2)}% of the FFN "
+                     f"hidden activations are exactly zero), {_fmt(100 * summary['dead_frac'], 1)}% of neurons never "
+                     f"active on this text. At most {summary['tile_max']} active neurons of one token fall in one "
+                     f"{block}; {_fmt(100 * summary['overflow_rate'], 2)}% of (token, block) pairs hold more than the "
+                     f"{slots or ''} values TwELL stores per block and are computed again on a slower path. "
+                     f"Weight-row reuse (tokens sharing each loaded weight row, per block of BT tokens): {reuse}.")
     speed = row.get("speed") or {}
     ratios = (speed.get("speedup") or {}).get("prefill") or []
     if ratios:

@@ -58,7 +58,7 @@ def render_markdown(report: dict) -> str:
     parts = ["# sparsify eval report", "", _models_table(models), ""]
     for title, body in (("Accuracy (lm-eval)", _accuracy_table(models, names)),
                         ("Perplexity", _perplexity_table(models, names)),
-                        ("Activation sparsity (h = act(gate) * up, input of down_proj)", _sparsity_table(models, names)),
+                        ("Activation sparsity (h = act(gate) * up, the input of down_proj)", _sparsity_table(models, names)),
                         ("Speed", _speed_tables(models))):
         if body:
             parts += [f"## {title}", "", body, ""]
@@ -79,11 +79,23 @@ def _accuracy_table(models: list[dict], names: list[str]) -> str:
         return ""
     rows = []
     for task in tasks:
-        metrics = sorted({k for m in models for k in m["accuracy"].get(task, {}) if k != "samples"})
+        metrics = sorted({k for m in models for k in m["accuracy"].get(task, {}) if is_metric(k)})
         for metric in metrics:
             samples = max(m["accuracy"].get(task, {}).get("samples", 0) for m in models)
-            rows.append([task, metric, samples] + [m["accuracy"].get(task, {}).get(metric) for m in models])
-    return _table(["task", "metric", "n"] + names, rows)
+            rows.append([task, metric, samples] + [with_stderr(m["accuracy"].get(task, {}), metric) for m in models])
+    note = ("\n\n± is the standard error of a proportion over n items, sqrt(p (1 - p) / (n - 1)): with few items, "
+            "differences smaller than about two of them are noise." if any("±" in str(c) for r in rows for c in r) else "")
+    return _table(["task", "metric", "n"] + names, rows) + note
+
+
+def is_metric(key: str) -> bool:
+    return key != "samples" and not key.endswith("_stderr")
+
+
+def with_stderr(results: dict, metric: str) -> Any:
+    """`0.450 ± 0.114` when the metric has a standard error, else the value."""
+    value, err = results.get(metric), results.get(f"{metric}_stderr")
+    return f"{_fmt(value)} ± {_fmt(err)}" if value is not None and err is not None else value
 
 
 def _perplexity_table(models: list[dict], names: list[str]) -> str:
@@ -93,26 +105,45 @@ def _perplexity_table(models: list[dict], names: list[str]) -> str:
         first = next(m["perplexity"][text] for m in models if text in m["perplexity"])
         for key in ("perplexity", "bits_per_byte"):
             rows.append([text, key, first["tokens"]] + [m["perplexity"].get(text, {}).get(key) for m in models])
-    return _table(["text", "metric", "tokens"] + names, rows) if rows else ""
+    if not rows:
+        return ""
+    windows = sorted({p.get("window") for m in models for p in m["perplexity"].values() if p.get("window")})
+    note = (f"\n\nWindows of {'/'.join(map(str, windows))} tokens moved by half a window: each token is scored once, "
+            f"and every token past the first window has at least {windows[0] // 2} tokens of context before it. "
+            "`sparsify finetune` logs its validation perplexity on non-overlapping windows of train.seq_len tokens, "
+            "where a token has half a window of context on average, so on the same text it reads higher than "
+            "here." if windows else "")
+    return _table(["text", "metric", "tokens"] + names, rows) + note
 
 
 def _sparsity_table(models: list[dict], names: list[str]) -> str:
     sums = [m.get("sparsity", {}).get("summary") or {} for m in models]
     if not any(sums):
         return ""
-    keys = [("nnz_mean", "non-zeros per token (mean over layers)"), ("nnz_p99_max", "p99 non-zeros (worst layer)"),
-            ("nnz_max", "max non-zeros per token"), ("zeros", "zeros (fraction)"), ("dead_frac", "dead neurons (fraction)"),
-            ("tile_max", "largest (row, tile) count"), ("overflow_rate", "(row, tile)s over the TwELL slots")]
+    tile = next((m["sparsity"].get("tile") for m in models if (m.get("sparsity") or {}).get("tile")), None)
+    slots = next((m["sparsity"].get("slots") for m in models if (m.get("sparsity") or {}).get("slots")), None)
+    block = f"{tile}-neuron block" if tile else "neuron block"
+    keys = [("nnz_mean", "active neurons per token (non-zeros of h, mean over layers)"),
+            ("nnz_p99_max", "active neurons per token, 99th percentile (worst layer)"),
+            ("nnz_max", "active neurons per token, most seen"),
+            ("zeros", "share of h that is exactly zero"),
+            ("dead_frac", "share of neurons never active on this text (dead)"),
+            ("tile_max", f"most active neurons of one token in one {block}"),
+            ("overflow_rate", f"share of (token, {block}) pairs over the {slots or 'TwELL'} values TwELL stores "
+                              "per block (computed again on a slower path)")]
     rows = [[label] + [s.get(k) for s in sums] for k, label in keys]
     # the layout each profile was measured against (the kernels' prefill tile and slots), as recorded
     rows += [[label] + [m.get("sparsity", {}).get(k) for m in models]
-             for k, label in (("tile", "TwELL tile width (columns)"), ("slots", "TwELL slots per (row, tile)"))]
-    rows += [[f"union reuse R({bt})"] + [(s.get("reuse") or {}).get(bt) for s in sums] for bt in ("16", "32", "64", "128")]
+             for k, label in (("tile", "TwELL block width (neurons)"), ("slots", "values TwELL stores per token per block"))]
+    rows += [[f"weight-row reuse R({bt})"] + [(s.get("reuse") or {}).get(bt) for s in sums] for bt in ("16", "32", "64", "128")]
     text = _table(["statistic"] + names, rows)
     tokens = [m.get("sparsity", {}).get("tokens") for m in models]
-    text += f"\n\nTokens profiled: {', '.join(f'{n}: {t}' for n, t in zip(names, tokens))}. Zeros are exact " \
-        "zeros of h; dead = never active on these tokens; R(BT) = active pairs / sum over blocks of BT " \
-        "consecutive tokens of the union of their active neurons (how often a gathered weight row is reused)."
+    text += f"\n\nTokens profiled: {', '.join(f'{n}: {t}' for n, t in zip(names, tokens))}. h is the FFN hidden " \
+        "activation, act(gate) * up, one value per neuron; a neuron is active for a token when its value is not " \
+        "exactly zero. The TwELL kernels store each token's active neurons block by block, so the fewer and the " \
+        "more evenly spread they are, the faster. R(BT) = over blocks of BT consecutive tokens, the (token, active " \
+        "neuron) pairs divided by the distinct neurons active in the block: how many tokens share each weight row " \
+        "the kernels load."
     return text + "".join(_layer_table(m) for m in models)
 
 
@@ -122,8 +153,9 @@ def _layer_table(model: dict) -> str:
         return ""
     rows = [[i, l["nnz_mean"], l["nnz_p99"], l["nnz_max"], l["dead"], l["tile_max"], l["overflow_rate"],
              l["reuse"]["16"], l["reuse"]["128"]] for i, l in enumerate(layers)]
-    table = _table(["layer", "nnz mean", "p99", "max", "dead", "tile max", "overflow", "R(16)", "R(128)"], rows)
-    return f"\n\n<details><summary>{model['name']}: per layer (F = {layers[0]['width']})</summary>\n\n{table}\n\n</details>"
+    table = _table(["layer", "active mean", "active p99", "active max", "dead neurons", "block max",
+                    "overflow share", "R(16)", "R(128)"], rows)
+    return f"\n\n<details><summary>{model['name']}: per layer (of {layers[0]['width']} neurons)</summary>\n\n{table}\n\n</details>"
 
 
 def _speed_tables(models: list[dict]) -> str:
@@ -164,6 +196,52 @@ def _provenance(report: dict) -> str:
     commit = (p.get("git_commit") or "unknown")[:12] + (" (dirty)" if p.get("git_dirty") else "")
     return (f"sparsify {p['sparsify']}, commit {commit}; {versions}; Python {p['python']}; "
             f"device {p.get('gpu') or p['device']}; {p['date']}.")
+
+
+# ------------------------------------------------------------------------------------------------- summary
+def summary(report: dict, out: Path | None = None) -> str:
+    """A few lines for the terminal: per model the perplexity of each text, the share of zeros in h, each
+    accuracy metric with its standard error and the median speed-up; then where the full report is."""
+    models = report["models"]
+
+    def line(title: str, cells: list[tuple[str, Any]]) -> str | None:
+        cells = [(n, v) for n, v in cells if v not in (None, "")]
+        return f"{title}: " + " | ".join(f"{n} {v}" for n, v in cells) if cells else None
+
+    lines = [f"sparsify eval: {len(models)} model{'s' * (len(models) != 1)} ({', '.join(m['name'] for m in models)})"]
+    for text in sorted({t for m in models for t in m.get("perplexity", {})}):
+        tokens = next(m["perplexity"][text]["tokens"] for m in models if text in m["perplexity"])
+        lines.append(line(f"perplexity on {text} ({tokens} tokens)",
+                          [(m["name"], _fmt(m["perplexity"].get(text, {}).get("perplexity"), 2)) for m in models]))
+    lines.append(line("FFN zeros (active neurons per token)",
+                      [(m["name"], _zeros_cell((m.get("sparsity") or {}).get("summary") or {})) for m in models]))
+    for task in sorted({t for m in models for t in m.get("accuracy", {})}):
+        metrics = sorted({k for m in models for k in m["accuracy"].get(task, {}) if is_metric(k)})
+        for metric in metrics:
+            n = max(m["accuracy"].get(task, {}).get("samples", 0) for m in models)
+            lines.append(line(f"{task} {metric} ({n} items)",
+                              [(m["name"], _fmt(with_stderr(m["accuracy"].get(task, {}), metric))) for m in models]))
+    for kind in ("prefill", "decode"):
+        lines.append(line(f"{kind} speed, auto / dense tokens/s (median over shapes)",
+                          [(m["name"], _median_ratio(m, kind)) for m in models]))
+    for m in models:
+        speed = m.get("speed") or {}
+        if speed and not speed.get("available"):
+            lines.append(f"speed ({m['name']}): {speed.get('reason')}")
+            break
+    if out is not None:
+        lines.append(f"full report: {out / 'report.md'} (per-layer tables; data in report.json, plots beside it)")
+    return "\n".join(l for l in lines if l)
+
+
+def _zeros_cell(s: dict) -> str | None:
+    return f"{100 * s['zeros']:.1f}% ({s['nnz_mean']:.0f})" if s.get("zeros") is not None else None
+
+
+def _median_ratio(model: dict, kind: str) -> str | None:
+    ratios = sorted(r["auto_over_dense"] for r in ((model.get("speed") or {}).get("speedup") or {}).get(kind, [])
+                    if r.get("auto_over_dense"))
+    return f"{ratios[len(ratios) // 2]:.2f}x" if ratios else None
 
 
 # --------------------------------------------------------------------------------------------------- plots
@@ -234,9 +312,10 @@ def _plot_accuracy(ax: Any, models: list[dict]) -> bool:
     width = 0.8 / len(models)
     for i, m in enumerate(models):
         values = [m["accuracy"].get(t, {}).get("acc", 0.0) for t in tasks]
-        ax.bar([j + i * width for j in range(len(tasks))], values, width, label=m["name"])
+        errors = [m["accuracy"].get(t, {}).get("acc_stderr") or 0.0 for t in tasks]
+        ax.bar([j + i * width for j in range(len(tasks))], values, width, yerr=errors, capsize=3, label=m["name"])
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tasks))], tasks, rotation=20, fontsize=8)
-    ax.set(ylabel="accuracy", ylim=(0, 1), title="Accuracy (lm-eval acc)")
+    ax.set(ylabel="accuracy", ylim=(0, 1), title="Accuracy (lm-eval acc, bars: ± one standard error)")
     return True
 
 

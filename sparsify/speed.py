@@ -240,13 +240,14 @@ def _speedups(prefill: list[dict], decode: list[dict]) -> dict:
 
 
 def speed_tokens(tok: Any, texts: list[Path]) -> Any:
-    """Real text for speed runs: the first --text file, else the sample text shipped with sparsify."""
+    """Real text for speed runs: the first --text file, else the held-out text shipped with sparsify."""
     import torch
 
-    data = Path(__file__).parent / "corpus"
-    shipped = [data / "python-howto-heldout.txt", *sorted(data.glob("*.txt"))]
-    source = texts[0] if texts else next((p for p in shipped if p.is_file()), None)
-    if source is None:
-        raise SparsifyError("--speed needs real text (sparsity depends on it): pass --text FILE.")
+    from .perplexity import HELDOUT_TEXT
+
+    source = texts[0] if texts else HELDOUT_TEXT
+    if not source.is_file():
+        raise SparsifyError(f"--speed needs real text (sparsity depends on it) and {source} is missing: pass "
+                            "--text FILE.")
     text = source.read_text(encoding="utf-8", errors="replace")[:400_000]
     return torch.tensor(tok(text, add_special_tokens=False)["input_ids"])  # [N]

@@ -372,12 +372,74 @@ def test_cli_two_models_side_by_side_write_json_md_and_plots(tiny_folders, tmp_p
     assert prov["sparsify"] and prov["device"] == "cpu"
     md = (out / "report.md").read_text()
     assert "| statistic | a | b |" in md and "speed needs a CUDA GPU" in md
-    assert "| TwELL tile width (columns) | 128 | 128 |" in md and "| TwELL slots per (row, tile) | 16 | 16 |" in md
+    assert "| TwELL block width (neurons) | 128 | 128 |" in md and "| values TwELL stores per token per block | 16 | 16 |" in md
+    assert "(row, tile)" not in md and "over the 16 values TwELL stores per block" in md  # plain words
+    for task, row in ((t, r) for m in (a, b) for t, r in m["accuracy"].items() if "acc" in r):
+        assert row["acc_stderr"] == pytest.approx(math.sqrt(row["acc"] * (1 - row["acc"]) / (row["samples"] - 1)))
+        assert f"{row['acc']:.3f} ± {row['acc_stderr']:.3f}" in md
     assert set(report["plots"]) == {"sparsity_per_layer.png", "accuracy.png"}  # no speed data on CPU
     for name in report["plots"]:
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temp files left behind
-    assert "| a | " in capsys.readouterr().out
+    printed = capsys.readouterr().out  # a short summary, not the report
+    assert "perplexity on sample_text.txt" in printed and f"full report: {out / 'report.md'}" in printed
+    assert "sparsify_tech_qa acc (6 items): a " in printed and " ± " in printed
+    assert "| statistic |" not in printed and "per layer" not in printed and len(printed.splitlines()) < 12
+
+
+def test_eval_without_text_uses_the_bundled_heldout_text_and_says_so(tiny_folders, tmp_path, capsys):
+    out = tmp_path / "r"
+    argv = ["eval", f"a={tiny_folders[0]}", "--tasks", "none", "--text-tokens", "300", "--out", str(out), "-q"]
+    assert cli.main(argv) == 0
+    captured = capsys.readouterr()
+    assert "no --text given" in captured.err and "python-howto-heldout.txt" in captured.err
+    assert "--text none" in captured.err
+    report = json.loads((out / "report.json").read_text())
+    assert report["settings"]["texts"] == [str(ppl.HELDOUT_TEXT)] and report["settings"]["texts_bundled"]
+    row = report["models"][0]
+    assert row["perplexity"]["python-howto-heldout.txt"]["tokens"] == 299 and row["sparsity"]["tokens"] == 300
+    assert "perplexity on python-howto-heldout.txt (299 tokens): a " in captured.out
+    assert cli.main(["eval", f"a={tiny_folders[0]}", "--tasks", "none", "--text", "none", "--out", str(out), "-q"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["models"][0]["perplexity"] == {} and "no --text given" not in capsys.readouterr().err
+
+
+def test_quiet_hides_every_progress_bar_and_lm_eval_model_warnings_never_show(tiny_folders, tmp_path, capsys):
+    import io
+
+    from tqdm import std
+
+    tqdm_init = std.tqdm.__dict__["__init__"]
+    argv = ["eval", f"a={tiny_folders[0]}", f"b={tiny_folders[1]}", "--tasks", f"{TASKS}/tech_qa.yaml",
+            "--limit", "2", "--text", str(TEXT), "--text-tokens", "200", "--out", str(tmp_path / "r")]
+    assert cli.main(argv) == 0
+    loud = capsys.readouterr().err
+    assert "sparsify eval:" in loud and "Running loglikelihood requests" in loud  # ours and lm-eval's bars
+    assert cli.main(argv + ["-q"]) == 0
+    quiet = capsys.readouterr().err
+    assert "%|" not in quiet and "it/s" not in quiet, quiet
+    for err in (loud, quiet):  # lm-eval says this once per model otherwise (3x in the demo)
+        assert "already-initialized model" not in err and "is not of type `str`" not in err
+    assert std.tqdm.__dict__["__init__"] is tqdm_init and std.tqdm(range(1), file=io.StringIO()).disable is False  # restored
+
+
+def test_only_the_expected_lm_eval_warnings_are_dropped(caplog):
+    import logging
+
+    acc.silence_expected_warnings()
+    acc.silence_expected_warnings()  # idempotent: one filter
+    log = logging.getLogger("lm_eval.models.huggingface")
+    assert sum(isinstance(f, acc._DropExpectedWarnings) for f in log.filters) == 1
+    with caplog.at_level("WARNING", logger="lm_eval.models.huggingface"):
+        for message in acc.EXPECTED_LM_EVAL_WARNINGS:
+            log.warning(message + " ...")
+        log.warning("Some other lm-eval warning")
+    assert [r.getMessage() for r in caplog.records] == ["Some other lm-eval warning"]
+
+
+def test_proportion_stderr_matches_the_binomial_formula():
+    assert acc.proportion_stderr(0.45, 20) == pytest.approx(math.sqrt(0.45 * 0.55 / 19))
+    assert acc.proportion_stderr(1.0, 20) == 0.0 and acc.proportion_stderr(0.5, 1) is None
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,7 @@ def _folder(tmp_path: Path, with_report: bool = True) -> Path:
 
 def _report(folder: Path) -> dict:
     row = {"name": "ft", "source": str(folder), "path": str(folder.resolve()),
-           "accuracy": {"sparsify_tech_qa": {"acc": 0.4125, "acc_norm": 0.375, "samples": 80}},
+           "accuracy": {"sparsify_tech_qa": {"acc": 0.4125, "acc_stderr": 0.0554, "acc_norm": 0.375, "samples": 80}},
            "perplexity": {"sample.txt": {"tokens": 737, "perplexity": 12.5, "bits_per_byte": 1.02}},
            "sparsity": {"tokens": 738, "tile": 128, "slots": 16, "summary": {"nnz_mean": 41.2, "zeros": 0.9732, "dead_frac": 0.31, "tile_max": 19,
                                                    "overflow_rate": 0.0, "reuse": {"16": 3.1, "128": 9.8}}},
@@ -73,6 +73,7 @@ def test_card_from_report_has_model_index_and_pinned_loading(tmp_path):
     assert meta["model-index"][0]["name"] == "smol-sparse"
     assert task["dataset"]["name"] == "sparsify_tech_qa"
     assert {m["type"]: m["value"] for m in task["metrics"]} == {"acc": 0.4125, "acc_norm": 0.375}  # this row, not "orig"
+    # (standard errors are shown in the card's table, not as model-index metrics)
     assert text["dataset"]["name"] == "sample.txt"
     assert {m["type"]: m["value"] for m in text["metrics"]} == {
         "perplexity": 12.5, "bits_per_byte": 1.02, "ffn_activation_zeros": 0.9732, "ffn_nonzeros_per_token": 41.2}
@@ -81,8 +82,11 @@ def test_card_from_report_has_model_index_and_pinned_loading(tmp_path):
                                  "name": "prefill_b8_s2048_auto_over_dense"}]
     assert 'from_pretrained("me/smol-sparse", revision=revision, trust_remote_code=True)' in body
     assert "pin" in body and "revision" in body
-    assert "41.2 non-zeros per token" in body and "97.32% zeros" in body and "NVIDIA H200" in body
-    assert "(row, 128-column tile) count 19 (TwELL holds 16 per tile; overflow rate" in body  # from the report
+    assert "41.2 non-zeros per token" in body and "97.32% of the FFN hidden activations are exactly zero" in body
+    assert "NVIDIA H200" in body
+    assert "At most 19 active neurons of one token fall in one 128-neuron block; 0.00% of (token, block) pairs hold " \
+        "more than the 16 values TwELL stores per block" in body  # from the report, in plain words
+    assert "(row, " not in body and "| sparsify_tech_qa | acc | 0.412 ± 0.055 | 80 |" in body
     assert "| 8 | 2048 | 1.210 | 1.250 |" in body
     assert "abc123def456" in body
 
