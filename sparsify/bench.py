@@ -1,9 +1,12 @@
 """bench: end-to-end generation speed as a user measures it: `model.generate()` time to first token and
 decode tokens/s, dense vs sparse, on the same GPU in the same run and the same cache/graph regime.
 
-Every model runs through transformers' own `generate()`. Regimes:
-- "graphs" (the default a sparsify folder gets on CUDA): static KV cache, decode steps replayed from CUDA
-  graphs (modeling_sparsify.FastDecode); the dense side gets the very same regime (`enable_fast_decode`).
+Every model runs through `model.generate()`. Regimes:
+- "graphs" (what a sparsify folder gives greedy generate() on CUDA): static KV cache, the whole decode step
+  (forward + argmax) replayed from one CUDA graph with no host sync per token (modeling_sparsify.FastDecode);
+  the dense side gets the very same regime (`enable_fast_decode`).
+- "hf-graphs": transformers' own generation loop (what sampling and other options run), the forward
+  replayed from a CUDA graph on the static cache.
 - "eager": transformers' default dynamic cache, every kernel launched from Python.
 Variants of one sparsify folder: "dense" (its FFN through cuBLAS, i.e. the speed of the original model of
 the same shape) and "sparse" (the `auto` dispatcher a user gets). Other folders run "stock".
@@ -17,13 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 from .errors import SparsifyError
 
-REGIMES = ("graphs", "eager")
+REGIMES = ("graphs", "hf-graphs", "eager")
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -52,23 +56,37 @@ class _FirstToken:
 
 
 def time_generate(model: Any, ids: Any, new_tokens: int) -> dict:
-    """One greedy generate() of exactly `new_tokens` tokens: time to first token (ms) and decode tokens/s."""
+    """One greedy generate() of exactly `new_tokens` tokens: time to first token (ms) and decode tokens/s.
+
+    The graph loop times itself (a sync after the prefill and one at the end: FastDecode.timing); for
+    transformers' loop a logits processor notes when the first token's logits are ready."""
     import torch
     from transformers import LogitsProcessorList
 
-    first = _FirstToken()
+    fast = model.__dict__.get("_fast_decode")
+    loop = fast is not None and fast.enabled and fast.loop
+    extra = {} if loop else {"logits_processor": LogitsProcessorList([_FirstToken()])}
+    if fast is not None:
+        fast.timing, replays = loop, fast.replays
     torch.cuda.synchronize()
     start = time.perf_counter()
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                         min_new_tokens=new_tokens, do_sample=False, logits_processor=LogitsProcessorList([first]),
-                         pad_token_id=0)
+                         min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **extra)
     torch.cuda.synchronize()
     end = time.perf_counter()
     if out.shape[1] != ids.shape[1] + new_tokens:
         raise RuntimeError(f"generate() returned {out.shape[1] - ids.shape[1]} tokens, expected {new_tokens}")
-    decode_s = end - first.at
-    return {"ttft_ms": (first.at - start) * 1e3, "decode_tok_s": ids.shape[0] * (new_tokens - 1) / decode_s,
-            "step_ms": decode_s * 1e3 / (new_tokens - 1), "tokens": out}
+    if loop:
+        fast.timing = False
+        if "decode_s" not in fast.last:
+            raise RuntimeError("the greedy graph loop did not serve this call (see _greedy_plan)")
+        ttft_s, decode_s = fast.last["ttft_s"], fast.last["decode_s"]
+    else:
+        first = extra["logits_processor"][0].at
+        ttft_s, decode_s = first - start, end - first
+    return {"ttft_ms": ttft_s * 1e3, "decode_tok_s": ids.shape[0] * (new_tokens - 1) / decode_s,
+            "step_ms": decode_s * 1e3 / (new_tokens - 1), "tokens": out,
+            "replays": None if fast is None else fast.replays - replays}
 
 
 def _median(xs: list[float]) -> float:
@@ -125,7 +143,7 @@ def bench_model(model: Any, *, batches: tuple[int, ...], prompts: tuple[int, ...
         if budget_s is not None and time.perf_counter() - t0 > budget_s:
             rows.append({"regime": regime, "batch": batch, "prompt": prompt, "skipped": "time budget"})
             continue
-        fast.enabled = regime == "graphs"
+        fast.enabled, fast.loop = regime != "eager", regime == "graphs"
         ids = _prompt(vocab, batch, prompt, tokens, "cuda")
         times: dict[str, list[dict]] = {v: [] for v in variants}
         outputs: dict[str, Any] = {}
@@ -155,11 +173,12 @@ def bench_model(model: Any, *, batches: tuple[int, ...], prompts: tuple[int, ...
                          "decode_tok_s": _median([t["decode_tok_s"] for t in ts]),
                          "step_ms": _median([t["step_ms"] for t in ts]),
                          "step_ms_spread": (max(t["step_ms"] for t in ts) - min(t["step_ms"] for t in ts)),
+                         "graph_replays_per_call": ts[-1]["replays"],
                          "greedy_tokens": same})
         if progress:
             line = "  ".join(f"{n} {_median([t['decode_tok_s'] for t in ts]):.0f} tok/s" for n, ts in times.items())
             print(f"bench: {regime} batch {batch} prompt {prompt}: {line}", flush=True)
-    fast.enabled = True
+    fast.enabled, fast.loop = True, True
     return rows
 
 
@@ -184,7 +203,8 @@ def markdown(report: dict) -> str:
              f"{report['settings']['new_tokens']} new tokens. decode tok/s = batch x tokens after the first / "
              "their time; TTFT = prompt processing + first token. dense = the same weights with the FFN on "
              "cuBLAS (the original model's speed); sparse = the TwELL `auto` dispatcher. "
-             "graphs = static KV cache + CUDA-graph decode (the sparsify default on CUDA); eager = dynamic cache.",
+             "graphs = static KV cache + the whole greedy decode step in one CUDA graph (the sparsify default on CUDA); "
+             "hf-graphs = transformers' generation loop with the forward replayed from a graph; eager = dynamic cache.",
              "", f"Provenance: {json.dumps(report['provenance'])}", ""]
     for name, model in report["models"].items():
         lines += [f"## {name}", "", model.get("info", ""), "",
@@ -252,6 +272,7 @@ def gpu_provenance() -> dict:
                                 cwd=Path(__file__).parent, timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         commit = None
+    commit = os.environ.get("SPARSIFY_COMMIT") or commit  # a copied tree (device runs) has no .git of its own
     return {"torch": torch.__version__, "transformers": version("transformers"), "triton": version("triton"),
             "commit": commit, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
@@ -317,7 +338,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", type=_ints, default=(128, 512, 2048), help="prompt lengths (default 128,512,2048)")
     parser.add_argument("--new-tokens", type=int, default=256, help="tokens generated per call (default 256)")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per variant and case (default 3)")
-    parser.add_argument("--regimes", default="graphs", help="graphs (static cache + CUDA graphs), eager, or both")
+    parser.add_argument("--regimes", default="graphs",
+                        help="comma list of graphs (greedy graph loop, the default), hf-graphs (transformers' "
+                             "loop, forward from a graph), eager (dynamic cache)")
     parser.add_argument("--dtype", default="bf16", help="bf16 (default), fp16 or fp32")
     parser.add_argument("--text", default=None, help="prompt text file (default: random token ids)")
     parser.add_argument("--budget-s", type=float, default=None, help="skip remaining cases after this many seconds")

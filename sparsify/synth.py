@@ -169,7 +169,7 @@ def synth(config: str | Path, out: str | Path, *, zeros: float = 0.9, layers: in
         out: the folder to create (a normal sparsify model folder).
         zeros: target fraction of zeros in h per layer, in (0, 1).
         layers: keep only this many decoder layers (e.g. a 70B config at 2 layers).
-        dtype: bf16, fp16 or fp32 for the saved weights (calibration runs in fp32).
+        dtype: bf16, fp16 or fp32 for the saved weights (calibrated in that dtype, thresholds in fp32).
         device: where to build and calibrate ("auto": CUDA if available).
         seed: random seed for weights, rates and tokens.
         skew: spread of the log-normal per-neuron firing rates (0 = every neuron alike).
@@ -218,8 +218,8 @@ def synth(config: str | Path, out: str | Path, *, zeros: float = 0.9, layers: in
     check = torch.randint(0, vocab, (max(1, calib_tokens // seq), seq), generator=gen).to(dev)
     with torch.no_grad():
         _hold_channel_constant(model, CHANNEL)
+    model.to(getattr(torch, DTYPES[dtype]))  # calibrated in the saved dtype: thresholds see its rounding
     calibrate(model, zeros, skew=skew, tokens=calib, generator=gen)
-    model.to(getattr(torch, DTYPES[dtype]))
     measured = measure_zeros(model, check)
     record = {"zeros_requested": zeros, "zeros_per_layer": [round(z, 4) for z in measured], "skew": skew,
               "seed": seed, "dtype": dtype, "note": "random weights: for measuring speed, not quality"}

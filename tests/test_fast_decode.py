@@ -25,24 +25,48 @@ def tiny(tmp_path_factory):
     return AutoModelForCausalLM.from_pretrained(root / "model", trust_remote_code=True, dtype=torch.float32).eval()
 
 
-def test_fast_decode_equals_eager_dynamic_cache_and_reuses_its_graph(tiny):
-    ids = torch.randint(0, TINY["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(1))
+@pytest.mark.parametrize("loop", [True, False], ids=["greedy-loop", "transformers-loop"])
+def test_fast_decode_equals_eager_dynamic_cache_and_reuses_its_graph(tiny, loop):
+    """Both fast paths (the greedy graph loop; transformers' loop with the forward replayed) give the eager
+    dynamic-cache tokens; the reused cache keeps its graph across calls, another batch size gets its own."""
+    ids = torch.randint(3, TINY["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(1))
     fast = tiny._fast_decode
     fast.cpu_emulation = False  # plain CPU: transformers' default dynamic cache, eager
     ref = tiny.generate(ids, max_new_tokens=24, do_sample=False)
-    fast.cpu_emulation = True
+    fast.cpu_emulation, fast.loop = True, loop
+    fast._graphs.clear(), fast._loops.clear()  # (the module's model: start without earlier tests' graphs)
+    fast.cache = fast.cache_key = None
+    captures, replays, loops = fast.captures, fast.replays, fast.loops
     try:
         got = tiny.generate(ids, max_new_tokens=24, do_sample=False)
-        assert fast.captures == 1 and fast.replays == 22  # step 1 prefill, step 2 eager warm-up, then replays
+        # token 1 from the prefill, token 2 from an eager warm-up step, then 22 replays of one capture
+        assert (fast.captures - captures, fast.replays - replays, fast.loops - loops) == (1, 22, int(loop))
         again = tiny.generate(ids, max_new_tokens=24, do_sample=False)  # same cache reused: no new capture
-        assert fast.captures == 1 and fast.replays == 22 + 23
+        assert fast.captures - captures == 1 and fast.replays - replays == 22 + 23
         other = tiny.generate(ids[:1], max_new_tokens=24, do_sample=False)  # another batch: another cache
-        assert fast.captures == 2
-        sampled = tiny.generate(ids, max_new_tokens=8, do_sample=True, top_k=5)  # generate options still work
+        assert fast.captures - captures == 2
+        sampled = tiny.generate(ids, max_new_tokens=8, do_sample=True, top_k=5)  # transformers' loop
         assert sampled.shape == (2, 15)
     finally:
-        fast.cpu_emulation = False
+        fast.cpu_emulation, fast.loop = False, True
     assert torch.equal(ref, got) and torch.equal(ref, again) and torch.equal(ref[:1], other)
+
+
+def test_greedy_loop_stops_and_pads_like_transformers(tiny):
+    ids = torch.randint(3, TINY["vocab_size"], (3, 5), generator=torch.Generator().manual_seed(2))
+    fast = tiny._fast_decode
+    plain = tiny.generate(ids, max_new_tokens=80, do_sample=False)
+    eos = int(plain[0, 5 + 3])  # a token row 0 emits early: an end-of-sequence id for this test
+    for kwargs in ({"eos_token_id": eos, "pad_token_id": 1}, {"eos_token_id": [eos, 7], "min_new_tokens": 30}):
+        ref = tiny.generate(ids, max_new_tokens=80, do_sample=False, **kwargs)
+        fast.cpu_emulation = True
+        loops = fast.loops
+        try:
+            got = tiny.generate(ids, max_new_tokens=80, do_sample=False, **kwargs)
+        finally:
+            fast.cpu_emulation = False
+        assert fast.loops == loops + 1
+        assert torch.equal(ref, got), (kwargs, ref, got)
 
 
 def test_fast_decode_keeps_out_of_what_it_cannot_replay(tiny):
@@ -55,9 +79,13 @@ def test_fast_decode_keeps_out_of_what_it_cannot_replay(tiny):
         captures = fast.captures
         tiny.generate(ids, max_new_tokens=5, do_sample=False, cache_implementation="dynamic")
         assert fast.captures == captures
+        loops = fast.loops  # a padded batch (or a pad id in the prompt) keeps transformers' loop
+        padded = tiny.generate(torch.tensor([[5, 6, 7], [8, 9, 10]]), attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]),
+                               max_new_tokens=5, do_sample=False)
+        assert fast.loops == loops and padded.shape == (2, 8)
         fast.enabled = False
         tiny.generate(ids, max_new_tokens=5, do_sample=False)
-        assert fast.captures == captures
+        assert fast.captures == captures + 1
     finally:
         fast.enabled, fast.cpu_emulation = True, False
 

@@ -39,8 +39,9 @@ def test_remote_code_runs_twell_kernels_on_cuda(model_type, tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("loop", [True, False], ids=["greedy-loop", "transformers-loop"])
 @pytest.mark.parametrize("backend", ["dense", "twell", "auto"])
-def test_fast_decode_graphs_match_eager_on_cuda(backend, tmp_path):
+def test_fast_decode_graphs_match_eager_on_cuda(backend, loop, tmp_path):
     """generate() on CUDA: static cache + CUDA-graph decode gives the eager dynamic-cache tokens (fp32)."""
     import json
 
@@ -56,10 +57,10 @@ def test_fast_decode_graphs_match_eager_on_cuda(backend, tmp_path):
     model.set_ffn_backend("dense")
     fast.enabled = False
     eager = model.generate(ids, max_new_tokens=64, do_sample=False)
-    fast.enabled = True
+    fast.enabled, fast.loop = True, loop
     model.set_ffn_backend(backend)
     got = model.generate(ids, max_new_tokens=64, do_sample=False)
-    assert fast.captures == 1 and fast.replays == 62
+    assert fast.captures == 1 and fast.replays == 62 and fast.loops == int(loop)
     assert torch.equal(eager, got)
     again = model.generate(ids, max_new_tokens=64, do_sample=False)  # the reused cache replays the same graph
     assert fast.captures == 1 and torch.equal(eager, again)
