@@ -1,5 +1,5 @@
 """Round-6 K1 sweep: the round-6 gate kernel (`_k1_r6`) over block shapes, epilogues and persistence,
-against the cuBLAS gate GEMM and round 5's best K1 (r5tma), timed interleaved in one run.
+against the cuBLAS gate GEMM and round 5's K1 (r5, r6's fallback), timed interleaved in one run.
 
 Usage on the H200 (repo not installed; the symlink makes `sparsify.kernels` importable):
   cd repo && ln -sfn ../kernels sparsify/kernels
@@ -7,9 +7,10 @@ Usage on the H200 (repo not installed; the symlink makes `sparsify.kernels` impo
 CPU dry run (Triton interpreter, tiny shapes):  python eval/k1_sweep.py --smoke --out /tmp/k1
 
 Per case (skewed pattern, bf16; honest sparsity as in bench_kernels.py) it
-  1. checks every round-6 config packs what r5tma packs (counts and columns equal, values within one
+  1. checks every round-6 config packs what the r5 K1 packs (counts and columns equal, values within one
      16-bit rounding step), and records mismatches instead of timing a wrong kernel;
-  2. times gate (F.linear), k1_tma (r5tma, autotuned) and every round-6 config interleaved;
+  2. times gate (F.linear), k1_r5 (r5, autotuned) and every round-6 config interleaved (rounds 5-6 timed
+     round 5's TMA K1 "r5tma" there, as k1_tma: removed after round 6, kernels/NOTES.md);
   3. times the whole FFN: dense, r5c (the default before round 6) and r6c with this case's fastest
      round-6 K1 config, interleaved.
 Config names: bm{BLOCK_M}k{BLOCK_K}n{NSUB}w{warps}s{stages}{r2 = slot-major epilogue | r0 = scan}
@@ -79,10 +80,10 @@ def same_packing(a, b) -> str | None:
 def run_case(d, f, m, sparsity, configs, clock, tt, ffn_dense, budget_ms, device, dtype) -> dict:
     x, w_gate, w_up, w_down, w_down_t = skewed_case(d, f, m, sparsity, device, dtype)
     row = {"d": d, "F": f, "M": m, "sparsity": sparsity, "errors": {}, "mismatch": {}}
-    base = tt.gate_pack(x, w_gate, variant="r5tma")
+    base = tt.gate_pack(x, w_gate, variant="r5")
     row["measured_zeros"] = 1 - base.cnt.long().sum().item() / (m * f)
     k1 = {"gate": lambda: torch.nn.functional.linear(x, w_gate),
-          "k1_tma": lambda: tt.gate_pack(x, w_gate, variant="r5tma")}
+          "k1_r5": lambda: tt.gate_pack(x, w_gate, variant="r5")}
     row["regs_spills"] = {}
     for c in configs:
         kw = as_kwargs(c)

@@ -8,7 +8,8 @@ NT = ceil(F / T), E = gathered rows per chunk in K2. Layout and overflow rules: 
   two 64-bit masks per row, then per slot its column (the s-th set bit) and value (tl.gather
   from the accumulator), the row's S words stored together. The per-column scatter of earlier rounds
   spilled registers (eval/results/kernels-h200-r6/).
-- K1 `_k1_gate_pack`: tiled GEMM x [M, d] @ W_gate^T -> acc [BLOCK_M, T] fp32; the epilogue applies ReLU,
+- K1 `_k1_gate_pack` (round 5; r6's fallback for fp32, M <= 16 and unaligned inputs; variant "r5c" uses it
+  everywhere): tiled GEMM x [M, d] @ W_gate^T -> acc [BLOCK_M, T] fp32; the epilogue applies ReLU,
   gives each positive value its slot with a cumulative sum along the tile (no atomics, deterministic)
   and writes cnt/col/val. No dense [M, F] tensor is written.
 - K2 `_k2_updown`: one program per (row, split); x row and the fp32 output row stay in registers. It
@@ -36,7 +37,7 @@ try:  # the file must import (and the torch path work) without triton
     from triton.language.extra import libdevice
 
     HAS_TRITON = True
-    try:  # host-side tensor descriptors (TMA on Hopper): triton >= 3.4; the "r5tma" variant needs them
+    try:  # host-side tensor descriptors (TMA on Hopper): triton >= 3.4; the r6 K1 needs them
         from triton.tools.tensor_descriptor import TensorDescriptor
     except ImportError:  # pragma: no cover
         TensorDescriptor = None
@@ -151,28 +152,6 @@ if HAS_TRITON:
             else:
                 tl.store(col_ptr + dst, _pack_words(acc, T, ENT), mask=keep)  # one word per entry
         tl.store(cnt_ptr + offs_m.to(tl.int64) * NT + pid_n, cnt, mask=m_ok)
-
-    @triton.jit
-    def _k1_gate_pack_tma(
-        x_desc, wg_desc, cnt_ptr, col_ptr, val_ptr, M, F, D, NT,
-        BLOCK_M: tl.constexpr, T: tl.constexpr, BLOCK_K: tl.constexpr, S: tl.constexpr,
-        MB, GROUP_M: tl.constexpr, IEEE: tl.constexpr, ENT: tl.constexpr, PACK: tl.constexpr,
-    ):
-        """K1 with tensor-descriptor (TMA on Hopper) loads: out-of-range rows/columns/K arrive as zeros,
-        so the main loop has no masks. Same launch order and epilogue as _k1_gate_pack."""
-        pid_m, pid_n = _grouped_tile(tl.program_id(0), M, NT, BLOCK_M, GROUP_M)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
-        offs_n = pid_n * T + tl.arange(0, T)  # [T]
-        acc = tl.zeros([BLOCK_M, T], dtype=tl.float32)
-        for k in range(0, tl.cdiv(D, BLOCK_K)):
-            a = x_desc.load([pid_m * BLOCK_M, k * BLOCK_K])  # [BM, BK]
-            b = wg_desc.load([pid_n * T, k * BLOCK_K])  # [T, BK]
-            if IEEE:
-                acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, tl.trans(b), acc)
-        _k1_epilogue(acc, offs_m, offs_n, offs_m < M, offs_n < F, pid_n, cnt_ptr, col_ptr, val_ptr, NT,
-                     BLOCK_M, T, S, ENT, PACK)
 
     @triton.jit
     def _popc64(v, HW: tl.constexpr):
@@ -493,13 +472,14 @@ def _require_triton() -> None:
 
 
 ENT_CODES = {"split": 0, "bf16": 1, "fp16": 2}
-# r5: packed 32-bit entries for bf16/fp16 + autotuned K1; r5tma: the same with tensor-descriptor (TMA)
-# loads in K1 (a benchmark variant); r4: the round-4 kernels (split entries, fixed K1 blocks)
-# r5c: r5 with K2 reading per-row compacted entry lists; the default of twell_ffn_triton since the H200
-# round-5 bench, where it was the fastest variant at M = 16384 in every target row (K2 gathers 7.1-8.3 TB/s
-# vs 4.9-5.6 for r5; eval/results/kernels-h200-r5.md). It needs an [M, n_tiles * S] scratch list per call
-# (int32 + fp32; 134 MB at M = 16384, F = 8192), taken from torch's caching allocator. Decode runs r5.
-VARIANTS = ("r5", "r5tma", "r5c", "r4", "r6", "r6c")
+# What twell_ffn_triton runs for M > DECODE_MAX_M (decode_ffn below that): a K1 then K2 reading per-row
+# compacted entry lists. "r6c" (the default): the round-6 K1 (_k1_r6: TMA, 128 x 256 tiles, slot-major
+# epilogue) where it applies (bf16/fp16, 16-byte aligned, M > 16), else the round-5 K1; "r5c": the
+# round-5 K1 (_k1_gate_pack, autotuned on CUDA for M > 16) everywhere, which is what r6c falls back to.
+# Compaction needs an [M, n_tiles * S] scratch list per call (int32 + fp32; 134 MB at M = 16384,
+# F = 8192) from torch's caching allocator. Removed variants (r4, r5tma, and r5 / r6 without compaction)
+# and their measurements: kernels/NOTES.md, "Variants removed".
+VARIANTS = ("r6c", "r5c")
 DEFAULT_VARIANT = "r6c"
 
 
@@ -507,12 +487,12 @@ def split_variant(variant: str) -> tuple[str, bool]:
     """(K1 variant for gate_pack, whether K2 reads compacted lists) of a twell_ffn_triton variant."""
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r} is not one of {VARIANTS}")
-    return {"r5c": ("r5", True), "r6c": ("r6", True)}.get(variant, (variant, False))
+    return variant[:2], True
 
 
-def default_entries(dtype: torch.dtype, variant: str = "r5") -> str:
-    """Slot encoding: one packed word per entry for 16-bit inputs (r5), split col/val otherwise."""
-    if variant != "r4" and dtype in (torch.bfloat16, torch.float16):
+def default_entries(dtype: torch.dtype) -> str:
+    """Slot encoding: one packed word per entry for 16-bit inputs, split col/val otherwise (fp32)."""
+    if dtype in (torch.bfloat16, torch.float16):
         return "bf16" if dtype == torch.bfloat16 else "fp16"
     return "split"
 
@@ -545,23 +525,12 @@ def _even_mn(a) -> bool:
 
 
 _k1_tuned = None
-_k1_tma_tuned = None
 
 
 def _tma_blocks(nargs) -> None:
     """Autotune pre-hook: give the descriptors the block shapes of the config being run."""
     nargs["x_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
     nargs["wg_desc"].block_shape = [TILE, nargs["BLOCK_K"]]
-
-
-def _k1_tma_autotuned():
-    """The autotuned TMA K1 (tuned prefill path only, so T = TILE)."""
-    global _k1_tma_tuned
-    if _k1_tma_tuned is None:
-        configs = [triton.Config({"BLOCK_M": bm, "BLOCK_K": bk}, num_warps=w, num_stages=st, pre_hook=_tma_blocks)
-                   for bm, bk, w, st in K1_TUNE]
-        _k1_tma_tuned = triton.autotune(configs=configs, key=["D", "F", "MB"])(_k1_gate_pack_tma)
-    return _k1_tma_tuned
 
 
 def _tma_ok(x2d: torch.Tensor, w_gate: torch.Tensor) -> bool:
@@ -587,17 +556,18 @@ def gate_pack(
 ) -> TwellPacked:
     """K1: relu(x2d @ w_gate.T) packed as TwELL. x2d [M, d] row-contiguous, w_gate [F, d] contiguous.
 
-    entries: slot encoding ("split", "bf16", "fp16"; default from the dtype and variant). variant "r5"
-    autotunes the block sizes on CUDA for M > 16 unless block sizes are given in `overrides`; "r5tma"
-    is r5 with tensor-descriptor (TMA) loads (falls back to r5 when a tensor is not 16-byte aligned);
-    "r4" runs the round-4 kernel exactly (split encoding, fixed blocks); "r6" runs _k1_r6 (autotuned over
-    R6_TUNE; overrides: R6_DEFAULT keys) where its conditions hold, else r5. autotune=True forces the
-    autotuned launch (tests drive it in the interpreter with a stand-in benchmark).
+    entries: slot encoding ("split", "bf16", "fp16"; default from the dtype). variant "r5" runs
+    _k1_gate_pack, autotuned on CUDA for M > 16 unless block sizes are given in `overrides`; "r6" runs
+    _k1_r6 (autotuned over R6_TUNE; overrides: R6_DEFAULT keys) where its conditions hold (16-bit inputs
+    with packed entries, M > 16, TMA-aligned tensors), else r5. autotune=True forces the autotuned
+    launch (tests drive it in the interpreter with a stand-in benchmark).
     """
+    if variant not in ("r5", "r6"):
+        raise ValueError(f"variant={variant!r} is not 'r5' or 'r6'")
     _require_triton()
     m, d = x2d.shape
     f = w_gate.shape[0]
-    entries = entries or default_entries(x2d.dtype, variant)
+    entries = entries or default_entries(x2d.dtype)
     cfg = {**k1_config(m, d), **overrides}
     # r6 needs 16-bit inputs with packed entries, prefill tiles and TMA-aligned tensors; otherwise r5 runs
     if (variant == "r6" and x2d.dtype in (torch.bfloat16, torch.float16) and entries != "split"
@@ -607,8 +577,7 @@ def gate_pack(
         ent = torch.empty(m, nt, SLOTS, dtype=torch.int32, device=x2d.device)  # [M, NT, S] packed words
         _gate_pack_r6(x2d, w_gate, cnt, ent, entries, overrides, autotune)
         return TwellPacked(cnt=cnt, col=None, val=None, tile=TILE, n_cols=f, ent=ent, entries=entries)
-    tma = variant == "r5tma" and _tma_ok(x2d, w_gate)
-    tuned = (variant != "r4" and x2d.is_cuda and m > 16 and cfg["T"] == TILE
+    tuned = (x2d.is_cuda and m > 16 and cfg["T"] == TILE
              and not {"BLOCK_M", "BLOCK_K", "num_warps", "num_stages"} & overrides.keys())
     tuned = tuned if autotune is None else autotune
     if x2d.device.type == "cpu":  # interpreter: few large blocks run fastest
@@ -622,16 +591,7 @@ def gate_pack(
     # MB keys the autotuner (a constant otherwise, so it never causes a recompilation)
     common = dict(T=t, S=s, MB=min(_next_pow2(m), 1 << 16) if tuned else 16, GROUP_M=8, IEEE=(x2d.dtype == torch.float32),
                   ENT=ENT_CODES[entries], PACK=int(cfg.get("PACK", 1)))
-    if tma:  # descriptors replace the pointers and strides
-        bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
-        descs = (TensorDescriptor.from_tensor(x2d, [bm, bk]), TensorDescriptor.from_tensor(w_gate, [t, bk]))
-        targs = (*descs, cnt, col, val, m, f, d, nt)
-        if tuned:
-            _k1_tma_autotuned()[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * nt,)](*targs, **common)
-        else:
-            _k1_gate_pack_tma[(triton.cdiv(m, bm) * nt,)](
-                *targs, BLOCK_M=bm, BLOCK_K=bk, **common, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    elif tuned:
+    if tuned:
         _k1_autotuned()[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * nt,)](*args, **common)
     else:
         bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
@@ -691,9 +651,9 @@ def _gate_pack_r6(x2d, w_gate, cnt, ent, entries, overrides: dict, autotune: boo
         FLATTEN=bool(cfg["FLATTEN"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **common)
 
 
-def k1_best_config(d: int, f: int, m: int, tma: bool = False, variant: str = "r5") -> dict | None:
+def k1_best_config(d: int, f: int, m: int, variant: str = "r5") -> dict | None:
     """The autotuner's pick for (d, F, M bucket), if it has tuned that key (for the benchmark log)."""
-    tuner = _k1_r6_tuned if variant == "r6" else _k1_tma_tuned if tma or variant == "r5tma" else _k1_tuned
+    tuner = _k1_r6_tuned if variant == "r6" else _k1_tuned
     if tuner is None:
         return None
     for key, cfg in tuner.cache.items():
@@ -724,7 +684,8 @@ def updown(
 ) -> torch.Tensor:
     """K2: (unpack(packed) * (x2d @ w_up.T)) @ w_down_t -> [M, d] in x2d's dtype. w_down_t is [F, d].
 
-    compact=True (variant "r5c", prefill only): per-row compacted entry lists before the gather loop."""
+    compact=True (variants r6c / r5c; ignored when K2 splits rows, M <= 16): per-row compacted entry
+    lists before the gather loop."""
     _require_triton()
     m, d = x2d.shape
     f = w_up.shape[0]
