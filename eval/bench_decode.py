@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "eval"))
 
-from bench_kernels import env_info, make_layer, med, set_sparsity  # noqa: E402
+from bench_kernels import as_graph, env_info, make_layer, med, set_sparsity  # noqa: E402
 
 SHAPES = [(576, 1536), (2048, 8192), (4096, 14336), (8192, 28672)]
 MS = [1, 2, 4, 8, 16, 32]
@@ -99,36 +99,15 @@ def check(fns: dict, ref: torch.Tensor, row: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- timing
-def loop_ms(fn, n: int) -> float:
-    """ms per call of n back-to-back calls (CUDA events)."""
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(n):
-        fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / n
-
-
-def capture(fn, calls: int):
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    torch.cuda.synchronize()
-    return graph
-
-
 def time_graphs(fns: dict, budget_ms: float, errors: dict, max_rounds: int = 60) -> tuple[dict, dict]:
     """{name: [ms per call, one per round]} of CUDA-graph replays in interleaved rounds; {name: calls}."""
+    from sparsify.kernels.twell_ops import loop_ms  # CUDA events around n back-to-back calls
     graphs, calls, reps = {}, {}, {}
     for k, fn in fns.items():
         try:
             est = max(loop_ms(fn, 3), 1e-3)  # eager: launch overhead included, so calls err low
             calls[k] = max(2, min(MAX_CALLS, int(GRAPH_MS / est)))
-            graphs[k] = capture(fn, calls[k])
+            graphs[k] = as_graph(fn, calls[k])
             one = max(loop_ms(graphs[k].replay, 1), 1e-3)
             reps[k] = max(1, min(8, math.ceil(1.0 / one)))  # >= ~1 ms per measurement: a replay's launch gap < 1%
         except Exception as e:  # noqa: BLE001 - one function failing must not lose the case

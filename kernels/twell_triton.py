@@ -369,6 +369,23 @@ if HAS_TRITON:
         return tl.dot(a, b, acc)
 
     @triton.jit
+    def _dec_rows_dot(x_ptrs, w_ptrs, w_ok, m_ok, offs_k, D, BLOCK_M: tl.constexpr, E: tl.constexpr,
+                      BK: tl.constexpr, EVEN_D: tl.constexpr, IEEE: tl.constexpr):
+        """x [BM, d] @ W[E rows, d]^T -> [BM, E] fp32, over d in BK blocks; w_ptrs [BK, E] point at the
+        rows' first block. Rows where w_ok is false are never loaded (predicated off: no bytes move)."""
+        acc = tl.zeros([BLOCK_M, E], dtype=tl.float32)
+        for k in range(0, tl.cdiv(D, BK)):
+            if EVEN_D:
+                xk = tl.load(x_ptrs + k * BK, mask=m_ok[:, None], other=0.0)  # [BM, BK]
+                wk = tl.load(w_ptrs + k * BK, mask=w_ok[None, :], other=0.0)  # [BK, E]
+            else:
+                k_ok = offs_k < D - k * BK
+                xk = tl.load(x_ptrs + k * BK, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                wk = tl.load(w_ptrs + k * BK, mask=k_ok[:, None] & w_ok[None, :], other=0.0)
+            acc = _dot(xk, wk, acc, IEEE)
+        return acc
+
+    @triton.jit
     def _dec_gate_up(
         x_ptr, wg_ptr, wu_ptr, g_ptr, h_ptr,
         M, F, D, stride_xm, stride_wg, stride_wu, stride_gm, stride_hm,
@@ -390,35 +407,17 @@ if HAS_TRITON:
         e_ok = offs_e < F
         x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BM, BK]
         rows_e = offs_e.to(tl.int64)[None, :]  # [1, E]
-        n_k = tl.cdiv(D, BK)
         if GATE_IN:
             g = tl.load(g_ptr + offs_m[:, None] * stride_gm + offs_e[None, :],
                         mask=m_ok[:, None] & e_ok[None, :], other=0.0).to(tl.float32)  # [BM, E]
         else:
-            g = tl.zeros([BLOCK_M, E], dtype=tl.float32)
-            wg_ptrs = wg_ptr + rows_e * stride_wg + offs_k[:, None]  # [BK, E]
-            for k in range(0, n_k):
-                if EVEN_D:
-                    xk = tl.load(x_ptrs + k * BK, mask=m_ok[:, None], other=0.0)
-                    wk = tl.load(wg_ptrs + k * BK, mask=e_ok[None, :], other=0.0)
-                else:
-                    k_ok = offs_k < D - k * BK
-                    xk = tl.load(x_ptrs + k * BK, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                    wk = tl.load(wg_ptrs + k * BK, mask=k_ok[:, None] & e_ok[None, :], other=0.0)
-                g = _dot(xk, wk, g, IEEE)
+            g = _dec_rows_dot(x_ptrs, wg_ptr + rows_e * stride_wg + offs_k[:, None], e_ok, m_ok, offs_k, D,
+                              BLOCK_M, E, BK, EVEN_D, IEEE)
         act = (tl.max(((g > 0) & m_ok[:, None]).to(tl.int32), 0) > 0) & e_ok  # [E] any row positive
         u = tl.zeros([BLOCK_M, E], dtype=tl.float32)
         if tl.sum(act.to(tl.int32), 0) > 0:  # a chunk with no active neuron reads no W_up at all
-            wu_ptrs = wu_ptr + rows_e * stride_wu + offs_k[:, None]  # [BK, E]
-            for k in range(0, n_k):
-                if EVEN_D:
-                    xk = tl.load(x_ptrs + k * BK, mask=m_ok[:, None], other=0.0)
-                    wk = tl.load(wu_ptrs + k * BK, mask=act[None, :], other=0.0)
-                else:
-                    k_ok = offs_k < D - k * BK
-                    xk = tl.load(x_ptrs + k * BK, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                    wk = tl.load(wu_ptrs + k * BK, mask=k_ok[:, None] & act[None, :], other=0.0)
-                u = _dot(xk, wk, u, IEEE)
+            u = _dec_rows_dot(x_ptrs, wu_ptr + rows_e * stride_wu + offs_k[:, None], act, m_ok, offs_k, D,
+                              BLOCK_M, E, BK, EVEN_D, IEEE)
         h = tl.maximum(g, 0.0) * u  # [BM, E] fp32, rounded once to x's dtype below
         tl.store(h_ptr + offs_m[:, None] * stride_hm + offs_e[None, :], h.to(h_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & e_ok[None, :])
