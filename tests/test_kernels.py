@@ -908,7 +908,8 @@ def scripted_timer(monkeypatch, times: dict, est: float = 0.1):
 
 def calibration_case(monkeypatch, seed):
     """A layer whose twell path is a stand-in (no interpreter), `_impl` routed to the CUDA-only
-    dispatcher, no graph timing, exactly 5 rounds. Returns (x, w_gate, w_up, w_down, twell path calls)."""
+    dispatcher, no graph timing, no untimed dense rule for dense prefill, exactly 5 rounds.
+    Returns (x, w_gate, w_up, w_down, twell path calls)."""
     x, wg, wu, wd = make_case(20, 16, 64, 0.9, seed=seed)
     ran: list[bool] = []
 
@@ -919,6 +920,8 @@ def calibration_case(monkeypatch, seed):
     monkeypatch.setattr(twell_ops, "_run_twell", run_twell)
     monkeypatch.setattr(twell_ops, "_impl", lambda x2d, g, u, dn, dt, b: twell_ops._auto(x2d, g, u, dn, dt))
     monkeypatch.setattr(twell_ops, "GRAPH_TIMED_M", 0)
+    # with no graph timing M = 20 counts as prefill, and its 10% density would go dense untimed
+    monkeypatch.setattr(twell_ops, "PREFILL_MAX_DENSITY", 1.0)
     monkeypatch.setattr(twell_ops, "CAL_ROUNDS", (5, 5))
     monkeypatch.setattr(twell_ops, "_logged", {})
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
