@@ -26,6 +26,11 @@ from .errors import SparsifyError
 
 CHANNEL = 0
 CONSTANT = 1.0
+# Attention outputs are scaled down: with random weights attention averages its context, so the residual
+# stream's spread (and with it each neuron's firing rate) would shrink with the token's position; measured
+# on a 12-layer d=512 model calibrated on 256-token sequences: 89.3% zeros on 64-token sequences and 94.5%
+# when calibrated on 64 and run on 256. At 0.1 the zeros stay within 1 point from 64 to 1024 tokens.
+ATTN_SCALE = 0.1
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -89,18 +94,21 @@ def _gate_weight(mlp) -> Any:
 
 def _hold_channel_constant(model, c: int) -> None:
     """Embedding column c constant; every write into residual channel c (o_proj, down_proj rows c) zero;
-    the LM head ignores channel c (for tied embeddings the constant column adds the same to every logit)."""
+    the LM head ignores channel c (for tied embeddings the constant column adds the same to every logit);
+    attention outputs scaled by ATTN_SCALE (position-independent sparsity)."""
     import torch
 
     emb = model.get_input_embeddings().weight
     emb[:, c] = CONSTANT
-    writers = [m for name, m in model.named_modules()
+    writers = [(name.rsplit(".", 1)[-1], m) for name, m in model.named_modules()
                if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in ("o_proj", "down_proj")]
     layers = model.config.get_text_config().num_hidden_layers
     if len(writers) != 2 * layers:
         raise SparsifyError(f"{type(model).__name__}: expected an o_proj and a down_proj per layer ({2 * layers}), "
                             f"found {len(writers)}; synth does not support this layout.")
-    for m in writers:
+    for kind, m in writers:
+        if kind == "o_proj":
+            m.weight.mul_(ATTN_SCALE)
         m.weight[c, :] = 0
         if m.bias is not None:
             m.bias[c] = 0
@@ -161,7 +169,7 @@ def measure_zeros(model, tokens: Any) -> list[float]:
 
 def synth(config: str | Path, out: str | Path, *, zeros: float = 0.9, layers: int | None = None,
           dtype: str = "bf16", device: str = "auto", seed: int = 0, skew: float = 1.0,
-          calib_tokens: int = 4096, overwrite: bool = False, progress: bool = True) -> dict[str, Any]:
+          calib_tokens: int = 8192, overwrite: bool = False, progress: bool = True) -> dict[str, Any]:
     """Write a random-weight sparsify model folder of `config` whose FFN activations have `zeros` zeros.
 
     Args:
@@ -213,7 +221,7 @@ def synth(config: str | Path, out: str | Path, *, zeros: float = 0.9, layers: in
     with dev:
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     vocab = model.get_input_embeddings().weight.shape[0]
-    seq = min(256, calib_tokens)
+    seq = min(512, calib_tokens)  # positions 0..511 in calibration; within 1 point at 64-1024 (ATTN_SCALE)
     calib = torch.randint(0, vocab, (max(1, calib_tokens // seq), seq), generator=gen).to(dev)
     check = torch.randint(0, vocab, (max(1, calib_tokens // seq), seq), generator=gen).to(dev)
     with torch.no_grad():

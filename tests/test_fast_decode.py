@@ -32,18 +32,18 @@ def test_fast_decode_equals_eager_dynamic_cache_and_reuses_its_graph(tiny, loop)
     ids = torch.randint(3, TINY["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(1))
     fast = tiny._fast_decode
     fast.cpu_emulation = False  # plain CPU: transformers' default dynamic cache, eager
-    ref = tiny.generate(ids, max_new_tokens=24, do_sample=False)
+    ref = tiny.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False)
     fast.cpu_emulation, fast.loop = True, loop
     fast._graphs.clear(), fast._loops.clear()  # (the module's model: start without earlier tests' graphs)
     fast.cache = fast.cache_key = None
     captures, replays, loops = fast.captures, fast.replays, fast.loops
     try:
-        got = tiny.generate(ids, max_new_tokens=24, do_sample=False)
+        got = tiny.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False)
         # token 1 from the prefill, token 2 from an eager warm-up step, then 22 replays of one capture
         assert (fast.captures - captures, fast.replays - replays, fast.loops - loops) == (1, 22, int(loop))
-        again = tiny.generate(ids, max_new_tokens=24, do_sample=False)  # same cache reused: no new capture
+        again = tiny.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False)  # same cache reused: no new capture
         assert fast.captures - captures == 1 and fast.replays - replays == 22 + 23
-        other = tiny.generate(ids[:1], max_new_tokens=24, do_sample=False)  # another batch: another cache
+        other = tiny.generate(ids[:1], max_new_tokens=24, min_new_tokens=24, do_sample=False)  # another batch: another cache
         assert fast.captures - captures == 2
         sampled = tiny.generate(ids, max_new_tokens=8, do_sample=True, top_k=5)  # transformers' loop
         assert sampled.shape == (2, 15)

@@ -255,7 +255,6 @@ class FastDecode:
         self.replays = 0
         self.captures = 0
         self._graphs: OrderedDict = OrderedDict()
-        self._pool = None
 
     def cache_of(self, args, kwargs):
         """The static cache this call decodes on, or None if the call is not a graphable decode step."""
@@ -324,9 +323,8 @@ class FastDecode:
             t.copy_(saved)
         if inputs["input_ids"].is_cuda:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.graph(graph):  # its own memory pool: graphs of dropped caches free theirs
                 output = self.forward(**inputs)
-            self._pool = graph.pool()
         else:  # cpu_emulation
             graph = output = _EagerReplay(self.forward, inputs)
         entry.graph, entry.inputs, entry.output = graph, inputs, output
@@ -492,9 +490,8 @@ def _capture_loop(loop: _Loop, forward, cache_kw: str, cache, fast: "FastDecode"
         for t, copy in saved:
             t.copy_(copy)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=fast._pool):
+        with torch.cuda.graph(graph):  # its own memory pool: graphs of dropped caches free theirs
             loop.run_step(forward, cache_kw, cache)
-        fast._pool = graph.pool()
         loop.graph = graph
     else:
         loop.graph = _EagerReplay(lambda: loop.run_step(forward, cache_kw, cache), {})

@@ -1,0 +1,58 @@
+"""Where one decode step's GPU time goes: CUDA-event time of the captured greedy step (graph replay) and a
+torch.profiler table of the same step run eagerly, per FFN variant of a sparsify folder (CUDA only).
+
+    PYTHONPATH=. python eval/profile_decode.py FOLDER [--batch 1] [--prompt 512] [--rows 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sparsify.evaluate import installed_modeling, load_model, parse_models  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("folder")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--rows", type=int, default=12)
+    args = ap.parse_args()
+    model, _ = load_model(parse_models([args.folder])[0], "cuda", "bf16")
+    modeling = installed_modeling()
+    fast = modeling.enable_fast_decode(model)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    ids = torch.randint(0, vocab, (args.batch, args.prompt), device="cuda")
+    for variant in ("dense", "auto"):
+        model.set_ffn_backend(variant)
+        fast._loops.clear()
+        model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)
+        loop = next(iter(fast._loops.values()))
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(10):
+            loop.graph.replay()
+        a.record()
+        for _ in range(100):
+            loop.graph.replay()
+        b.record()
+        b.synchronize()
+        print(f"{variant}: graph replay {a.elapsed_time(b) / 100:.3f} ms per decode step "
+              f"(batch {args.batch}, cache {fast.cache_key})")
+        paths = {m.last_path for m in model.modules() if hasattr(m, "last_path")}
+        print(f"{variant}: FFN paths at capture {paths}")
+        kw = modeling._cache_kwarg(model)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                loop.run_step(fast.forward, kw, fast.cache)
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows))
+
+
+if __name__ == "__main__":
+    main()
