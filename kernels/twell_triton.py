@@ -732,6 +732,11 @@ def updown(
 # 15.7 KB of spill stores; `python eval/bench_decode.py --compile-report`), and each of the M rows
 # gathers its own copy of a shared neuron's rows.
 DECODE_MAX_M = 32
+# Up to this M twell_ffn_triton (and auto's twell path) run decode_ffn; above it K1 + K2. 0: decode_ffn is
+# not routed. On the H200 (eval/results/generate-h200/decode/, CUDA graphs, skewed, bf16) decode_ffn ran at
+# 0.71-0.97x of dense at every shape, M = 1..32 and 85-99% zeros, where the K1 + K2 decode path (32-column
+# tiles, split K2) had measured 1.6-2.1x at M = 1 on 2048x8192 and 4096x14336: the older path stays.
+DECODE_ROUTE_M = 0
 _SMS: dict[int, int] = {}
 
 
@@ -826,10 +831,10 @@ def twell_ffn_triton(
     x2d: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down_t: torch.Tensor,
     variant: str = DEFAULT_VARIANT,
 ) -> torch.Tensor:
-    """The whole sparse FFN on [M, d]: decode_ffn for M <= DECODE_MAX_M, else K1 (gate + pack) then K2
+    """The whole sparse FFN on [M, d]: decode_ffn for M <= DECODE_ROUTE_M, else K1 (gate + pack) then K2
     (fused up/down). variant: see gate_pack (prefill only)."""
     k1, compact = split_variant(variant)
-    if 0 < x2d.shape[0] <= DECODE_MAX_M:
+    if 0 < x2d.shape[0] <= DECODE_ROUTE_M:
         return decode_ffn(x2d, w_gate, w_up, w_down_t)
     packed = gate_pack(x2d, w_gate, variant=k1)
     return updown(x2d, packed, w_gate, w_up, w_down_t, compact=compact)

@@ -199,12 +199,13 @@ def test_decode_ffn_block_configs(monkeypatch, cfg):
     assert torch.equal(got, run_decode(monkeypatch, x, wg, wu, wd, **cfg)), "two calls differ"
 
 
-def test_decode_ffn_is_the_triton_path_up_to_32_rows():
-    """twell_ffn_triton (and so twell_ffn(backend="twell")) runs decode_ffn for M <= DECODE_MAX_M, K1/K2
-    above; decode_ffn refuses larger M and bad arguments with the fix."""
+def test_decode_ffn_is_the_triton_path_up_to_its_route_limit(monkeypatch):
+    """twell_ffn_triton (and so twell_ffn(backend="twell")) runs decode_ffn for M <= DECODE_ROUTE_M (0 by
+    default: it lost to dense on the H200), K1/K2 above; decode_ffn refuses larger M and bad arguments."""
     x, wg, wu, wd = make_case(33, 40, 300, 0.9, seed=44)
     wdt = twell_ops.transpose_down(wd)
-    assert tt.DECODE_MAX_M == 32
+    assert tt.DECODE_MAX_M == 32 and tt.DECODE_ROUTE_M == 0
+    monkeypatch.setattr(tt, "DECODE_ROUTE_M", 32)
     for m in (1, 32):
         want = tt.decode_ffn(x[:m], wg, wu, wdt)
         assert torch.equal(tt.twell_ffn_triton(x[:m], wg, wu, wdt), want), m
