@@ -23,13 +23,14 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--rows", type=int, default=12)
+    ap.add_argument("--variants", default="dense,twell,auto", help="FFN backends to profile")
     args = ap.parse_args()
     model, _ = load_model(parse_models([args.folder])[0], "cuda", "bf16")
     modeling = installed_modeling()
     fast = modeling.enable_fast_decode(model)
     vocab = model.get_input_embeddings().weight.shape[0]
     ids = torch.randint(0, vocab, (args.batch, args.prompt), device="cuda")
-    for variant in ("dense", "auto"):
+    for variant in args.variants.split(","):
         model.set_ffn_backend(variant)
         fast._loops.clear()
         model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)
@@ -44,8 +45,8 @@ def main() -> None:
         b.synchronize()
         print(f"{variant}: graph replay {a.elapsed_time(b) / 100:.3f} ms per decode step "
               f"(batch {args.batch}, cache {fast.cache_key})")
-        paths = {m.last_path for m in model.modules() if hasattr(m, "last_path")}
-        print(f"{variant}: FFN paths at capture {paths}")
+        paths = [m.last_path for m in model.modules() if hasattr(m, "last_path")]
+        print(f"{variant}: FFN path per layer at capture {paths}")
         kw = modeling._cache_kwarg(model)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
