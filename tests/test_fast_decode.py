@@ -106,3 +106,24 @@ def test_prefill_above_one_percent_density_goes_dense_untimed(monkeypatch):
     st = twell_ops._LayerState(density=0.05)  # decode bucket: timed (eager and graph replay) at any density
     twell_ops._calibrate(st, x[:8], None, None, None, None)
     assert timed[-1] == 8 and (st.decision, st.graph_decision) == ("dense", "twell")
+
+
+def test_a_backend_switch_gets_its_own_graph(tiny):
+    """Graphs bake in the FFN backend: after set_ffn_backend the next call captures anew."""
+    ids = torch.randint(3, TINY["vocab_size"], (1, 6), generator=torch.Generator().manual_seed(3))
+    fast = tiny._fast_decode
+    fast.cpu_emulation = True
+    try:
+        for loop in (True, False):
+            fast.loop = loop
+            tiny.set_ffn_backend("dense")
+            tiny.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+            captures = fast.captures
+            tiny.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+            assert fast.captures == captures
+            tiny.set_ffn_backend("auto")
+            tiny.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+            assert fast.captures == captures + 1
+    finally:
+        fast.cpu_emulation, fast.loop = False, True
+        tiny.set_ffn_backend("auto")

@@ -207,6 +207,12 @@ def _cache_counters(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return saved
 
 
+def _ffn_state(model) -> tuple:
+    """What a captured graph baked in besides its inputs: each SparseMLP's backend (a graph captured on
+    one backend must not be replayed after a switch to another)."""
+    return tuple(m.ffn_backend for m in model.modules() if isinstance(m, SparseMLP))
+
+
 class _Graph:
     __slots__ = ("cache", "graph", "inputs", "output", "failed")
 
@@ -241,8 +247,9 @@ class FastDecode:
 
     MAX_GRAPHS = 4
 
-    def __init__(self, forward):
+    def __init__(self, forward, model=None):
         self.forward = forward  # the model's own forward, bound
+        self.model = weakref.ref(model) if model is not None else (lambda: None)
         self.enabled = True
         self.cpu_emulation = False
         self.cache = None  # the static cache generate() reuses (see _reused_cache) and its (batch, length)
@@ -276,7 +283,8 @@ class FastDecode:
 
     def __call__(self, cache, kwargs):
         try:
-            key = (id(cache), _signature({k: v for k, v in kwargs.items() if v is not cache}))
+            key = (id(cache), _signature({k: v for k, v in kwargs.items() if v is not cache}),
+                   _ffn_state(self.model()) if self.model() is not None else ())
         except TypeError:
             return self.forward(**kwargs)
         entry = self._graphs.get(key)
@@ -421,7 +429,7 @@ def _greedy_generate(model, fast: "FastDecode", plan) -> torch.Tensor:
     if fast.timing:
         sync()
         t0 = time.perf_counter()
-    key = (id(cache), batch)
+    key = (id(cache), batch, _ffn_state(model))
     loop = fast._loops.get(key)
     if loop is None or loop.cache() is not cache:
         fast._loops = {k: v for k, v in fast._loops.items() if v.cache() is not None}
@@ -584,7 +592,7 @@ def enable_fast_decode(model, enabled: bool = True) -> "FastDecode":
                     return _greedy_generate(model, fast, plan)
             return generate(*args, **new)
 
-        fast = FastDecode(forward)
+        fast = FastDecode(forward, model)
         model.__dict__["_fast_decode"] = fast
         model.__dict__["forward"] = fast_forward
         model.__dict__["generate"] = fast_generate
