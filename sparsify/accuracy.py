@@ -7,9 +7,11 @@ it; every task is built once before any model loads, so missing data fails fast.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -168,6 +170,25 @@ def silence_expected_warnings() -> None:
         log.addFilter(_DropExpectedWarnings())
 
 
+@contextlib.contextmanager
+def _without_lm_eval_env_info() -> Iterator[None]:
+    """lm-eval appends environment details to each run's results: `git describe` in the current folder (which
+    prints "fatal: not a git repository" outside a checkout, once per model) and torch's collect_env (pip,
+    nvidia-smi: 2-3 s per model). sparsify reads only the scores and writes its own provenance, so both are
+    skipped while simple_evaluate runs, then restored."""
+    import lm_eval.evaluator as evaluator
+
+    stand_ins = {"get_git_commit_hash": lambda: None, "add_env_info": lambda storage: None}
+    saved = {name: getattr(evaluator, name) for name in stand_ins if hasattr(evaluator, name)}
+    for name in saved:
+        setattr(evaluator, name, stand_ins[name])
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(evaluator, name, fn)
+
+
 def proportion_stderr(p: float, n: int) -> float | None:
     """Standard error of a proportion p measured on n items (None below 2 items)."""
     return math.sqrt(max(p * (1 - p), 0.0) / (n - 1)) if n >= 2 else None
@@ -181,8 +202,9 @@ def accuracy(model: Any, tok: Any, spec: TaskSpec, limit: int | None, batch_size
 
     silence_expected_warnings()
     lm = HFLM(pretrained=model, tokenizer=tok, batch_size=batch_size)
-    out = simple_evaluate(model=lm, tasks=list(spec.names), task_manager=spec.manager(), limit=limit,
-                          bootstrap_iters=0, log_samples=False)
+    with _without_lm_eval_env_info():
+        out = simple_evaluate(model=lm, tasks=list(spec.names), task_manager=spec.manager(), limit=limit,
+                              bootstrap_iters=0, log_samples=False)
     results: dict[str, dict] = {}
     for task, metrics in out["results"].items():
         row = {k.split(",")[0]: float(v) for k, v in metrics.items()

@@ -644,9 +644,14 @@ def test_report_with_speed_rows_draws_speed_plot_and_tables(tmp_path):
     assert "| prefill b8 s512 | 1.300 | - | 0.025 |" in md and "dense (again)" in md and "| dense | 8 | 512 | 0.400 |" in md
 
 
-def test_local_task_with_function_helper_and_relative_data_runs(tmp_path, tiny_folders):
-    """A user's task folder anywhere: relative data_files and a `!function` helper beside the YAML."""
+def test_local_task_with_function_helper_and_relative_data_runs(tmp_path, tiny_folders, monkeypatch, capfd):
+    """A user's task folder anywhere: relative data_files and a `!function` helper beside the YAML. Run from
+    a folder outside any git checkout: lm-eval's `git describe` (skipped) would print an error there."""
+    import lm_eval.evaluator
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    monkeypatch.chdir(tmp_path)
+    env_info = (lm_eval.evaluator.get_git_commit_hash, lm_eval.evaluator.add_env_info)
 
     task_dir = tmp_path / "my_tasks" / "sub"
     task_dir.mkdir(parents=True)
@@ -667,3 +672,5 @@ def test_local_task_with_function_helper_and_relative_data_runs(tmp_path, tiny_f
     tok = AutoTokenizer.from_pretrained(tiny_folders[0])
     got = acc.accuracy(model, tok, spec, limit=None, batch_size=4)
     assert got["my_even"]["samples"] == 3 and got["my_even"]["acc"] in {i / 3 for i in range(4)}  # helper ran
+    assert "not a git repository" not in capfd.readouterr().err
+    assert (lm_eval.evaluator.get_git_commit_hash, lm_eval.evaluator.add_env_info) == env_info  # restored
