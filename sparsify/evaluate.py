@@ -54,6 +54,7 @@ class ModelSpec:
     source: str  # local model folder, Hub id, or .gguf file
     gguf_file: str | None = None  # file name inside `source` when loading a .gguf
     code: str | None = None  # which modeling code load_model used: installed, stock or remote
+    alias: str | None = None  # the name the user gave instead of a path (smollm2-135m-gguf), shown as the source
 
 
 def parse_models(models: list[str | Path]) -> list[ModelSpec]:
@@ -63,8 +64,9 @@ def parse_models(models: list[str | Path]) -> list[ModelSpec]:
     for raw in models:
         raw = str(raw)
         name, _, source = raw.partition("=") if _has_label(raw) else ("", "", raw)
-        if is_alias(source):
-            name, source = name or source, str(smollm2_gguf())  # not installed: says how to install it
+        alias = source if is_alias(source) else None
+        if alias:
+            name, source = name or alias, str(smollm2_gguf())  # not installed: says how to install it
         path = Path(source).expanduser()
         gguf = None
         if path.suffix == ".gguf":
@@ -84,7 +86,7 @@ def parse_models(models: list[str | Path]) -> list[ModelSpec]:
                 f"folder, a .gguf file, a Hub id or the alias {SMOLLM2_ALIAS}, optionally labelled as NAME=PATH."
             )
         default = path.stem if gguf else (path.name or source)
-        specs.append(ModelSpec(name=name or default, source=source, gguf_file=gguf))
+        specs.append(ModelSpec(name=name or default, source=source, gguf_file=gguf, alias=alias))
     _dedupe_names(specs)
     return specs
 
@@ -280,7 +282,7 @@ def provenance(device: str) -> dict:
 def model_info(model: Any, spec: ModelSpec) -> dict:
     cfg = model.config
     return {
-        "name": spec.name, "source": spec.source + (f"/{spec.gguf_file}" if spec.gguf_file else ""),
+        "name": spec.name, "source": spec.alias or spec.source + (f"/{spec.gguf_file}" if spec.gguf_file else ""),
         "path": str(Path(spec.source).resolve()) if Path(spec.source).exists() else None,
         "class": type(model).__name__, "modeling_code": spec.code, "model_type": getattr(cfg, "model_type", None),
         "activation": getattr(cfg, "hidden_act", None) or getattr(cfg, "hidden_activation", None),

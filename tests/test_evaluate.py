@@ -358,6 +358,7 @@ def test_the_smollm2_alias_names_the_wheels_gguf():
     gguf = smollm2_gguf()
     assert (orig.name, orig.source, orig.gguf_file) == ("orig", str(gguf.parent), gguf.name)
     assert (plain.name, plain.gguf_file) == ("SmolLM2-135M-GGUF", gguf.name)
+    assert ev.model_info(_tiny_llama(0, 50), orig)["source"] == "smollm2-135m-gguf"  # not a site-packages path
 
 
 def test_the_smollm2_alias_without_its_wheel_says_how_to_install_it(monkeypatch):
