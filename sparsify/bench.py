@@ -30,16 +30,6 @@ from .errors import SparsifyError
 REGIMES = ("graphs", "hf-graphs", "eager")
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: every value must be a positive integer")
-    return values
-
-
 class _FirstToken:
     """A logits processor that notes when the first token's logits are ready (one sync, at step one)."""
 
@@ -334,6 +324,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "for batch x prompt-length grids, the sparse FFN against the same weights on dense cuBLAS, in the same "
         "run and cache/graph regime. Works on any sparsify folder, including `sparsify synth` ones.")
     parser.add_argument("models", nargs="+", metavar="[NAME=]MODEL", help="model folders (or Hub ids / .gguf)")
+    from .evaluate import _ints  # the comma-list parser eval's --speed options use
+
     parser.add_argument("--batch", type=_ints, default=(1, 8, 32), help="batch sizes (default 1,8,32)")
     parser.add_argument("--prompt", type=_ints, default=(128, 512, 2048), help="prompt lengths (default 128,512,2048)")
     parser.add_argument("--new-tokens", type=int, default=256, help="tokens generated per call (default 256)")
