@@ -1,7 +1,7 @@
 """`sparsify eval`: accuracy, perplexity, sparsity profile and speed for one or more models, side by side.
 
-    evaluate(["orig=smollm2.gguf", "relu=out/relu", "ft=out/ft"], tasks=["eval/tasks"],
-             texts=["notes.txt"], limit=20, out="report/")
+    evaluate(["orig=smollm2-135m-gguf", "relu=sparsify-demo/relu", "ft=sparsify-demo/ft/model"],
+             tasks=["eval/tasks"], texts=["notes.txt"], limit=20, out="report/")
 
 This module is the command: inputs, model loading, the per-model loop and report.json's provenance. Each
 section lives in its own module (each optional):
@@ -435,8 +435,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "decode throughput of the TwELL path against the same model dense. Writes report.json, report.md "
         "and PNG plots into --out."
     )
-    parser.epilog = ("Offline example: sparsify eval orig=model.gguf relu=out/relu ft=out/ft "
-                     "--tasks eval/tasks/ --text notes.txt --limit 20 --out report/")
+    parser.epilog = ("Offline example, after `sparsify demo`: sparsify eval orig=smollm2-135m-gguf "
+                     "relu=sparsify-demo/relu ft=sparsify-demo/ft/model --tasks eval/tasks/ --limit 20 --out report/")
     parser.add_argument("models", nargs="+", metavar="MODEL",
                         help="model folder, .gguf file or Hub id; label it as NAME=PATH for the tables")
     parser.add_argument("--tasks", default=None,
