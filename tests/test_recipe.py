@@ -154,7 +154,8 @@ def test_default_recipe_without_its_text_fails_at_once_with_the_fetch_command(tm
     assert proc.returncode == 2 and time.time() - start < 60, proc.stderr
     err = proc.stderr
     assert "data.train: 'data/debian/*.txt' matches no file" in err and f"run it from {tmp_path}" in err
-    assert "\n".join(line.strip() for line in fetch.splitlines()) in "\n".join(line.strip() for line in err.splitlines())
+    stripped = "\n".join(line.strip() for line in err.splitlines())
+    assert "\n".join(line.strip() for line in fetch.splitlines()) in stripped  # the command, line by line
     assert "Traceback" not in err and list(tmp_path.iterdir()) == []  # no run folder, no conversion
 
 
