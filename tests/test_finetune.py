@@ -81,6 +81,8 @@ def reference(tiny_silu, tmp_path_factory) -> Path:
     proc = cli(["finetune", str(path), "--no-progress"])
     log, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, log
+    for bar in ("it/s]", "s/it]", "Loading weights", "Writing model shards"):  # --no-progress: no bar of anyone's
+        assert bar not in log, (bar, log[-3000:])
     return out / "run"
 
 
