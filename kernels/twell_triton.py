@@ -18,11 +18,12 @@ NT = ceil(F / T), E = gathered rows per chunk in K2. Layout and overflow rules: 
   h = val * dot(x, W_up[j]) never leaves registers, out += h * W_down^T[j]. Overflowed tiles are
   recomputed densely from W_gate (lossless). SPLIT > 1 (decode) spreads a row's entries over programs
   that add into an fp32 output with atomics.
-- Decode (M <= DECODE_MAX_M = 32, `decode_ffn`, what twell_ffn_triton runs there): phase A `_dec_gate_up`
+- Decode (M <= 16): K1 with 32-column tiles and K2 split across programs (above), what twell_ffn_triton
+  and auto run. `decode_ffn` (M <= DECODE_MAX_M = 32, routed only up to DECODE_ROUTE_M = 0: it measured
+  0.71-0.97x of dense on the H200, kernels/NOTES.md): phase A `_dec_gate_up`
   (gate for all M rows at once, W_up rows of neurons active in any row), phase B `_dec_down` (W_down^T
   rows of neurons with a non-zero h, over d blocks x F splits), `_dec_sum` (the splits' fp32 partials).
-  Each weight row is read once for all M rows, nothing spills at d = 8192. gate_pack / updown keep their
-  M <= 16 configuration (T = 32, S = 32, K2 split across programs) for auto's twell path.
+  Each weight row is read once for all M rows, nothing spills at d = 8192.
 """
 
 from __future__ import annotations
@@ -471,7 +472,7 @@ def _require_triton() -> None:
 
 
 ENT_CODES = {"split": 0, "bf16": 1, "fp16": 2}
-# What twell_ffn_triton runs for M > DECODE_MAX_M (decode_ffn below that): a K1 then K2 reading per-row
+# What twell_ffn_triton runs for M > DECODE_ROUTE_M (decode_ffn up to that): a K1 then K2 reading per-row
 # compacted entry lists. "r6c" (the default): the round-6 K1 (_k1_r6: TMA, 128 x 256 tiles, slot-major
 # epilogue) where it applies (bf16/fp16, 16-byte aligned, M > 16), else the round-5 K1; "r5c": the
 # round-5 K1 (_k1_gate_pack, autotuned on CUDA for M > 16) everywhere, which is what r6c falls back to.
