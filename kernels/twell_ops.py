@@ -44,9 +44,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .twell_reference import ffn_dense
-from .twell_triton import (DEFAULT_VARIANT, HAS_TRITON, decode_ffn, gate_pack, split_variant,
+from .twell_triton import (DECODE_ROUTE_M, DEFAULT_VARIANT, HAS_TRITON, decode_ffn, gate_pack, split_variant,
                            twell_ffn_triton, updown)
-from . import twell_triton
 
 log = logging.getLogger("sparsify.kernels")
 
@@ -176,7 +175,7 @@ def _run_twell(st: _LayerState, x2d, w_gate, w_up, w_down, w_down_t, refresh: bo
     """auto's twell path, the one every twell decision runs (hot path, refreshes, capture, calibration):
     decode_ffn for M <= DECODE_ROUTE_M, else K1, on a refresh an async count of its output, K2
     (= twell_ffn_triton with DEFAULT_VARIANT)."""
-    if x2d.shape[0] <= twell_triton.DECODE_ROUTE_M:
+    if x2d.shape[0] <= DECODE_ROUTE_M:
         if refresh:  # one extra gate GEMV every REFRESH calls (decode_ffn keeps no count)
             _count_async(st, (torch.nn.functional.linear(x2d, w_gate) > 0).sum(), x2d.shape[0] * w_gate.shape[0])
         return decode_ffn(x2d, w_gate, w_up, _down_t(w_down, w_down_t))

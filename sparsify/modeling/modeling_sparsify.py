@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import logging
 import time
-import weakref
 from collections import OrderedDict
 
 import torch
@@ -217,10 +216,7 @@ class _Graph:
     __slots__ = ("cache", "graph", "inputs", "output", "failed")
 
     def __init__(self, cache):
-        try:
-            self.cache = weakref.ref(cache)
-        except TypeError:  # a cache class without weak references: hold it (freed with the entry)
-            self.cache = lambda c=cache: c
+        self.cache = cache  # held: its id keys the entry, so it must not be freed (and the id reused) first
         self.graph = self.inputs = self.output = None
         self.failed = False
 
@@ -248,8 +244,8 @@ class FastDecode:
     MAX_GRAPHS = 4
 
     def __init__(self, forward, model=None):
-        self.forward = forward  # the model's own forward, bound
-        self.model = weakref.ref(model) if model is not None else (lambda: None)
+        self.forward = forward  # the model's own forward, bound (it holds the model, as does self.model)
+        self.model = model
         self.enabled = True
         self.cpu_emulation = False
         self.cache = None  # the static cache generate() reuses (see _reused_cache) and its (batch, length)
@@ -262,6 +258,11 @@ class FastDecode:
         self.replays = 0
         self.captures = 0
         self._graphs: OrderedDict = OrderedDict()
+
+    def drop_graphs(self) -> None:
+        """Free every captured graph and the caches they hold (done when the reused cache is replaced)."""
+        self._graphs.clear()
+        self._loops.clear()
 
     def cache_of(self, args, kwargs):
         """The static cache this call decodes on, or None if the call is not a graphable decode step."""
@@ -284,13 +285,11 @@ class FastDecode:
     def __call__(self, cache, kwargs):
         try:
             key = (id(cache), _signature({k: v for k, v in kwargs.items() if v is not cache}),
-                   _ffn_state(self.model()) if self.model() is not None else ())
+                   _ffn_state(self.model) if self.model is not None else ())
         except TypeError:
             return self.forward(**kwargs)
         entry = self._graphs.get(key)
-        if entry is None or entry.cache() is not cache:  # first decode step on this cache: eager warm-up
-            for dead in [k for k, e in self._graphs.items() if e.cache() is None]:  # their caches are gone
-                del self._graphs[dead]
+        if entry is None:  # first decode step on this cache: eager warm-up
             self._graphs[key] = _Graph(cache)
             while len(self._graphs) > self.MAX_GRAPHS:
                 self._graphs.popitem(last=False)
@@ -397,7 +396,7 @@ class _Loop:
     """The captured greedy step for one (cache, batch): static next-token and output buffers."""
 
     def __init__(self, cache, batch: int, length: int, device):
-        self.cache = weakref.ref(cache)
+        self.cache = cache
         self.token = torch.zeros(batch, 1, dtype=torch.long, device=device)  # [B, 1] next input
         self.step = torch.zeros((), dtype=torch.long, device=device)  # index of the token being written
         self.out = torch.zeros(batch, length, dtype=torch.long, device=device)  # [B, L] generated tokens
@@ -431,8 +430,7 @@ def _greedy_generate(model, fast: "FastDecode", plan) -> torch.Tensor:
         t0 = time.perf_counter()
     key = (id(cache), batch, _ffn_state(model))
     loop = fast._loops.get(key)
-    if loop is None or loop.cache() is not cache:
-        fast._loops = {k: v for k, v in fast._loops.items() if v.cache() is not None}
+    if loop is None:
         loop = fast._loops[key] = _Loop(cache, batch, cache.layers[0].max_cache_len, ids.device)
     with torch.no_grad():
         logits = forward(input_ids=ids, use_cache=True, **{cache_kw: cache}).logits[:, -1, :]  # prefill
@@ -521,9 +519,11 @@ CACHE_ROUND = 256  # reused static caches are sized up to a multiple of this man
 def _cache_kwarg(model) -> str:
     """The name generate() and forward() give the KV cache: `cache` (transformers >= 5.2x) or the older
     `past_key_values`."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    fn = type(model).forward
+    while hasattr(fn, "__wrapped__"):  # transformers' decorators wrap forward with functools.wraps
+        fn = fn.__wrapped__
+    code = fn.__code__
+    return "cache" if "cache" in code.co_varnames[: code.co_argcount + code.co_kwonlyargcount] else "past_key_values"
 
 
 def _reused_cache(model, fast: "FastDecode", args: tuple, kwargs: dict):
@@ -541,7 +541,8 @@ def _reused_cache(model, fast: "FastDecode", args: tuple, kwargs: dict):
     length = -(-need // CACHE_ROUND) * CACHE_ROUND
     key = (ids.shape[0], length)
     if fast.cache_key != key:
-        fast.cache = None  # one reused cache at a time (its memory is the KV of every position)
+        fast.drop_graphs()  # one reused cache at a time (its memory is the KV of every position)
+        fast.cache = None
         try:
             fast.cache = StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=length)
         except TypeError:  # another StaticCache signature: let generate make its own
