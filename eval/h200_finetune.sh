@@ -72,7 +72,7 @@ if [ -n "${JOINED:-}" ] && ! python -c "import gguf, sys; gguf.GGUFReader(sys.ar
 fi
 # The SiLU source is converted once (out/h200/converted, kept between modes); later runs start from that
 # ReLU folder, whose config records the source activation, so the SiLU teacher is rebuilt from it.
-MODEL=${MODEL:-$(python -c "from sparsify.finetune import resolve_model_source as r; print(r('smollm2-135m-gguf'))" 2>/dev/null || true)}
+MODEL=${MODEL:-$(python -c "from sparsify.sources import resolve_source as r; print(r('smollm2-135m-gguf'))")}
 if [ "$MODE" != trainbench ] && [ ! -f "$WORK/converted/config.json" ]; then
     python -m sparsify convert "$MODEL" -o "$WORK/converted" --overwrite
 fi

@@ -24,7 +24,7 @@ from . import __version__
 from .architectures import FAMILIES, activation_of, family_for, supported_list
 from .errors import SparsifyError
 from .folder import atomic_dir, finalize_folder
-from .sources import is_hub_id, resolve_source, source_problem  # noqa: F401  (is_hub_id: evaluate, push)
+from .sources import resolve_source, source_problem
 
 DTYPES = {"auto": None, "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
           "fp32": "float32", "float32": "float32"}

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .convert import is_hub_id
+from .sources import is_hub_id
 from .report import is_metric
 from .errors import SparsifyError
 
