@@ -83,7 +83,7 @@ def test_fast_decode_keeps_out_of_what_it_cannot_replay(tiny):
         padded = tiny.generate(torch.tensor([[5, 6, 7], [8, 9, 10]]), attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]),
                                max_new_tokens=5, do_sample=False)
         assert fast.loops == loops and padded.shape == (2, 8)
-        fast.enabled = False
+        assert tiny.enable_fast_decode(False) is fast and not fast.enabled  # the documented switch
         tiny.generate(ids, max_new_tokens=5, do_sample=False)
         assert fast.captures == captures + 1
     finally:
