@@ -57,7 +57,9 @@ def test_greedy_loop_stops_and_pads_like_transformers(tiny):
     fast = tiny._fast_decode
     plain = tiny.generate(ids, max_new_tokens=80, do_sample=False)
     eos = int(plain[0, 5 + 3])  # a token row 0 emits early: an end-of-sequence id for this test
-    for kwargs in ({"eos_token_id": eos, "pad_token_id": 1}, {"eos_token_id": [eos, 7], "min_new_tokens": 30}):
+    # no eos, then eos ids (the graph of the first call must not be replayed without the eos mask), then others
+    for kwargs in ({"eos_token_id": None, "pad_token_id": 1}, {"eos_token_id": eos, "pad_token_id": 1, "min_new_tokens": 9},
+                   {"eos_token_id": [eos, 7], "min_new_tokens": 30}):
         ref = tiny.generate(ids, max_new_tokens=80, do_sample=False, **kwargs)
         fast.cpu_emulation = True
         loops = fast.loops

@@ -403,6 +403,7 @@ class _Loop:
         self.min_new = torch.zeros((), dtype=torch.long, device=device)
         self.graph = None
         self.eos = None  # [E] long tensor the graph masks before min_new_tokens (fixed at capture)
+        self.eos_ids: tuple = ()  # its values, compared on the host
 
     def run_step(self, forward, cache_kw: str, cache) -> None:
         logits = forward(input_ids=self.token, use_cache=True, **{cache_kw: cache}).logits[:, -1, :]  # [B, V]
@@ -424,7 +425,6 @@ def _greedy_generate(model, fast: "FastDecode", plan) -> torch.Tensor:
     forward = fast.forward
     cuda = ids.is_cuda
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    t0 = time.perf_counter() if fast.timing else 0.0
     if fast.timing:
         sync()
         t0 = time.perf_counter()
@@ -445,17 +445,16 @@ def _greedy_generate(model, fast: "FastDecode", plan) -> torch.Tensor:
             sync()
             fast.last = {"ttft_s": time.perf_counter() - t0}
             t1 = time.perf_counter()
-        eos_t = torch.tensor(eos, dtype=torch.long, device=ids.device) if eos else None
+        if loop.graph is None or loop.eos_ids != tuple(eos):  # the graph holds its eos tensor: (re)capture
+            loop.graph = None
+            loop.eos_ids = tuple(eos)
+            loop.eos = torch.tensor(eos, dtype=torch.long, device=ids.device) if eos else None
         done_at = None
         for i in range(1, new):
-            if loop.graph is None or (eos_t is not None and loop.eos is None):
-                loop.eos = eos_t
+            if loop.graph is None:
                 if i == 1:  # the first decode step runs eagerly (warms kernels and the FFN dispatcher)
                     loop.run_step(forward, cache_kw, cache)
                     continue
-                _capture_loop(loop, forward, cache_kw, cache, fast)
-            if loop.eos is not None and eos_t is not None and not torch.equal(loop.eos.cpu(), eos_t.cpu()):
-                loop.eos = eos_t  # (a graph holds its eos tensor: other ids need another capture)
                 _capture_loop(loop, forward, cache_kw, cache, fast)
             loop.graph.replay()
             fast.replays += 1
