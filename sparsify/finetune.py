@@ -46,7 +46,7 @@ from .errors import SparsifyError
 from .profiling import StepProfiler
 from .recipe import Recipe, dump_recipe, format_help, load_recipe, raise_problems, recipe_problems
 from .sources import local_config
-from .sparsity import Plateau, SparsityProbe, StepStats, l1_coefficient, reinit_dead
+from .sparsity import L1Control, Plateau, SparsityProbe, StepStats, reinit_dead
 
 # Dense bf16 peak FLOP/s for MFU (NVIDIA datasheets, SXM parts, no sparsity). SPARSIFY_PEAK_TFLOPS overrides.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "4090": 165.0}
@@ -290,6 +290,7 @@ class Run:
     state: TrainState
     plateau: Plateau
     loss_fn: Any
+    l1: L1Control  # the per-layer L1 coefficients (fixed, or driven to sparsity.target)
     verbose: bool = True  # a line per logged step (when no progress bar) and per validation, on stderr
 
 
@@ -328,7 +329,7 @@ def attention_order(choice: str, device: torch.device) -> list | None:
 def train_step(run: Run) -> dict[str, torch.Tensor]:
     """One optimizer step over grad_accum micro-batches; returns the step's mean loss terms (device tensors)."""
     t, dist = run.recipe.train, run.dist
-    coef = l1_coefficient(run.recipe.sparsity, run.state.step)
+    coef = run.l1.coefficients(run.state.step)  # [L]
     sums = {k: torch.zeros((), device=dist.device) for k in ("loss", "ce", "l1", "kd")}
     for micro in range(t.grad_accum):
         first = run.state.samples + (micro * dist.world + dist.rank) * t.batch_size
@@ -345,9 +346,10 @@ def train_step(run: Run) -> dict[str, torch.Tensor]:
                     teacher_logits = run.teacher(input_ids=inputs).logits  # [B, T, V]
             run.probe.start()
             logits = run.train_model(input_ids=inputs).logits  # [B, T, V]
-            l1 = run.probe.take(tokens=inputs.numel())
+            l1 = run.probe.take(tokens=inputs.numel())  # [L]
             ce, kd = run.loss_fn(logits, targets, teacher_logits, run.recipe.distill.temperature)
-            loss = ce + coef * l1 + run.recipe.distill.kd * kd
+            loss = ce + (coef * l1).mean() + run.recipe.distill.kd * kd
+            l1 = l1.mean()  # logged: the penalty before weighting, mean over layers
             (loss / t.grad_accum).backward()
         for k, v in (("loss", loss), ("ce", ce), ("l1", l1), ("kd", kd)):
             sums[k] += v.detach() / t.grad_accum
@@ -421,7 +423,8 @@ def save_checkpoint(run: Run, out: Path) -> Path:
                "python": torch.tensor(py_state, dtype=torch.int64),
                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
         meta = {"format": CHECKPOINT_FORMAT, "state": asdict(run.state), "scheduler": run.sched.state_dict(),
-                "plateau": run.plateau.state_dict(), "recipe": dump_recipe(run.recipe), "world": run.dist.world,
+                "plateau": run.plateau.state_dict(), "l1_control": run.l1.state_dict(),
+                "recipe": dump_recipe(run.recipe), "world": run.dist.world,
                 "version": __version__, "rng": {"numpy": [np_name, np_pos, np_has_gauss, np_gauss],
                                                 "python": [py_version, py_gauss]}}
         with atomic_dir(folder, overwrite=True) as tmp:
@@ -488,6 +491,8 @@ def load_checkpoint(run: Run, folder: Path) -> None:
     run.sched.load_state_dict(meta["scheduler"])
     run.state = TrainState(**meta["state"])
     run.plateau.load_state_dict(meta["plateau"])
+    if "l1_control" in meta:  # checkpoints written before target mode hold none (fixed mode needs none)
+        run.l1.load_state_dict(meta["l1_control"])
     rng, np_name, np_pos, np_has_gauss, np_gauss = blob["rng"], *meta["rng"]["numpy"]
     torch.set_rng_state(rng["torch"])
     np.random.set_state((np_name, rng["numpy"].numpy().astype(np.uint32), np_pos, np_has_gauss, np_gauss))
@@ -607,15 +612,17 @@ def step_record(run: Run, sums: dict, stats: StepStats, seconds: float, steps: i
     """One metrics.jsonl line: the last logged window's mean losses and the last step's sparsity."""
     t, dist = run.recipe.train, run.dist
     vals = {k: float(dist.reduce(v / steps, "sum")) / dist.world for k, v in sums.items()}
+    coefs = run.l1.coefficients(run.state.step - 1)  # the weights the last step used (target mode: the next's)
     tokens_per_s = steps * t.batch_size * t.grad_accum * dist.world * t.seq_len / max(seconds, 1e-9)
     peak = peak_flops(dist.device)
     record = {"step": run.state.step, "tokens": run.state.tokens, **vals,
-              "l1_coef": l1_coefficient(run.recipe.sparsity, run.state.step - 1), "lr": run.sched.get_last_lr()[0],
+              "l1_coef": coefs.mean().item(), "lr": run.sched.get_last_lr()[0],
               "sparsity": stats.sparsity, "nonzeros": stats.mean_nonzeros, "dead": sum(stats.dead),
               "tokens_per_s": tokens_per_s}
     if peak:
         record["mfu"] = tokens_per_s * fpt / (peak * dist.world)
-    record["per_layer"] = {"zeros": stats.zeros, "nonzeros": stats.nonzeros, "dead": stats.dead}
+    record["per_layer"] = {"zeros": stats.zeros, "nonzeros": stats.nonzeros, "dead": stats.dead,
+                           "l1_coef": coefs.tolist()}
     return record
 
 
@@ -645,7 +652,8 @@ def export(run: Run, model_dir: Path, out: Path, tokenizer: Any, history: list[d
         last = train_lines[-1] if train_lines else {}
         provenance = {"finetuned": True, "finetuned_from": str(model_dir), "steps": run.state.step,
                       "tokens": run.state.tokens, "sparsity": last.get("sparsity"), "stopped": run.state.stopped,
-                      "l1": run.recipe.sparsity.l1, "normalization": run.recipe.sparsity.normalization}
+                      "l1": run.recipe.sparsity.l1, "normalization": run.recipe.sparsity.normalization,
+                      "target": run.recipe.sparsity.target}
         sparsity = {"step": run.state.step, "tokens": run.state.tokens, "per_layer": last.get("per_layer"),
                     "sparsity": last.get("sparsity"), "nonzeros": last.get("nonzeros"),
                     "evaluations": [h for h in history if "val_loss" in h]}
@@ -678,14 +686,23 @@ def plot(out: Path, history: list[dict]) -> None:
     b.set(xlabel="tokens (M)", ylabel="perplexity", yscale="log", title="validation perplexity")
     fig.tight_layout()
     fig.savefig(out / "loss.png", dpi=110)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    coefs = [h for h in train if "l1_coef" in h["per_layer"]]  # older runs did not log per-layer coefficients
+    fig, axes = plt.subplots(1, 2 if coefs else 1, figsize=(13 if coefs else 7, 4.5), squeeze=False)
+    ax = axes[0, 0]
     layers = len(train[-1]["per_layer"]["zeros"])
+    color = [plt.cm.viridis(i / max(1, layers - 1)) for i in range(layers)]
     for i in range(layers):
-        ax.plot(tokens, [h["per_layer"]["zeros"][i] for h in train], color=plt.cm.viridis(i / max(1, layers - 1)), lw=0.8)
+        ax.plot(tokens, [h["per_layer"]["zeros"][i] for h in train], color=color[i], lw=0.8)
     ax.plot(tokens, [h["sparsity"] for h in train], "k--", lw=2, label="mean over layers")
     ax.set(xlabel="tokens (M)", ylabel="fraction of zeros in h", title=f"per-layer sparsity ({layers} layers, "
            "dark = first)")
     ax.legend()
+    if coefs:
+        ax = axes[0, 1]
+        for i in range(layers):
+            ax.plot([h["tokens"] / 1e6 for h in coefs], [h["per_layer"]["l1_coef"][i] for h in coefs], color=color[i],
+                    lw=0.8)
+        ax.set(xlabel="tokens (M)", ylabel="L1 coefficient", yscale="log", title="per-layer L1 coefficient")
     fig.tight_layout()
     fig.savefig(out / "sparsity.png", dpi=110)
     plt.close("all")
@@ -787,7 +804,8 @@ def _setup(recipe: Recipe, dist: Dist, model_dir: Path, data: Any) -> Run:
     sp = recipe.sparsity
     plateau = Plateau(sp.plateau_tolerance, sp.plateau_window, after=sp.ramp_steps if sp.schedule == "ramp" else 0)
     loss_fn = torch.compile(losses) if recipe.train.compile else losses
-    return Run(recipe, dist, model, train_model, teacher, probe, data, opt, sched, TrainState(), plateau, loss_fn)
+    l1 = L1Control(sp, len(probe.mlps), dist.device)
+    return Run(recipe, dist, model, train_model, teacher, probe, data, opt, sched, TrainState(), plateau, loss_fn, l1)
 
 
 def _read_history(out: Path) -> list[dict]:
@@ -826,10 +844,11 @@ def _loop(run: Run, log: MetricsLog, history: list[dict], progress: bool) -> Non
         steps += 1
         bar.update(1)
         logging_now = run.state.step % t.log_every == 0 or run.state.step == total
-        if run.recipe.sparsity.reinit_dead or logging_now:
+        if run.recipe.sparsity.reinit_dead or run.l1.adaptive or logging_now:
             stats = run.probe.step_stats(run.dist.reduce)
             if run.recipe.sparsity.reinit_dead:
                 reinit_dead(run.model, stats.inactive, run.state.step, t.seed)
+            run.l1.update(stats)
         else:
             run.probe.reset()
         if logging_now:
@@ -838,6 +857,9 @@ def _loop(run: Run, log: MetricsLog, history: list[dict], progress: bool) -> Non
             history.append(record)
             line = (f"tok/s={record['tokens_per_s']:.3g} loss={record['loss']:.3f} l1={record['l1']:.3g} "
                     f"zeros={record['sparsity']:.1%} nnz={record['nonzeros']:.0f}")
+            if run.l1.adaptive:  # the layer furthest below its target, and the coefficient range
+                zeros, coef = record["per_layer"]["zeros"], record["per_layer"]["l1_coef"]
+                line += f" min_zeros={min(zeros):.1%} coef={min(coef):.2g}..{max(coef):.2g}"
             bar.set_postfix_str(line)
             if bar.disable and run.dist.main and run.verbose:  # no bar (logs, batch jobs): a line per logged step
                 mfu = f" mfu={record['mfu']:.1%}" if "mfu" in record else ""

@@ -96,6 +96,20 @@ class SparsitySection:
         "steps. 0 disables the plateau stop.",
     )
     plateau_window: int = doc(200, "Steps over which the plateau rule compares sparsity.")
+    target: float | list[float] | None = doc(
+        None,
+        "Target mode: the fraction of zeros in h every layer is driven to (e.g. 0.95), or one value per layer "
+        "(a list as long as the model has layers). Each layer then gets its own L1 coefficient, starting at `l1` "
+        "and adapted after every step (dual ascent in log space, see target_gain) until the layer holds its "
+        "target. None: fixed mode, every layer weighted by `l1` (and its schedule).",
+    )
+    target_gain: float = doc(
+        0.1,
+        "Target mode: change of log(coefficient) per step per unit of zeros below (above) the target; the error "
+        "is clamped to +-0.05, so a coefficient moves by at most a factor exp(0.05 * target_gain) per step.",
+    )
+    l1_min: float = doc(1e-4, "Target mode: the smallest coefficient a layer may get.")
+    l1_max: float = doc(10.0, "Target mode: the largest coefficient a layer may get.")
 
 
 @dataclass
@@ -199,6 +213,10 @@ def _coerce(value: Any, tp: Any) -> Any:
         if isinstance(value, str) and value.lower() in ("none", "null", "~") and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
+        if len(inner) > 1 and isinstance(value, list):  # `float | list[float]`: a list goes to the list type
+            inner = [a for a in inner if typing.get_origin(a) is list] or inner
+        if len(inner) > 1 and isinstance(value, str) and "," in value:  # `0.9,0.95` on the command line
+            inner = [a for a in inner if typing.get_origin(a) is list] or inner
         return _coerce(value, inner[0])
     if origin is Literal:
         if value not in args:
@@ -350,6 +368,25 @@ def _check_values(r: Recipe) -> list[tuple[tuple[str, ...], str]]:
     if r.sparsity.schedule == "ramp" and r.sparsity.ramp_steps == 0:
         e.append((("sparsity.schedule", "sparsity.ramp_steps"),
                   "sparsity.ramp_steps: 0 with schedule `ramp`; set the ramp length, e.g. sparsity.ramp_steps=200"))
+    sp = r.sparsity
+    if sp.target is not None:
+        targets = sp.target if isinstance(sp.target, list) else [sp.target]
+        bad_targets = [v for v in targets if not 0 < v < 1]
+        if not targets:
+            e.append((("sparsity.target",), "sparsity.target: an empty list; give one fraction of zeros (e.g. 0.95) "
+                      "or one per layer"))
+        elif bad_targets:
+            e.append((("sparsity.target",), f"sparsity.target: {bad_targets[0]} is outside (0, 1); it is the fraction "
+                      "of zeros each layer is driven to, e.g. sparsity.target=0.95"))
+        if sp.schedule == "ramp":
+            e.append((("sparsity.target", "sparsity.schedule"),
+                      "sparsity.schedule: `ramp` with sparsity.target set; target mode adapts each layer's coefficient "
+                      "itself, so set sparsity.schedule=constant (or drop sparsity.target for a ramped fixed l1)"))
+        if not 0 < sp.l1_min <= sp.l1_max:
+            e.append((("sparsity.l1_min", "sparsity.l1_max"),
+                      f"sparsity.l1_min / l1_max: got {sp.l1_min} / {sp.l1_max}; need 0 < l1_min <= l1_max"))
+        if sp.target_gain <= 0:
+            e.append((("sparsity.target_gain",), f"sparsity.target_gain: got {sp.target_gain}; must be > 0"))
     if r.distill.temperature <= 0:
         e.append((("distill.temperature",), f"distill.temperature: got {r.distill.temperature}; must be > 0"))
     if not 0 <= r.lora.dropout < 1:
@@ -374,6 +411,12 @@ def _check_paths(r: Recipe) -> list[tuple[tuple[str, ...], str]]:
         activation = activation_of(config)
     except SparsifyError as err:  # a family convert and finetune do not handle
         return e + [(("model.source",), f"model.source: {err}")]
+    layers = config.get("num_hidden_layers")
+    if isinstance(r.sparsity.target, list) and len(r.sparsity.target) > 1 and layers \
+            and len(r.sparsity.target) != layers:
+        e.append((("sparsity.target", "model.source"),
+                  f"sparsity.target: {len(r.sparsity.target)} values, but {r.model.source} has {layers} layers; give "
+                  f"one value per layer, or a single number for all of them"))
     recorded = config.get("sparsify", {}).get("source_activation")  # the teacher's activation, if converted
     if r.distill.kd > 0 and activation == "relu" and recorded in (None, "relu"):
         e.append((("model.source", "distill.kd"),

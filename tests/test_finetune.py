@@ -397,3 +397,33 @@ def test_training_attention_keeps_the_mask_for_sliding_windows_shorter_than_the_
     assert training_attention(MistralConfig(sliding_window=1024), 2048) == "sdpa"
     assert training_attention(Gemma3TextConfig(sliding_window=512), 2048) == "sdpa"  # local layers: 512
     assert training_attention(Gemma3TextConfig(sliding_window=512), 256) == CAUSAL_SDPA
+
+
+def test_target_mode_adapts_each_layer_and_resumes_exactly(tiny_silu, tmp_path):
+    """sparsity.target: a layer below its target gets a stronger L1 coefficient, one above it a weaker one; the
+    coefficients are logged per layer and restored on --resume (a run resumed from its step-6 checkpoint
+    reproduces the uninterrupted one bitwise)."""
+    from sparsify.finetune import finetune
+    from sparsify.recipe import load_recipe
+
+    out = tmp_path / "run"
+    overrides = ["sparsity.target=[0.99, 0.05]", "sparsity.target_gain=2", "train.log_every=2",
+                 "train.save_every=6", "train.keep_checkpoints=5", "output.plots=true"]
+    recipe = load_recipe(recipe_dict(tiny_silu, out, max_steps=12), overrides)
+    finetune(recipe, progress=False)
+    ref = metrics(out)
+    coefs = [m["per_layer"]["l1_coef"] for m in ref if "sparsity" in m]
+    assert len(coefs) == 6
+    assert coefs[-1][0] > coefs[0][0] > 0.05 > coefs[0][1] > coefs[-1][1]  # l1 = 0.05 is where both started
+    assert (out / "sparsity.png").is_file()
+
+    again = tmp_path / "again"
+    shutil.copytree(out, again)
+    shutil.rmtree(again / "checkpoints" / "step-00000012")
+    shutil.rmtree(again / "model")
+    finetune(load_recipe(recipe_dict(tiny_silu, again, max_steps=12), overrides), resume=True, progress=False)
+    got = metrics(again)
+    assert [m["step"] for m in got] == [m["step"] for m in ref]
+    for a, b in zip(ref, got):
+        assert b.get("loss") == a.get("loss") and b.get("val_loss") == a.get("val_loss"), a["step"]
+        assert b.get("per_layer", {}).get("l1_coef") == a.get("per_layer", {}).get("l1_coef"), a["step"]

@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from sparsify.recipe import SparsitySection
-from sparsify.sparsity import Plateau, SparsityProbe, l1_coefficient, reinit_dead
+from sparsify.sparsity import L1Control, Plateau, SparsityProbe, StepStats, l1_coefficient, reinit_dead
 
 
 def tiny_relu(layers=3, hidden=16, F=40):
@@ -34,9 +34,10 @@ def test_l1_and_stats_match_hand_computation(normalization):
     probe = SparsityProbe(model, normalization)
     probe.start()
     model(input_ids=ids)
-    l1 = probe.take(tokens=ids.numel())
+    l1 = probe.take(tokens=ids.numel())  # [L]: the loss weighs each layer with its own coefficient
     per_layer = [h.abs().sum(-1).mean() if normalization == "sum_hidden" else h.abs().mean() for h in hs]
-    torch.testing.assert_close(l1, torch.stack(per_layer).mean())
+    torch.testing.assert_close(l1, torch.stack(per_layer))
+    l1 = l1.mean()
     if normalization == "sum_hidden":  # the paper's code: F times the paper's text at the same coefficient
         torch.testing.assert_close(l1 / 40, torch.stack([h.abs().mean() for h in hs]).mean())
     l1.backward()  # the penalty reaches the gate and up weights
@@ -115,3 +116,87 @@ def test_plateau_rule():
     looser.load_state_dict(p.state_dict())
     assert not looser.reached() and not Plateau(0.01, 20).reached()  # ... but not with the rule switched off
     assert not any(Plateau(0.0, 20).update(s, 0.9) for s in range(0, 100, 5))  # tolerance 0: never stops
+
+
+def _stats(zeros: list[float], width: int = 100) -> StepStats:
+    per_token = torch.tensor([(1 - z) * width for z in zeros], dtype=torch.float64)
+    return StepStats(per_token=per_token, inactive=torch.zeros(len(zeros), width, dtype=torch.bool))
+
+
+def test_fixed_mode_weighs_every_layer_with_the_schedule():
+    from sparsify.recipe import SparsitySection
+
+    ctl = L1Control(SparsitySection(l1=0.02, schedule="ramp", ramp_steps=4), 3, torch.device("cpu"))
+    assert not ctl.adaptive
+    torch.testing.assert_close(ctl.coefficients(1), torch.full((3,), 0.01))
+    ctl.update(_stats([0.1, 0.2, 0.3]))  # no effect in fixed mode
+    torch.testing.assert_close(ctl.coefficients(10), torch.full((3,), 0.02))
+
+
+def test_target_mode_drives_each_layer_to_its_target_through_a_lagging_response():
+    """A simulated model: each layer's zeros follow sigmoid(a_l + 1.5 log c_l) with a first-order lag of 50 steps
+    (the weights take time to answer a new coefficient), a_l differing by layer as SmolLM2's layer 0 differs from
+    the rest. The controller must bring every layer to its own target and hold it, with no layer left far below."""
+    from sparsify.recipe import SparsitySection
+
+    targets = [0.9, 0.95, 0.95, 0.97]
+    cfg = SparsitySection(l1=0.06, target=targets, target_gain=0.5)
+    ctl = L1Control(cfg, 4, torch.device("cpu"))
+    offset = torch.tensor([0.0, 6.0, 7.0, 4.0])  # layer 0 hard, layers 1-2 easy, layer 3 in between
+    zeros = torch.full((4,), 0.6)
+    history = []
+    for _ in range(3000):
+        settled = torch.sigmoid(offset + 1.5 * ctl.coefficients(0).log())
+        zeros = zeros + (settled - zeros) / 50
+        ctl.update(_stats(zeros.tolist(), width=10_000))
+        history.append(zeros.clone())
+    last = torch.stack(history[-200:])  # [200, L]
+    torch.testing.assert_close(last.mean(0), torch.tensor(targets), atol=3e-3, rtol=0)
+    assert (last.max(0).values - last.min(0).values).max() < 0.01  # settled, not oscillating
+    coef = ctl.coefficients(0)
+    assert coef[0] > coef[3] > coef[1] > coef[2]  # the hard layer got the strongest penalty
+
+    state = ctl.state_dict()  # a resumed run continues with the same coefficients
+    again = L1Control(cfg, 4, torch.device("cpu"))
+    again.load_state_dict(state)
+    torch.testing.assert_close(again.coefficients(0), coef)
+
+
+def test_target_mode_coefficients_stay_within_their_bounds():
+    from sparsify.recipe import SparsitySection
+
+    cfg = SparsitySection(l1=0.06, target=0.99, target_gain=10.0, l1_min=1e-3, l1_max=0.5)
+    ctl = L1Control(cfg, 2, torch.device("cpu"))
+    for _ in range(100):
+        ctl.update(_stats([0.5, 0.999]))  # layer 0 never gets there, layer 1 is always above
+    torch.testing.assert_close(ctl.coefficients(0), torch.tensor([0.5, 1e-3]))
+
+
+def test_target_recipe_keys_parse_and_bad_values_are_listed_together(tmp_path):
+    from sparsify.errors import SparsifyError
+    from sparsify.recipe import load_recipe
+
+    base = {"data": {"train": ["x.txt"]}, "train": {"max_steps": 5}}
+    assert load_recipe(base, ["sparsity.target=0.95"], check_paths=False).sparsity.target == 0.95
+    assert load_recipe(base, ["sparsity.target=[0.9, 0.95]"], check_paths=False).sparsity.target == [0.9, 0.95]
+    assert load_recipe(base, ["sparsity.target=0.9,0.95"], check_paths=False).sparsity.target == [0.9, 0.95]
+    assert load_recipe(base, check_paths=False).sparsity.target is None  # fixed mode stays the default
+    with pytest.raises(SparsifyError) as e:
+        load_recipe(base, ["sparsity.target=[0.9, 1.2]", "sparsity.schedule=ramp", "sparsity.ramp_steps=5",
+                           "sparsity.l1_min=1", "sparsity.l1_max=0.1", "sparsity.target_gain=0"], check_paths=False)
+    text = str(e.value)
+    assert "has 4 problem(s)" in text
+    assert "sparsity.target: 1.2 is outside (0, 1)" in text
+    assert "sparsity.schedule: `ramp` with sparsity.target set" in text
+    assert "need 0 < l1_min <= l1_max" in text and "sparsity.target_gain: got 0.0; must be > 0" in text
+
+    # a per-layer list must match the model's layers, found from its config.json before any model loads
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama", "hidden_act": "relu", "num_hidden_layers": 3}')
+    (tmp_path / "x.txt").write_text("some text")
+    recipe = {**base, "model": {"source": str(model)}, "data": {"train": [str(tmp_path / "x.txt")]},
+              "distill": {"kd": 0}}
+    with pytest.raises(SparsifyError, match=r"sparsity.target: 2 values, but .*model has 3 layers"):
+        load_recipe(recipe, ["sparsity.target=[0.9, 0.95]"])
+    assert load_recipe(recipe, ["sparsity.target=[0.9, 0.95, 0.97]"]).sparsity.target == [0.9, 0.95, 0.97]
