@@ -105,6 +105,10 @@ def _perplexity_table(models: list[dict], names: list[str]) -> str:
         first = next(m["perplexity"][text] for m in models if text in m["perplexity"])
         for key in ("perplexity", "bits_per_byte"):
             rows.append([text, key, first["tokens"]] + [m["perplexity"].get(text, {}).get(key) for m in models])
+        base = models[0].get("perplexity", {}).get(text, {}).get("perplexity")
+        if len(models) > 1 and base:  # the quality kept, per text: the first model is the reference (the original)
+            rows.append([text, f"perplexity / {names[0]}", first["tokens"]]
+                        + [_ratio(m["perplexity"].get(text, {}).get("perplexity"), base) for m in models])
     if not rows:
         return ""
     windows = sorted({p.get("window") for m in models for p in m["perplexity"].values() if p.get("window")})
@@ -114,6 +118,10 @@ def _perplexity_table(models: list[dict], names: list[str]) -> str:
             "where a token has half a window of context on average, so on the same text it reads higher than "
             "here." if windows else "")
     return _table(["text", "metric", "tokens"] + names, rows) + note
+
+
+def _ratio(value: float | None, base: float) -> str | None:
+    return None if value is None else f"{value / base:.3f}x"
 
 
 def _sparsity_table(models: list[dict], names: list[str]) -> str:

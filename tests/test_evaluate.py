@@ -392,6 +392,9 @@ def test_cli_two_models_side_by_side_write_json_md_and_plots(tiny_folders, tmp_p
     assert prov["sparsify"] and prov["device"] == "cpu"
     md = (out / "report.md").read_text()
     assert "| statistic | a | b |" in md and "speed needs a CUDA GPU" in md
+    ratio = b["perplexity"]["sample_text.txt"]["perplexity"] / a["perplexity"]["sample_text.txt"]["perplexity"]
+    tokens = a["perplexity"]["sample_text.txt"]["tokens"]
+    assert f"| sample_text.txt | perplexity / a | {tokens} | 1.000x | {ratio:.3f}x |" in md  # quality kept, per text
     assert "| TwELL block width (neurons) | 128 | 128 |" in md and "| values TwELL stores per token per block | 16 | 16 |" in md
     assert "(row, tile)" not in md and "over the 16 values TwELL stores per block" in md  # plain words
     for task, row in ((t, r) for m in (a, b) for t, r in m["accuracy"].items() if "acc" in r):
