@@ -142,6 +142,11 @@ class PackedFFN:
     def packed_layers(self) -> list[int]:
         return [i for i, layer in enumerate(self.layers) if layer.packed]
 
+    @property
+    def capacities(self) -> list[int]:
+        """The capacity each layer's packed path uses now (the kernel's default until update() sets one)."""
+        return [layer.capacity or default_capacity(layer.width) for layer in self.layers]
+
     def update(self, zeros_per_layer: list[float], nonzeros_per_layer: list[float] | None = None) -> list[int]:
         """Per-layer decisions from a logged step's stats (StepStats.zeros / .nonzeros); returns the packed
         layers. Reads the last recorded per-row counts (a host sync: call it where the trainer syncs anyway).
