@@ -61,8 +61,21 @@ class DataSection:
     num_proc: int = doc(0, "Processes for tokenisation (datasets.map num_proc); 0 = one per CPU core, capped at 16.")
     seed: int = doc(0, "Seed of the sequence order (reshuffled each epoch) and of the validation hold-out.")
     fetch: str = doc(
-        "", "Shell command that fetches the local files of data.train / data.validation; when they match no file, "
-        "the error shows it to run. Recipes whose text needs a download fill it in.",
+        "", "Shell command that fetches the local files of data.train / data.validation / data.heldout; when they "
+        "match no file, the error shows it to run. Recipes whose text needs a download fill it in.",
+    )
+    weights: list[float] = doc(
+        [],
+        "Mixture weights, one per data.train entry (or, when data.train is one prepared folder, one per source its "
+        "meta.json records): entry k gives weights[k] / sum(weights) of the training sequences; a source smaller "
+        "than its share repeats (reshuffled), a larger one is subsampled. Empty: each source in proportion to its "
+        "size. Only the order of sequences changes: the tokenised folder is reused.",
+    )
+    heldout: dict[str, list[str]] = doc(
+        {},
+        "Named held-out domains, never trained on, e.g. {general: [corpus/heldout/*.txt], docs: [docs.txt]}: each "
+        "is tokenised into its own stream (OUTPUT/data/heldout-NAME.bin). Names are identifiers; files are given "
+        "as in `train` and must not also be training or validation files.",
     )
 
 
@@ -201,6 +214,8 @@ def _type_name(tp: Any) -> str:
         return " | ".join("None" if a is type(None) else _type_name(a) for a in args)
     if origin is list:
         return f"list[{_type_name(args[0])}]"
+    if origin is dict:
+        return f"dict[{_type_name(args[0])}, {_type_name(args[1])}]"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -229,6 +244,17 @@ def _coerce(value: Any, tp: Any) -> Any:
         if items is None:
             raise TypeError("expected a list")
         return [_coerce(v, args[0]) for v in items]
+    if origin is dict:  # a YAML mapping; `data.heldout={general: [a.txt]}` on the command line is one too
+        if not isinstance(value, dict):
+            raise TypeError("expected a mapping of name: [files], e.g. {general: [heldout/*.txt]}")
+        out = {}
+        for k, v in value.items():
+            try:
+                out[_coerce(k, args[0])] = _coerce(v, args[1])
+            except (TypeError, ValueError) as e:
+                reason = str(e) if "expected" in str(e) else f"expected {_type_name(args[1])}"
+                raise TypeError(f"entry {k!r}: {reason}") from None
+        return out
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -358,13 +384,16 @@ def _check_values(r: Recipe) -> list[tuple[tuple[str, ...], str]]:
     if not 0 <= r.data.validation_fraction < 0.5:
         e.append((("data.validation_fraction",),
                   f"data.validation_fraction: got {r.data.validation_fraction}; must be in [0, 0.5)"))
-    if r.data.max_tokens is None and any(x.startswith("hub:") for x in r.data.train + r.data.validation):
-        e.append((("data.max_tokens", "data.train", "data.validation"),
+    heldout_entries = [x for files in r.data.heldout.values() for x in files]
+    if r.data.max_tokens is None and any(x.startswith("hub:") for x in r.data.train + r.data.validation
+                                         + heldout_entries):
+        e.append((("data.max_tokens", "data.train", "data.validation", "data.heldout"),
                   "data.max_tokens: not set while data.train streams a Hub dataset; set how many tokens to read, "
                   "e.g. data.max_tokens=1_000_000_000"))
     if not r.data.train:
         e.append((("data.train",),
                   "data.train: empty; list text files, globs or hub:NAME datasets, e.g. data.train=docs/*.txt"))
+    e += _check_data_values(r.data)
     if r.sparsity.schedule == "ramp" and r.sparsity.ramp_steps == 0:
         e.append((("sparsity.schedule", "sparsity.ramp_steps"),
                   "sparsity.ramp_steps: 0 with schedule `ramp`; set the ramp length, e.g. sparsity.ramp_steps=200"))
@@ -394,13 +423,49 @@ def _check_values(r: Recipe) -> list[tuple[tuple[str, ...], str]]:
     return e
 
 
+def _check_data_values(d: DataSection) -> list[tuple[tuple[str, ...], str]]:
+    """data.weights and data.heldout problems seen without reading the disk (the number of sources a prepared
+    folder records is checked with the paths)."""
+    import math
+    import re
+
+    e: list[tuple[tuple[str, ...], str]] = []
+    w = d.weights
+    example = f"e.g. data.weights=[{', '.join(['1'] * max(len(d.train), 2))}]"
+    if w and len(d.train) > 1 and len(w) != len(d.train):
+        entries = ", ".join(f"[{k}] {x!r}" for k, x in enumerate(d.train))
+        e.append((("data.weights", "data.train"),
+                  f"data.weights: {len(w)} weight(s) for {len(d.train)} data.train entries; give one weight per entry, "
+                  f"in the order of data.train ({entries}), {example}"))
+    bad = [(k, v) for k, v in enumerate(w) if not (math.isfinite(v) and v >= 0)]
+    if bad:
+        k, v = bad[0]
+        e.append((("data.weights",), f"data.weights: got {w}; weights must be finite numbers >= 0 (entry {k} is "
+                  f"{v}); give each source's share, {example}"))
+    elif w and sum(w) <= 0:
+        e.append((("data.weights",), f"data.weights: got {w}, which sum to 0: nothing would be trained on; give at "
+                  f"least one positive weight, {example}, or leave data.weights empty to draw each source in "
+                  "proportion to its size"))
+    for name, files in d.heldout.items():
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            fix = re.sub(r"\W+", "_", name).strip("_") or "general"
+            fix = fix if re.fullmatch(r"[A-Za-z_]\w*", fix, re.ASCII) else f"d_{fix}"
+            e.append((("data.heldout",), f"data.heldout: name {name!r} is not a simple identifier (ASCII letters, "
+                      f"digits and _, not starting with a digit); it names the stream heldout-NAME.bin and the "
+                      f"metrics: rename it, e.g. {fix}"))
+        if not files:
+            e.append((("data.heldout",), f"data.heldout.{name}: an empty list; list the files of this held-out "
+                      f"domain (e.g. {{{name}: [data/heldout/*.txt]}}) or remove it"))
+    return e
+
+
 def _check_paths(r: Recipe) -> list[tuple[tuple[str, ...], str]]:
     """What is missing on disk (model source, data files), told without loading a model or reading the text."""
     from .architectures import activation_of
-    from .data import source_problems  # data.py imports this module: import it when first needed
+    from .data import data_path_problems  # data.py imports this module: import it when first needed
     from .sources import local_config, source_problem
 
-    e = [(("data.train", "data.validation"), msg) for msg in source_problems(r.data)]
+    e = data_path_problems(r.data)
     problem = source_problem(r.model.source)
     if problem:
         e.append((("model.source",), f"model.source: {problem}"))

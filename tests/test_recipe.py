@@ -162,3 +162,88 @@ def test_default_recipe_without_its_text_fails_at_once_with_the_fetch_command(tm
 def test_all_four_recipes_ship():
     assert {p.name for p in RECIPES} >= {"smollm2-135m.yaml", "llama-3.2-1b.yaml", "qwen2.5-0.5b.yaml",
                                          "mistral-7b-fsdp.yaml"}
+
+
+def test_weights_and_heldout_parse_from_yaml_and_overrides(tmp_path):
+    (tmp_path / "a.txt").write_text("a")
+    (tmp_path / "b.txt").write_text("b")
+    (tmp_path / "h.txt").write_text("h")
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({"data": {"train": [str(tmp_path / "a.txt"), str(tmp_path / "b.txt")],
+                                             "weights": [3, 1], "heldout": {"general": [str(tmp_path / "h.txt")]}},
+                                    "train": {"max_steps": 1}}))
+    r = load_recipe(path)
+    assert r.data.weights == [3.0, 1.0] and r.data.heldout == {"general": [str(tmp_path / "h.txt")]}
+    assert load_recipe(yaml.safe_load(dump_recipe(r))) == r
+    r = load_recipe(path, ["data.weights=[0.25, 0.75]", f"data.heldout={{docs: [{TEXT}], web: {tmp_path}/h.txt}}"])
+    assert r.data.weights == [0.25, 0.75] and r.data.heldout == {"docs": [TEXT], "web": [f"{tmp_path}/h.txt"]}
+    assert "data.heldout: dict[str, list[str]] = {}" in format_help()
+
+
+def test_bad_weights_and_heldout_listed_with_every_other_problem(tmp_path, monkeypatch):
+    """Wrong count, negative or non-number weights, weights summing to zero, bad domain names, empty domains,
+    missing held-out files (with data.fetch), held-out files that are also training or validation files:
+    every one in the same error as the recipe's other problems, before any model loads."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "text").mkdir()
+    for name in ("a.txt", "b.txt", "v.txt"):
+        (tmp_path / "text" / name).write_text("x")
+    (tmp_path / "v.txt").write_text("v")
+    train = ["text/a.txt", str(tmp_path / "text" / "*.txt")]
+    with pytest.raises(SparsifyError) as e:
+        load_recipe({"data": {"train": train, "validation": ["v.txt"], "weights": [1, 2, -1],
+                              "heldout": {"my docs": ["text/b.txt"], "val": [str(tmp_path / "v.txt")], "none": [],
+                                          "gone": ["heldout/*.txt"]}, "fetch": "bash get.sh"},
+                     "train": {"lr": -1, "max_steps": 1}})
+    msg = str(e.value)
+    for expected in [
+        "has 8 problem(s)",
+        "train.lr: got -1.0; must be > 0",
+        "data.weights: 3 weight(s) for 2 data.train entries; give one weight per entry, in the order of data.train "
+        f"([0] 'text/a.txt', [1] '{tmp_path}/text/*.txt'), e.g. data.weights=[1, 1]",
+        "data.weights: got [1.0, 2.0, -1.0]; weights must be finite numbers >= 0 (entry 2 is -1.0)",
+        "data.heldout: name 'my docs' is not a simple identifier", "rename it, e.g. my_docs",
+        "data.heldout.none: an empty list; list the files of this held-out domain",
+        "data.heldout.gone: 'heldout/*.txt' matches no file", "run it from", "bash get.sh",
+        f"data.heldout.my docs: 1 file(s) are also training files (data.train '{tmp_path}/text/*.txt'): "
+        f"{tmp_path}/text/b.txt",
+        f"data.heldout.val: 1 file(s) are also validation files (data.validation 'v.txt'): {tmp_path}/v.txt",
+    ]:
+        assert expected in msg, f"missing {expected!r} in:\n{msg}"
+    with pytest.raises(SparsifyError) as e:
+        load_recipe({"data": {"train": train, "weights": [0, 0]}, "train": {"max_steps": 1}})
+    assert "has 1 problem(s)" in str(e.value) and "data.weights: got [0.0, 0.0], which sum to 0" in str(e.value)
+    with pytest.raises(SparsifyError) as e:
+        load_recipe({"data": {"train": train, "weights": [1, "lots"], "heldout": ["text/b.txt"]},
+                     "train": {"max_steps": 1}})
+    msg = str(e.value)
+    assert "data.weights: got [1, 'lots'] (list); expected list[float]" in msg
+    assert "data.heldout: got ['text/b.txt'] (list); expected a mapping of name: [files]" in msg
+    assert "has 2 problem(s)" in msg  # the bad values are not checked again as their defaults
+
+
+def test_weights_count_against_a_prepared_folder(tmp_path):
+    """With one prepared folder as data.train, data.weights counts the sources its meta.json records (one for
+    a folder written before sources were recorded), and its held-out domains cannot be swapped for others."""
+    import json
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    meta = {"format": "sparsify-tokens/1", "dtype": "uint16", "tokenizer": "x",
+            "sources": [{"entry": "a.txt", "start": 0, "end": 10}, {"entry": "b/*.txt", "start": 10, "end": 30}],
+            "heldout": {"general": {"entries": ["h.txt"], "tokens": 5}}}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    base = {"data": {"train": [str(folder)]}, "train": {"max_steps": 1}}
+    assert load_recipe(base, ["data.weights=[1, 4]", "data.heldout={general: [h.txt]}"]).data.weights == [1, 4]
+    with pytest.raises(SparsifyError) as e:
+        load_recipe(base, ["data.weights=[1, 2, 3]", "data.heldout={docs: [h.txt]}"])
+    msg = str(e.value)
+    assert (f"data.weights: 3 weight(s), but data.train is the prepared folder {folder}, which records 2 training "
+            "source(s) ([0] 'a.txt', [1] 'b/*.txt'); give one weight per source, in that order, e.g. "
+            "data.weights=[1, 1]") in msg
+    assert "which carries the held-out domains general; a prepared folder is used as it is: remove data.heldout" in msg
+    del meta["sources"], meta["heldout"]
+    (folder / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(SparsifyError, match=r"records 1 training source\(s\) \(\[0\] '.*data'\)"):
+        load_recipe(base, ["data.weights=[1, 1]"])
+    load_recipe(base, ["data.weights=[1]"])
