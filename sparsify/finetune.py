@@ -291,6 +291,8 @@ class Run:
     plateau: Plateau
     loss_fn: Any
     l1: L1Control  # the per-layer L1 coefficients (fixed, or driven to sparsity.target)
+    model_dir: Path | None = None  # the ReLU folder trained (the original dense model is rebuilt from it)
+    reference: dict[str, float] = field(default_factory=dict)  # the original model's loss per evaluated text
     verbose: bool = True  # a line per logged step (when no progress bar) and per validation, on stderr
 
 
@@ -370,8 +372,9 @@ def _clip(run: Run, clip: float) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(run: Run, model: nn.Module) -> float:
-    """Mean next-token cross-entropy over eval_batches micro-batches per rank (a fixed set, split over ranks).
+def evaluate(run: Run, model: nn.Module, domain: str | None = None) -> float:
+    """Mean next-token cross-entropy over eval_batches micro-batches per rank (a fixed set, split over ranks), on
+    the validation text, or on held-out domain `domain` (data.heldout).
 
     The windows are the training ones: non-overlapping, seq_len tokens, so a token has seq_len/2 tokens of
     context on average. `sparsify eval` scores the same text with sliding windows (>= window/2 context), so
@@ -381,7 +384,9 @@ def evaluate(run: Run, model: nn.Module) -> float:
     model.eval()
     total = torch.zeros(2, device=run.dist.device, dtype=torch.float64)  # [loss sum, token count]
     t, dist = run.recipe.train, run.dist
-    for batch in run.data.validation_batches(t.batch_size, t.eval_batches, dist.rank, dist.world):
+    batches = run.data.validation_batches(t.batch_size, t.eval_batches, dist.rank, dist.world) if domain is None \
+        else run.data.heldout_batches(domain, t.batch_size, t.eval_batches, dist.rank, dist.world)
+    for batch in batches:
         batch = batch.to(run.dist.device)  # [B, T+1]
         with compute_context(run):
             logits = model(input_ids=batch[:, :-1]).logits  # [B, T, V]
@@ -582,6 +587,11 @@ class MetricsLog:
                     self.tb.add_scalar(key, value, record["step"])
             for i, z in enumerate(record.get("per_layer", {}).get("zeros", [])):
                 self.tb.add_scalar(f"zeros/layer_{i:02d}", z, record["step"])
+            for i, c in enumerate(record.get("per_layer", {}).get("l1_coef", [])):
+                self.tb.add_scalar(f"l1_coef/layer_{i:02d}", c, record["step"])
+            for name, d in record.get("heldout", {}).items():
+                for key, value in d.items():
+                    self.tb.add_scalar(f"heldout/{name}_{key}", value, record["step"])
 
     def close(self) -> None:
         if self.tb is not None:
@@ -786,10 +796,13 @@ def _data(recipe: Recipe, tokenizer: Any, out: Path, dist: Dist, progress: bool,
     dist.barrier()
     if not dist.main:
         folder = prepare_data(recipe.data, tokenizer, out / "data", progress=False)  # reuses rank 0's files
-    data = TokenData(folder, recipe.train.seq_len, recipe.data.seed)
-    note = data.validation_note(recipe.train.batch_size, recipe.train.eval_batches, dist.world)  # raises if none
-    if note and dist.main and verbose:
-        print(f"note: {note}", file=sys.stderr)
+    data = TokenData(folder, recipe.train.seq_len, recipe.data.seed, recipe.data.weights or None)
+    notes = [data.validation_note(recipe.train.batch_size, recipe.train.eval_batches, dist.world)]  # raises if none
+    notes += [data.heldout_note(name, recipe.train.batch_size, recipe.train.eval_batches, dist.world)
+              for name in data.domains]
+    for note in notes:
+        if note and dist.main and verbose:
+            print(f"note: {note}", file=sys.stderr)
     return data
 
 
@@ -805,7 +818,8 @@ def _setup(recipe: Recipe, dist: Dist, model_dir: Path, data: Any) -> Run:
     plateau = Plateau(sp.plateau_tolerance, sp.plateau_window, after=sp.ramp_steps if sp.schedule == "ramp" else 0)
     loss_fn = torch.compile(losses) if recipe.train.compile else losses
     l1 = L1Control(sp, len(probe.mlps), dist.device)
-    return Run(recipe, dist, model, train_model, teacher, probe, data, opt, sched, TrainState(), plateau, loss_fn, l1)
+    return Run(recipe, dist, model, train_model, teacher, probe, data, opt, sched, TrainState(), plateau, loss_fn, l1,
+               model_dir)
 
 
 def _read_history(out: Path) -> list[dict]:
@@ -879,17 +893,64 @@ def _loop(run: Run, log: MetricsLog, history: list[dict], progress: bool) -> Non
 
 
 def _evaluate_all(run: Run, log: MetricsLog, history: list[dict], first: bool = False) -> None:
-    """Validation loss of the model being trained (and, on the first call, of the teacher)."""
+    """Validation loss of the model being trained, and its loss on every held-out domain (data.heldout), each
+    also as a perplexity ratio to the original dense model, which is evaluated on the same text once, on the
+    first call (a resumed run reads those numbers back from metrics.jsonl)."""
     loss = evaluate(run, run.model)
     record = {"step": run.state.step, "tokens": run.state.tokens, "val_loss": loss, "val_ppl": math.exp(loss)}
-    if first and run.teacher is not None:
-        teacher_loss = evaluate(run, run.teacher)
-        record.update(teacher_val_loss=teacher_loss, teacher_val_ppl=math.exp(teacher_loss))
+    if first:
+        record.update(_reference_record(run))
+    elif not run.reference:
+        run.reference = _reference_from(history)
+    if "validation" in run.reference:
+        record["val_ppl_ratio"] = math.exp(loss - run.reference["validation"])
+    if run.data.domains:
+        record["heldout"] = {}
+        for name in run.data.domains:
+            dl = evaluate(run, run.model, name)
+            record["heldout"][name] = {"loss": dl, "ppl": math.exp(dl)}
+            if name in run.reference:
+                record["heldout"][name]["ratio"] = math.exp(dl - run.reference[name])
     log.write(record)
     history.append(record)
     if run.dist.main and run.verbose:
+        ratio = f" ({record['val_ppl_ratio']:.3f}x the original)" if "val_ppl_ratio" in record else ""
         extra = f", original dense model {record['teacher_val_ppl']:.2f}" if "teacher_val_ppl" in record else ""
-        print(f"[step {run.state.step}] validation perplexity {record['val_ppl']:.2f}{extra}", file=sys.stderr)
+        domains = "".join(f"; {name} {d['ppl']:.2f}" + (f" ({d['ratio']:.3f}x)" if "ratio" in d else "")
+                          for name, d in record.get("heldout", {}).items())
+        print(f"[step {run.state.step}] validation perplexity {record['val_ppl']:.2f}{ratio}{extra}{domains}",
+              file=sys.stderr)
+
+
+def _reference_record(run: Run) -> dict:
+    """The original dense model's validation and held-out losses, as first-evaluation fields; sets run.reference.
+
+    The teacher when distilling; otherwise, when there are held-out domains to compare, the original is rebuilt
+    from the trained folder for this one evaluation (without domains, a kd = 0 run skips it, as before)."""
+    teacher = run.teacher
+    if teacher is None and run.data.domains and run.model_dir is not None:
+        teacher = load_teacher(run.model_dir, run.dist, run.recipe.train.seq_len)
+    if teacher is None:
+        return {}
+    run.reference = {"validation": evaluate(run, teacher)}
+    run.reference.update({name: evaluate(run, teacher, name) for name in run.data.domains})
+    if teacher is not run.teacher:
+        del teacher
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    fields = {"teacher_val_loss": run.reference["validation"], "teacher_val_ppl": math.exp(run.reference["validation"])}
+    if run.data.domains:
+        fields["teacher_heldout"] = {name: {"loss": run.reference[name], "ppl": math.exp(run.reference[name])}
+                                     for name in run.data.domains}
+    return fields
+
+
+def _reference_from(history: list[dict]) -> dict[str, float]:
+    """run.reference as the first evaluation of this run recorded it (for a resumed run)."""
+    first = next((h for h in history if "teacher_val_loss" in h), None)
+    if first is None:
+        return {}
+    return {"validation": first["teacher_val_loss"],
+            **{name: d["loss"] for name, d in first.get("teacher_heldout", {}).items()}}
 
 
 # ------------------------------------------------------------------------------------------ CLI

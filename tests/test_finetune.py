@@ -427,3 +427,38 @@ def test_target_mode_adapts_each_layer_and_resumes_exactly(tiny_silu, tmp_path):
     for a, b in zip(ref, got):
         assert b.get("loss") == a.get("loss") and b.get("val_loss") == a.get("val_loss"), a["step"]
         assert b.get("per_layer", {}).get("l1_coef") == a.get("per_layer", {}).get("l1_coef"), a["step"]
+
+
+@pytest.mark.parametrize("kd", [1.0, 0.0])
+def test_heldout_domains_are_reported_as_ratios_to_the_original(tiny_silu, tmp_path, kd):
+    """data.heldout: every evaluation reports each domain's perplexity and its ratio to the original dense
+    model, which is evaluated once on the same text (the teacher, or with kd = 0 a copy rebuilt for it); a
+    resumed run takes the original's numbers back from metrics.jsonl."""
+    from sparsify.finetune import finetune
+    from sparsify.recipe import load_recipe
+
+    general = tmp_path / "general.txt"
+    general.write_text(TRAIN_TEXT.read_text()[-6000:])  # not the same file: a held-out file may not be trained on
+    out = tmp_path / "run"
+    overrides = [f"data.heldout={{general: [{general}], docs: [{VALID_TEXT}]}}", f"distill.kd={kd}",
+                 "train.save_every=2", "train.eval_every=2",
+                 "data.validation=[]"]  # the held-out docs file is a domain here; validation is held out of train
+    recipe = load_recipe(recipe_dict(tiny_silu, out, max_steps=4), overrides)
+    finetune(recipe, progress=False)
+    evals = [m for m in metrics(out) if "val_loss" in m]
+    first = evals[0]
+    assert set(first["teacher_heldout"]) == {"general", "docs"}
+    for m in evals:
+        assert set(m["heldout"]) == {"general", "docs"}
+        for name, d in m["heldout"].items():
+            assert d["ppl"] == pytest.approx(math.exp(d["loss"]))
+            assert d["ratio"] == pytest.approx(d["ppl"] / first["teacher_heldout"][name]["ppl"])
+        assert m["val_ppl_ratio"] == pytest.approx(m["val_ppl"] / first["teacher_val_ppl"])
+    # the original SiLU model is far better than the bare ReLU swap at step 0
+    assert first["heldout"]["docs"]["ratio"] > 1
+
+    shutil.rmtree(out / "checkpoints" / "step-00000004")
+    shutil.rmtree(out / "model")
+    finetune(recipe, resume=True, progress=False)
+    again = [m for m in metrics(out) if "val_loss" in m]
+    assert again[-1]["heldout"] == evals[-1]["heldout"] and "teacher_heldout" not in again[-1]

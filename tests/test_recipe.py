@@ -153,7 +153,8 @@ def test_default_recipe_without_its_text_fails_at_once_with_the_fetch_command(tm
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and time.time() - start < 60, proc.stderr
     err = proc.stderr
-    assert "data.train: 'data/debian/*.txt' matches no file" in err and f"run it from {tmp_path}" in err
+    assert "data.train: 'data/docs/train/*.txt' matches no file" in err and f"run it from {tmp_path}" in err
+    assert "eval/corpus/get-corpus.sh" in fetch and "sparsify.corpus_split" in fetch  # the general text too
     stripped = "\n".join(line.strip() for line in err.splitlines())
     assert "\n".join(line.strip() for line in fetch.splitlines()) in stripped  # the command, line by line
     assert "Traceback" not in err and list(tmp_path.iterdir()) == []  # no run folder, no conversion
