@@ -2,8 +2,9 @@
 
 On the H200 (repo not installed; the symlink makes `sparsify.kernels` importable):
   cd repo && ln -sfn ../kernels sparsify/kernels
-  PYTHONPATH=$PWD PYTHONUNBUFFERED=1 python eval/bench_train_ffn.py --out $OUT/train-ffn.json
-  (--part op / --part model run one half; --no-sweep skips the kernel block sweep)
+  PYTHONPATH=$PWD PYTHONUNBUFFERED=1 python eval/bench_train_ffn.py --tests --out $OUT/train-ffn.json
+  (--tests: the GPU tests of tests/test_train_kernels.py first, results in the JSON; --part op / --part model
+  run one half; --no-sweep skips the kernel block sweep)
 CPU dry run of every code path (Triton interpreter, fp32, tiny shapes): python eval/bench_train_ffn.py --smoke --out /tmp/b.json
 
 Part "op": one FFN layer, d x F in {576x1536, 2048x8192}, M = 16384 tokens, bf16 (x and weights bf16 leaves),
@@ -229,7 +230,10 @@ def op_case(d, f, m, zeros, args, ctx) -> dict:
         if r is not None:
             row[f"packed_over_{base}"] = r  # time ratio: < 1 means packed is faster
     inputs = (x, *weights)
-    for name, fwd in (("dense", tt.ffn_train_reference), ("packed", packed)):
+    measured = [("dense", tt.ffn_train_reference), ("packed", packed)]
+    if ctx["compiled"] is not None:  # inductor's partitioner may recompute instead of saving: measured too
+        measured.append(("dense_compiled", ctx["compiled"]))
+    for name, fwd in measured:
         try:
             sb = saved_bytes(lambda fwd=fwd: fwd(*inputs), exclude=inputs)
             row[f"{name}_saved_mb"] = sb["activations"] / 2**20  # beyond x and the weights
@@ -409,6 +413,9 @@ def train_variant(folder: Path, mode: str, args, ctx) -> dict:
 
 
 def model_part(args, ctx, report) -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     folder = build_model_folder(args, ctx)
     report["model_folder"] = str(folder)
     for mode in ("dense", "twell"):
@@ -427,10 +434,15 @@ def model_part(args, ctx, report) -> None:
 # --------------------------------------------------------------------------------------------------- report
 def table(report: dict) -> str:
     ops = [r for r in report["rows"] if r["part"] == "op"]
-    lines = ["TABLE  forward+backward of one FFN layer (time ratio packed / dense: < 1 = faster; target <= 1.05 at "
+    lines = []
+    if "tests" in report:
+        lines.append(f"GPU tests: returncode {report['tests']['returncode']}: "
+                     f"{(report['tests']['tail'].strip().splitlines() or [''])[-1]}")
+    lines += ["TABLE  forward+backward of one FFN layer (time ratio packed / dense: < 1 = faster; target <= 1.05 at "
              "90%, 99% 2048x8192 <= 0.77 stretch; saved MB beyond x and weights, target >= 50% smaller)",
              f"{'d x F':>10} {'M':>6} {'zeros':>6} {'C':>5} {'dense ms':>9} {'compiled':>9} {'ffn-only':>9} "
-             f"{'packed ms':>9} {'p/dense':>8} {'p/comp':>7} {'saved MB d->p':>18} {'-%':>6} {'+x,w MB d->p':>18}"]
+             f"{'packed ms':>9} {'p/dense':>8} {'p/comp':>7} {'saved MB dense/comp -> packed':>30} {'-%':>6} "
+             f"{'+x,w MB d->p':>18}"]
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     for r in ops:
         lines.append(
@@ -438,7 +450,8 @@ def table(report: dict) -> str:
             f"{fmt(r.get('dense_compiled_ms'), '9.3f')} {fmt(r.get('dense_ffn_ms'), '9.3f')} "
             f"{fmt(r.get('packed_ms'), '9.3f')} {fmt(r.get('packed_over_dense'), '8.3f')} "
             f"{fmt(r.get('packed_over_dense_compiled'), '7.3f')} "
-            f"{fmt(r.get('dense_saved_mb'), '8.1f')} -> {fmt(r.get('packed_saved_mb'), '7.1f')} "
+            f"{fmt(r.get('dense_saved_mb'), '8.1f')} / {fmt(r.get('dense_compiled_saved_mb'), '8.1f')} -> "
+            f"{fmt(r.get('packed_saved_mb'), '8.1f')} "
             f"{fmt(r.get('saved_reduction') and 100 * r['saved_reduction'], '6.1f')} "
             f"{fmt(r.get('dense_saved_all_mb'), '8.1f')} -> {fmt(r.get('packed_saved_all_mb'), '7.1f')}"
             + (f"  errors: {sorted(r['errors'])}" if r.get("errors") else ""))
@@ -461,11 +474,26 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def run_tests(report: dict) -> None:
+    """pytest -m gpu tests/test_train_kernels.py (time-limited); a failure is reported, the bench goes on."""
+    tic = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                               str(ROOT / "tests" / "test_train_kernels.py")], capture_output=True, text=True,
+                              timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        report["tests"] = {"returncode": proc.returncode, "tail": (proc.stdout + proc.stderr)[-3000:]}
+    except subprocess.TimeoutExpired:
+        report["tests"] = {"returncode": None, "tail": "timed out after 300 s"}
+    report["tests"]["wall_s"] = round(time.perf_counter() - tic, 1)
+    print("tests:", report["tests"]["returncode"], report["tests"]["tail"].strip().splitlines()[-1:], flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="JSON file to write")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (Triton interpreter): every code path")
     p.add_argument("--part", default="all", choices=["all", "op", "model"])
+    p.add_argument("--tests", action="store_true", help="run the GPU tests of tests/test_train_kernels.py first")
     p.add_argument("--shapes", default=SHAPES, help="d x F list (default %(default)s)")
     p.add_argument("--m", type=int, default=16384, help="tokens per layer call")
     p.add_argument("--zeros", default=ZEROS, help="fractions of zeros (default %(default)s)")
@@ -505,6 +533,8 @@ def main() -> int:
            "dtype": torch.bfloat16 if cuda else torch.float32, "clock": Clock(cuda)}
     report = {"env": env_info(), "args": vars(args), "rows": []}
     tic = time.perf_counter()
+    if args.tests:
+        run_tests(report)
     if args.part in ("all", "op"):
         op_part(args, ctx, report)
     if args.part in ("all", "model"):

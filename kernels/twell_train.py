@@ -54,7 +54,8 @@ Why this design (what dense autograd saves, and what we save instead)
   Sparse compute (SpMM / SDDMM on the active slots) would be needed to beat dense at 99% zeros; it is
   not done here (kernels/NOTES.md).
 - torch.library custom ops (`sparsify::ffn_train_fwd`, `sparsify::ffn_train_bwd`, with register_fake and
-  register_autograd) so torch.compile traces them as opaque nodes (fullgraph: no graph break), DDP and
+  register_autograd) so torch.compile traces them as opaque nodes (fullgraph: no graph break); eager calls
+  go through a torch.autograd.Function over the same impl functions (no custom-op dispatch cost). DDP and
   FSDP2 see an ordinary autograd node, and activation checkpointing (non-reentrant) recomputes the forward
   with identical saved shapes (C and R are Python ints fixed by the caller).
 - Autocast: the wrapper casts x and the weights to the autocast dtype exactly like F.linear under autocast
@@ -502,6 +503,33 @@ def _bwd_op_schema(
 _fwd_op, _bwd_op = _define_ops()
 
 
+class _EagerFFN(torch.autograd.Function):
+    """The eager path: the same impl functions as the custom ops, without their dispatch (custom-op calls and
+    register_autograd cost tens of us of Python per call, twell_ops measured ~20 us for one op; a layer here
+    takes two ops). torch.compile traces the custom ops instead (an autograd.Function would be inlined and
+    the Triton launches traced)."""
+
+    @staticmethod
+    def forward(ctx, x, w_gate, w_up, w_down, capacity, spill_rows, normalization, backend):
+        y, l1, nnz_rows, act_rows, fired, mask, vals, side, slot = _fwd_impl(
+            x, w_gate, w_up, w_down, capacity, spill_rows, normalization, backend)
+        ctx.save_for_backward(x, w_gate, w_up, w_down, mask, vals, side, slot)  # (intermediates: no double backward)
+        ctx.spill_rows, ctx.normalization, ctx.backend = spill_rows, normalization, backend
+        ctx.mark_non_differentiable(nnz_rows, act_rows, fired)
+        return y, l1, nnz_rows, act_rows, fired
+
+    @staticmethod
+    def backward(ctx, dy, dl1, *unused):
+        x, w_gate, w_up, w_down, mask, vals, side, slot = ctx.saved_tensors
+        if dy is None:
+            dy = x.new_zeros(x.shape[0], w_down.shape[0])
+        if dl1 is None:
+            dl1 = x.new_zeros((), dtype=torch.float32)
+        grads = _bwd_impl(dy.contiguous(), dl1, x, w_gate, w_up, w_down, mask, vals, side, slot, ctx.spill_rows,
+                          ctx.normalization, ctx.backend)
+        return (*grads, None, None, None, None)
+
+
 # ------------------------------------------------------------------------------------------------ public API
 def _check(x, w_gate, w_up, w_down, normalization, capacity, spill_rows, backend) -> None:
     problems = []
@@ -568,8 +596,12 @@ def sparse_ffn_train(
     m = x2d.shape[0]
     capacity = min(int(capacity), f) if capacity is not None else default_capacity(f)
     spill_rows = int(spill_rows) if spill_rows is not None else default_spill_rows(m)
-    y, l1, nnz_rows, act_rows, fired = _fwd_op(x2d, w_gate.contiguous(), w_up.contiguous(), w_down.contiguous(),
-                                               capacity, spill_rows, normalization, backend)[:5]
+    args = (x2d, w_gate.contiguous(), w_up.contiguous(), w_down.contiguous(), capacity, spill_rows, normalization,
+            backend)
+    if torch.compiler.is_compiling():  # an opaque node for dynamo / AOTAutograd / inductor
+        y, l1, nnz_rows, act_rows, fired = _fwd_op(*args)[:5]
+    else:
+        y, l1, nnz_rows, act_rows, fired = _EagerFFN.apply(*args)
     out = (y.reshape(*x.shape[:-1], w_down.shape[0]), l1, nnz_rows.sum(dtype=torch.int64), fired.bool())
     return out + (act_rows,) if row_counts else out
 
