@@ -57,7 +57,7 @@ import torch.nn.functional as F  # noqa: E402
 SHAPES = "576x1536,2048x8192"
 ZEROS = "0.5,0.75,0.9,0.99"
 SWEEP_FWD = [dict(BM=bm, BF=bf, num_warps=w) for bm in (16, 32) for bf in (64, 128, 256) for w in (4, 8)]
-SWEEP_BWD = [dict(BM=bm, BF=bf, BK=32, num_warps=w) for bm in (16, 32) for bf in (64, 128, 256) for w in (4, 8)]
+SWEEP_BWD = [dict(BM=bm, BF=bf, num_warps=w) for bm in (16, 32) for bf in (64, 128, 256) for w in (4, 8)]
 SMOLLM2_135M = {  # config.json of HuggingFaceTB/SmolLM2-135M (architecture fields), ReLU swapped in
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
     "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,

@@ -35,11 +35,13 @@ Why this design (what dense autograd saves, and what we save instead)
 - Overflow (a row with more than C active slots) is lossless and needs no host sync: each program counts
   its rows, takes slots for its overflowing rows with one atomic add on a device counter, copies the
   rows it got a slot < R for into the side buffer (a second sweep over those rows only) and marks the
-  rest for recompute. Backward recomputes gate/up of a marked row block with tl.dot over d inside the
-  unpack kernel: the branch is skipped (no cost) in every row block without such a row, and in the worst
-  case (every row overflowing R) the backward kernel is a fused Triton GEMM, slower but exact. Which
-  rows land in the side buffer depends on the atomic order; a recomputed gate/up row may differ from the
-  forward's cuBLAS one by an ulp (the mask from the forward stays authoritative for the active pattern).
+  rest for recompute. Backward first launches `_bwd_recompute` (one program per row block; a block without
+  a marked row exits after loading its slots): marked rows get gate/up from x by tl.dot over d, written
+  into the backward's own dup / h buffers, which the unpack kernel reads back before overwriting them (no
+  extra memory, no MMA operands in the streaming kernel). In the worst case (every row beyond R) that is a
+  Triton GEMM of the whole layer: slower, still exact. Which rows land in the side buffer depends on the
+  atomic order; a recomputed gate/up value may differ from the forward's cuBLAS one by an ulp (the
+  forward's mask stays authoritative for the active pattern).
 - Compute stays on dense tensor-core GEMMs (cuBLAS through torch): forward gate, up (x Wg^T, x Wu^T),
   y = h Wd^T; backward dh = dy Wd, dWd = dy^T h, dX = dgate Wg + dup Wu (one addmm), dWg = dgate^T x,
   dWu = dup^T x. "Hybrid" here means every row runs the dense GEMMs and only the saved state is packed;
@@ -47,7 +49,7 @@ Why this design (what dense autograd saves, and what we save instead)
   rounding (h, dgate, dup are rounded exactly as torch rounds them). Transient [M, F] tensors exist only
   inside forward / backward of one layer: gate, up, h in forward; dh (overwritten in place by dgate),
   dup, h in backward.
-- Two Triton kernels replace dense autograd's elementwise ops: forward `_fwd_pack` (per row block, a
+- Two streaming Triton kernels replace dense autograd's elementwise ops: forward `_fwd_pack` (per row block, a
   sweep over F: h = relu(g) * u written for the down GEMM, the mask words, the packed values, the row's
   count of h != 0 and sum |h|, fired neurons by benign racy stores of 1); backward `_bwd_unpack` (the same
   sweep: expand mask + values (+ side / recompute), add the L1 gradient, write dgate over dh, dup and h).
@@ -96,7 +98,9 @@ SPILL_MIN = 16
 # blocks keep loads coalesced; BF must be a multiple of 32 (whole mask words). Chosen before any GPU
 # measurement; eval/bench_train_ffn.py --sweep times the alternatives.
 FWD_CONFIG = {"BM": 16, "BF": 128, "num_warps": 4}
-BWD_CONFIG = {"BM": 16, "BF": 128, "BK": 32, "num_warps": 4}
+BWD_CONFIG = {"BM": 16, "BF": 128, "num_warps": 4}
+# The recompute GEMM of rows beyond the side buffer (rare: a correctness path, not tuned)
+RECOMPUTE_CONFIG = {"BM": 16, "BF": 64, "BK": 64, "num_warps": 4}
 INTERPRET_CONFIG = {"BM": 16, "BF": 64, "BK": 16, "num_warps": 4}  # the CPU interpreter: small programs
 
 
@@ -217,15 +221,52 @@ if HAS_TRITON:
         return tl.dot(a, b, acc)
 
     @triton.jit
-    def _bwd_unpack(
-        dh_ptr, du_ptr, h_ptr, mask_ptr, vals_ptr, side_ptr, slot_ptr, x_ptr, wg_ptr, wu_ptr, coef_ptr,
-        M, F, D, C, R, NW, UP_OFF, stride_x, stride_w,
+    def _bwd_recompute(
+        g_ptr, u_ptr, slot_ptr, x_ptr, wg_ptr, wu_ptr, M, F, D, R, stride_x, stride_w,
         BM: tl.constexpr, BF: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
     ):
+        """Gate and up rows of rows [pid BM, pid BM + BM) marked for recompute (slot >= R), x @ W^T with tl.dot
+        over d, rounded to the dtype as a GEMM output, written to g_ptr / u_ptr [M, F] (the backward's dup and
+        h buffers, which _bwd_unpack reads back before overwriting them). A row block without such a row
+        returns after one load of its slots: the usual case costs one tiny launch."""
+        pid = tl.program_id(0)
+        rows = pid * BM + tl.arange(0, BM)
+        rec = tl.load(slot_ptr + rows, mask=rows < M, other=-1) >= R  # [BM]
+        if tl.sum(rec.to(tl.int32), 0) > 0:
+            r64 = rows.to(tl.int64)
+            dt = g_ptr.dtype.element_ty
+            for c0 in range(0, F, BF):
+                cols = c0 + tl.arange(0, BF)
+                col_ok = cols < F
+                c64 = cols.to(tl.int64)
+                acc_g = tl.zeros([BM, BF], dtype=tl.float32)
+                acc_u = tl.zeros([BM, BF], dtype=tl.float32)
+                for k0 in range(0, D, BK):
+                    ks = k0 + tl.arange(0, BK)
+                    k_ok = ks < D
+                    xa = tl.load(x_ptr + r64[:, None] * stride_x + ks[None, :], mask=rec[:, None] & k_ok[None, :],
+                                 other=0.0)  # [BM, BK]
+                    wmask = col_ok[None, :] & k_ok[:, None]
+                    wg = tl.load(wg_ptr + c64[None, :] * stride_w + ks[:, None], mask=wmask, other=0.0)  # [BK, BF]
+                    wu = tl.load(wu_ptr + c64[None, :] * stride_w + ks[:, None], mask=wmask, other=0.0)
+                    acc_g = _dot(xa, wg, acc_g, IEEE)
+                    acc_u = _dot(xa, wu, acc_u, IEEE)
+                off = r64[:, None] * F + cols[None, :]
+                m2 = rec[:, None] & col_ok[None, :]
+                tl.store(g_ptr + off, acc_g.to(dt), mask=m2)
+                tl.store(u_ptr + off, acc_u.to(dt), mask=m2)
+
+    @triton.jit
+    def _bwd_unpack(
+        dh_ptr, du_ptr, h_ptr, mask_ptr, vals_ptr, side_ptr, slot_ptr, coef_ptr,
+        M, F, C, R, NW, UP_OFF,
+        BM: tl.constexpr, BF: tl.constexpr,
+    ):
         """Rows [pid BM, pid BM + BM): dh [M, F] (read, then overwritten with dgate), du [M, F] and h [M, F]
-        (written) from the mask, the packed values, the side buffer and, for rows marked for recompute, gate
-        and up recomputed from x and the weights (tl.dot over d). L1: dh + round(coef * sign(h)) at active
-        slots, coef = dl1 / denominator (fp32 scalar on the device: no host sync)."""
+        (written) from the mask, the packed values, the side buffer and, for rows marked for recompute, the
+        gate / up rows _bwd_recompute left in du / h. L1: dh + round(coef * sign(h)) at active slots,
+        coef = dl1 / denominator (fp32 scalar on the device: no host sync). No tl.dot here (the recompute
+        is a separate launch): no shared memory for MMA operands, so more programs fit per SM."""
         pid = tl.program_id(0)
         rows = pid * BM + tl.arange(0, BM)
         row_ok = rows < M
@@ -238,7 +279,6 @@ if HAS_TRITON:
         packed = slot < 0
         spill = (slot >= 0) & (slot < R)
         rec = slot >= R
-        n_rec = tl.sum(rec.to(tl.int32), 0)
         s64 = tl.maximum(slot, 0).to(tl.int64)
         coef = tl.load(coef_ptr)  # fp32 scalar
         run = tl.zeros([BM], dtype=tl.int32)
@@ -261,24 +301,10 @@ if HAS_TRITON:
             soff = s64[:, None] * (2 * F) + cols[None, :]
             g = tl.where(sp, tl.load(side_ptr + soff, mask=sp, other=0.0).to(tl.float32), g)
             u = tl.where(sp, tl.load(side_ptr + soff + F, mask=sp, other=0.0).to(tl.float32), u)
-            if n_rec > 0:  # only row blocks holding a row beyond the side buffer
-                acc_g = tl.zeros([BM, BF], dtype=tl.float32)
-                acc_u = tl.zeros([BM, BF], dtype=tl.float32)
-                c64 = cols.to(tl.int64)
-                for k0 in range(0, D, BK):
-                    ks = k0 + tl.arange(0, BK)
-                    k_ok = ks < D
-                    xa = tl.load(x_ptr + r64[:, None] * stride_x + ks[None, :], mask=rec[:, None] & k_ok[None, :],
-                                 other=0.0)  # [BM, BK]
-                    wmask = col_ok[None, :] & k_ok[:, None]
-                    wg = tl.load(wg_ptr + c64[None, :] * stride_w + ks[:, None], mask=wmask, other=0.0)  # [BK, BF]
-                    wu = tl.load(wu_ptr + c64[None, :] * stride_w + ks[:, None], mask=wmask, other=0.0)
-                    acc_g = _dot(xa, wg, acc_g, IEEE)
-                    acc_u = _dot(xa, wu, acc_u, IEEE)
-                rr = act & rec[:, None]  # rounded as a GEMM output in the dtype; the mask decides activity
-                g = tl.where(rr, tl.maximum(acc_g.to(dt).to(tl.float32), 0.0), g)
-                u = tl.where(rr, acc_u.to(dt).to(tl.float32), u)
             off = r64[:, None] * F + cols[None, :]
+            rr = act & rec[:, None]  # recomputed rows: the forward's mask decides activity, relu on the value
+            g = tl.where(rr, tl.maximum(tl.load(du_ptr + off, mask=rr, other=0.0).to(tl.float32), 0.0), g)
+            u = tl.where(rr, tl.load(h_ptr + off, mask=rr, other=0.0).to(tl.float32), u)
             dh = tl.load(dh_ptr + off, mask=m2, other=0.0).to(tl.float32)
             h = (g * u).to(dt)  # 0 at inactive slots (g = u = 0 there)
             hf = h.to(tl.float32)
@@ -396,7 +422,8 @@ def _fwd_triton(x, w_gate, w_up, w_down, capacity: int, spill_rows: int, normali
     cfg = _config(x, FWD_CONFIG)
     grid = (triton.cdiv(m, cfg["BM"]),)
     _fwd_pack[grid](g, u, h, mask, vals, side, slot, ctr, nnz_rows, act_rows, l1_rows, fired,
-                    m, f, capacity, spill_rows, nw, vals.stride(0), BM=cfg["BM"], BF=cfg["BF"], num_warps=cfg["num_warps"])
+                    m, f, capacity, spill_rows, nw, vals.stride(0), BM=cfg["BM"], BF=cfg["BF"],
+                    num_warps=cfg["num_warps"])
     del g, u
     y = F.linear(h, w_down)  # [M, d]
     l1 = l1_rows.sum() / _denominator(m, f, normalization)
@@ -409,11 +436,13 @@ def _bwd_triton(dy, coef, x, w_gate, w_up, w_down, mask, vals, side, slot, spill
     dup = torch.empty_like(dh)
     h = torch.empty_like(dh)
     cfg = _config(x, BWD_CONFIG)
-    grid = (triton.cdiv(m, cfg["BM"]),)
-    _bwd_unpack[grid](dh, dup, h, mask, vals, side, slot, x, w_gate, w_up, coef,
-                      m, f, d, vals.shape[-1], spill_rows, mask.shape[1], vals.stride(0), x.stride(0), w_gate.stride(0),
-                      BM=cfg["BM"], BF=cfg["BF"], BK=cfg["BK"], IEEE=x.dtype == torch.float32,
-                      num_warps=cfg["num_warps"])
+    rcfg = _config(x, RECOMPUTE_CONFIG)
+    _bwd_recompute[(triton.cdiv(m, rcfg["BM"]),)](
+        dup, h, slot, x, w_gate, w_up, m, f, d, spill_rows, x.stride(0), w_gate.stride(0),
+        BM=rcfg["BM"], BF=rcfg["BF"], BK=rcfg["BK"], IEEE=x.dtype == torch.float32, num_warps=rcfg["num_warps"])
+    _bwd_unpack[(triton.cdiv(m, cfg["BM"]),)](
+        dh, dup, h, mask, vals, side, slot, coef, m, f, vals.shape[-1], spill_rows, mask.shape[1], vals.stride(0),
+        BM=cfg["BM"], BF=cfg["BF"], num_warps=cfg["num_warps"])
     return _bwd_gemms(dy, x, w_gate, w_up, dh, dup, h)
 
 
