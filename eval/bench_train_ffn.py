@@ -5,7 +5,8 @@ On the H200 (repo not installed; the symlink makes `sparsify.kernels` importable
   PYTHONPATH=$PWD PYTHONUNBUFFERED=1 python eval/bench_train_ffn.py --tests --out $OUT/train-ffn.json
   (--tests: the GPU tests of tests/test_train_kernels.py first, results in the JSON; --part op / --part model
   run one half; --no-sweep skips the kernel block sweep)
-CPU dry run of every code path (Triton interpreter, fp32, tiny shapes): python eval/bench_train_ffn.py --smoke --out /tmp/b.json
+CPU dry run of every code path (Triton interpreter, fp32, tiny shapes):
+  python eval/bench_train_ffn.py --smoke --out /tmp/b.json
 
 Part "op": one FFN layer, d x F in {576x1536, 2048x8192}, M = 16384 tokens, bf16 (x and weights bf16 leaves),
 zeros in --zeros with a skewed pattern: per-neuron firing rates log-normal (sparsify.synth.neuron_rates, sigma
@@ -242,7 +243,8 @@ def op_case(d, f, m, zeros, args, ctx) -> dict:
         except Exception as e:  # noqa: BLE001
             errors[f"{name}_saved"] = f"{type(e).__name__}: {e}"[:500]
     row["dense_saved_formula_mb"] = dense_saved_bytes(m, f, x.element_size()) / 2**20
-    row["packed_saved_formula_mb"] = tt.saved_bytes_formula(m, f, cap, tt.default_spill_rows(m), x.element_size()) / 2**20
+    packed_formula = tt.saved_bytes_formula(m, f, cap, tt.default_spill_rows(m), x.element_size())
+    row["packed_saved_formula_mb"] = packed_formula / 2**20
     if "dense_saved_mb" in row and "packed_saved_mb" in row:
         row["saved_reduction"] = 1 - row["packed_saved_mb"] / row["dense_saved_mb"]
     row["check"] = correctness(x, weights, dy, packed, tt)
@@ -403,7 +405,8 @@ def train_variant(folder: Path, mode: str, args, ctx) -> dict:
            "peak_gb": peak, "loss_first": losses[0], "loss_warm_last": losses[-1],
            "zeros_mean": sum(zeros) / len(zeros), "zeros_min": min(zeros), "packed_layers": len(packed.packed_layers),
            "capacity": sorted(set(packed.capacities)) if packed.layers else None,
-           "batch": args.batch, "seq": args.seq, "compile": args.compile and not args.smoke, "checkpointing": args.checkpointing}
+           "batch": args.batch, "seq": args.seq, "compile": args.compile and not args.smoke,
+           "checkpointing": args.checkpointing}
     packed.remove()
     del model, opt
     torch._dynamo.reset()

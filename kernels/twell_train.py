@@ -134,7 +134,8 @@ def _use_triton(x: torch.Tensor, backend: str) -> bool:
     if backend == "triton" and not ok:
         raise RuntimeError(
             f"backend='triton' needs triton and a CUDA tensor (or a CPU fp32 tensor with TRITON_INTERPRET=1 set "
-            f"before triton is imported); got {x.dtype} on {x.device}, triton {'present' if HAS_TRITON else 'missing'}.")
+            f"before triton is imported); got {x.dtype} on {x.device}, triton "
+            f"{'present' if HAS_TRITON else 'missing'}.")
     return ok
 
 
@@ -631,7 +632,8 @@ def sparse_ffn_train(
         y, l1, nnz_rows, act_rows, fired = _fwd_op(*args)[:5]
     else:
         y, l1, nnz_rows, act_rows, fired = _EagerFFN.apply(*args)
-    out = (y.reshape(*x.shape[:-1], w_down.shape[0]), l1, nnz_rows.sum(dtype=torch.int64), fired.bool())
+    # fired holds 0/1 bytes: viewed as bool without a copy
+    out = (y.reshape(*x.shape[:-1], w_down.shape[0]), l1, nnz_rows.sum(dtype=torch.int64), fired.view(torch.bool))
     return out + (act_rows,) if row_counts else out
 
 

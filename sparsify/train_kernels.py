@@ -105,7 +105,8 @@ class PackedFFN:
         if not isinstance(act, nn.ReLU):
             raise SparsifyError(
                 f"train.kernels={self.mode!r} computes relu(gate) * up, but layer {index}'s MLP activation is "
-                f"{type(act).__name__}; convert the model to ReLU first (sparsify convert), or set train.kernels=dense.")
+                f"{type(act).__name__}; convert the model to ReLU first (sparsify convert), or set "
+                "train.kernels=dense.")
         supported = all(getattr(p, "bias", None) is None for p in projs.values())
         if not supported:
             log.info("train.kernels: layer %d MLP has biases; it runs the dense path", index)

@@ -9,7 +9,6 @@ makes every gate negative with x != 0.
 
 from __future__ import annotations
 
-import copy
 import os
 import subprocess
 import sys
@@ -55,7 +54,8 @@ def make_case(m, d, f, zeros, *, rows="", seed=0, device="cpu", margin=True):
         else:
             x[r, 1] = DENSE if kind == "d" else -DENSE
     gate = x @ w_gate.t()
-    assert not margin or (gate.abs() > 1e-5).logical_or(x.abs().sum(1, keepdim=True) == 0).all(), "case too close to zero"
+    sure = (gate.abs() > 1e-5).logical_or(x.abs().sum(1, keepdim=True) == 0)
+    assert not margin or sure.all(), "case too close to zero"
     leaf = lambda t: t.to(device).requires_grad_()  # noqa: E731
     return leaf(x), leaf(w_gate), leaf(w_up), leaf(w_down)
 
@@ -300,7 +300,8 @@ def test_compiled_packed_model_fullgraph_matches_eager_dense():
     probe.record and counts side effects replayed): loss, gradients and the recorded counts as eager dense."""
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
     results = []
-    for mode, wrap in (("dense", lambda m: m), ("twell", lambda m: torch.compile(m, backend="aot_eager", fullgraph=True))):
+    compiled = lambda m: torch.compile(m, backend="aot_eager", fullgraph=True)  # noqa: E731
+    for mode, wrap in (("dense", lambda m: m), ("twell", compiled)):
         model = tiny_llama()
         probe = SparsityProbe(model, "sum_hidden")
         packed = install_packed_ffn(model, probe, mode)
