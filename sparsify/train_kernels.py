@@ -17,8 +17,8 @@ measured zeros reach AUTO_ON and returns it to dense below AUTO_OFF (hysteresis:
 does not flip at every logged step, and every flip recompiles a compiled model).
 
 Capacity (packed values per row, C): from the last recorded forward's per-row count of active slots,
-HEADROOM x its p99, rounded UP to a grid of 16 x {1, 1.5} x 2^k (ratio <= 1.5 between steps); grown as soon
-as the need exceeds C, shrunk only when the need falls to C / 2 or less. C is a shape of the saved tensors, so
+HEADROOM x its p99, rounded up on a grid of four values per doubling, multiples of 16 (capacity_grid); grown
+as soon as the need exceeds C, shrunk only when the need falls to C / 2 or less. C is a shape of the saved tensors, so
 under torch.compile each change recompiles: the coarse grid and the one-sided hysteresis keep changes rare.
 Before any measurement: MEAN_HEADROOM x the mean non-zeros per token + 32 (update's nonzeros_per_layer),
 else the kernel's default F / 4. Rows beyond C are never wrong (module docstring of twell_train), only
@@ -32,6 +32,7 @@ autograd would be bypassed). The activation must be ReLU (a converted model).
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -57,11 +58,11 @@ SHRINK = 0.5  # shrink the capacity only when the need is at most SHRINK x the c
 
 
 def capacity_grid(need: float, f: int) -> int:
-    """The smallest grid value >= need: 16, 24, 32, 48, 64, 96, ... (16 x {1, 1.5} x 2^k), at most F."""
-    c = 16
-    while c < need:
-        c = c * 3 // 2 if (c & (c - 1)) == 0 else c * 4 // 3  # 16 -> 24 -> 32 -> 48 -> 64 ...
-    return min(c, f)
+    """need rounded up to a multiple of max(16, 2^(floor(log2 need) - 2)), at most F: four grid values per
+    doubling (..., 1024, 1280, 1536, 1792, 2048, ...), so at most 25% (and 16) above the need."""
+    n = max(float(need), 1.0)
+    step = max(16, 2 ** (math.floor(math.log2(n)) - 2))
+    return min(f, max(16, step * math.ceil(n / step)))
 
 
 @dataclass

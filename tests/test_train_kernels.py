@@ -331,11 +331,12 @@ def test_auto_mode_hysteresis_capacity_and_refusals():
     assert [layer.capacity for layer in packed.layers] == [48, None, 48]
     assert packed.capacities == [48, 112, 48]
     layer = packed.layers[2]  # measured per-row counts take over (1.25 x p99)
-    for count, want in ((10, 16), (18, 24), (12, 24), (100, 128), (52, 128), (40, 64)):
+    for count, want in ((10, 16), (18, 32), (14, 32), (100, 128), (52, 128), (40, 64)):
         layer.counts = torch.full((100,), count, dtype=torch.int32)
         packed.update([0.5, 0.5, 0.99])
         assert layer.capacity == want, f"count {count}: capacity {layer.capacity} != {want} (grow now, shrink at half)"
-    assert [capacity_grid(n, 10**6) for n in (1, 17, 25, 33, 50, 100, 200)] == [16, 24, 32, 48, 64, 128, 256]
+    grid = [capacity_grid(n, 10**6) for n in (1, 16, 17, 33, 50, 100, 200, 1121, 5221)]
+    assert grid == [16, 16, 32, 48, 64, 112, 224, 1280, 6144] and capacity_grid(5221, 5000) == 5000
     packed.remove()
     assert "forward" not in model.model.layers[0].mlp.__dict__
     assert install_packed_ffn(model, probe, "dense").layers == []
