@@ -633,8 +633,9 @@ def sparse_ffn_train(
         y, l1, nnz_rows, act_rows, fired = _fwd_op(*args)[:5]
     else:
         y, l1, nnz_rows, act_rows, fired = _EagerFFN.apply(*args)
-    # fired holds 0/1 bytes: viewed as bool without a copy
-    out = (y.reshape(*x.shape[:-1], w_down.shape[0]), l1, nnz_rows.sum(dtype=torch.int64), fired.view(torch.bool))
+    # fired holds 0/1 bytes. `!= 0`, not a bool view: inductor cannot lower view(dtype=bool) (H200, torch 2.11:
+    # "torch.bool is not supported by torch.iinfo"), and F bytes are nothing to copy
+    out = (y.reshape(*x.shape[:-1], w_down.shape[0]), l1, nnz_rows.sum(dtype=torch.int64), fired != 0)
     return out + (act_rows,) if row_counts else out
 
 
