@@ -291,6 +291,7 @@ class Run:
     plateau: Plateau
     loss_fn: Any
     l1: L1Control  # the per-layer L1 coefficients (fixed, or driven to sparsity.target)
+    ffn: Any = None  # sparsify.train_kernels.PackedFFN: which layers train on the packed FFN kernels
     model_dir: Path | None = None  # the ReLU folder trained (the original dense model is rebuilt from it)
     reference: dict[str, float] = field(default_factory=dict)  # the original model's loss per evaluated text
     verbose: bool = True  # a line per logged step (when no progress bar) and per validation, on stderr
@@ -429,6 +430,7 @@ def save_checkpoint(run: Run, out: Path) -> Path:
                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
         meta = {"format": CHECKPOINT_FORMAT, "state": asdict(run.state), "scheduler": run.sched.state_dict(),
                 "plateau": run.plateau.state_dict(), "l1_control": run.l1.state_dict(),
+                "train_kernels": run.ffn.state_dict(),
                 "recipe": dump_recipe(run.recipe), "world": run.dist.world,
                 "version": __version__, "rng": {"numpy": [np_name, np_pos, np_has_gauss, np_gauss],
                                                 "python": [py_version, py_gauss]}}
@@ -498,6 +500,8 @@ def load_checkpoint(run: Run, folder: Path) -> None:
     run.plateau.load_state_dict(meta["plateau"])
     if "l1_control" in meta:  # checkpoints written before target mode hold none (fixed mode needs none)
         run.l1.load_state_dict(meta["l1_control"])
+    if "train_kernels" in meta:  # the same layers on the packed path with the same capacities (another mode: ignored)
+        run.ffn.load_state_dict(meta["train_kernels"])
     rng, np_name, np_pos, np_has_gauss, np_gauss = blob["rng"], *meta["rng"]["numpy"]
     torch.set_rng_state(rng["torch"])
     np.random.set_state((np_name, rng["numpy"].numpy().astype(np.uint32), np_pos, np_has_gauss, np_gauss))
@@ -521,7 +525,7 @@ RESUMABLE_KEYS = (
     "sparsity.plateau_tolerance", "sparsity.plateau_window",  # the stop rule, e.g. 0 to run the full budget
     "train.eval_every", "train.log_every", "train.save_every", "train.keep_checkpoints",
     "train.compile", "train.gradient_checkpointing", "train.distributed", "data.num_proc",  # speed / memory
-    "train.attention", "train.profile_steps",
+    "train.attention", "train.profile_steps", "train.kernels",  # packed FFN: the same gradients to rounding
     "train.batch_size", "train.grad_accum",  # free as long as the global batch (checked below) is unchanged
 )
 
@@ -633,6 +637,9 @@ def step_record(run: Run, sums: dict, stats: StepStats, seconds: float, steps: i
         record["mfu"] = tokens_per_s * fpt / (peak * dist.world)
     record["per_layer"] = {"zeros": stats.zeros, "nonzeros": stats.nonzeros, "dead": stats.dead,
                            "l1_coef": coefs.tolist()}
+    if run.ffn.layers:  # train.kernels twell / auto: the path each layer takes from the next step on
+        record["per_layer"]["packed"] = [layer.packed for layer in run.ffn.layers]
+        record["per_layer"]["capacity"] = run.ffn.capacities
     return record
 
 
@@ -812,6 +819,9 @@ def _setup(recipe: Recipe, dist: Dist, model_dir: Path, data: Any) -> Run:
     if teacher is not None and recipe.train.compile:
         teacher.compile()
     probe = SparsityProbe(model, recipe.sparsity.normalization)
+    from .train_kernels import install_packed_ffn  # patches the MLPs before compile / DDP wrap them
+
+    ffn = install_packed_ffn(model, probe, recipe.train.kernels)
     train_model = wrap_model(model, recipe, dist)
     opt, sched = build_optimizer(model, recipe, total_steps_of(recipe, dist), dist)
     sp = recipe.sparsity
@@ -819,7 +829,7 @@ def _setup(recipe: Recipe, dist: Dist, model_dir: Path, data: Any) -> Run:
     loss_fn = torch.compile(losses) if recipe.train.compile else losses
     l1 = L1Control(sp, len(probe.mlps), dist.device)
     return Run(recipe, dist, model, train_model, teacher, probe, data, opt, sched, TrainState(), plateau, loss_fn, l1,
-               model_dir)
+               ffn, model_dir)
 
 
 def _read_history(out: Path) -> list[dict]:
@@ -866,6 +876,9 @@ def _loop(run: Run, log: MetricsLog, history: list[dict], progress: bool) -> Non
         else:
             run.probe.reset()
         if logging_now:
+            run.ffn.update(stats.zeros, stats.nonzeros)  # train.kernels: which layers pack, and their capacity
+            if run.ffn.changes and run.dist.main and run.verbose:
+                print(f"step {run.state.step}: train.kernels " + "; ".join(run.ffn.changes), file=sys.stderr)
             record = step_record(run, window, stats, time.perf_counter() - tic, steps, fpt)
             log.write(record)
             history.append(record)

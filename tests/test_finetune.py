@@ -462,3 +462,45 @@ def test_heldout_domains_are_reported_as_ratios_to_the_original(tiny_silu, tmp_p
     finetune(recipe, resume=True, progress=False)
     again = [m for m in metrics(out) if "val_loss" in m]
     assert again[-1]["heldout"] == evals[-1]["heldout"] and "teacher_heldout" not in again[-1]
+
+
+def test_packed_ffn_kernels_train_like_dense_and_resume(tiny_silu, tmp_path):
+    """train.kernels=twell: the packed FFN path gives the dense path's losses and sparsity (fp32, CPU: the
+    torch implementation of the same packed format), logs which layers pack with what capacity, and a run
+    resumed from a checkpoint continues with the same per-layer decisions."""
+    from sparsify.finetune import finetune
+    from sparsify.recipe import load_recipe
+
+    runs = {}
+    for mode in ("dense", "twell"):
+        out = tmp_path / mode
+        finetune(load_recipe(recipe_dict(tiny_silu, out, max_steps=8),
+                             [f"train.kernels={mode}", "train.log_every=2", "train.save_every=4",
+                              "train.keep_checkpoints=3"]), progress=False)
+        runs[mode] = metrics(out)
+    dense, twell = runs["dense"], runs["twell"]
+    assert [m["step"] for m in dense] == [m["step"] for m in twell]
+    for a, b in zip(dense, twell):
+        key = "loss" if "loss" in a else "val_loss"
+        assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), (a["step"], key)
+        if "sparsity" in a:
+            assert b["sparsity"] == pytest.approx(a["sparsity"], abs=0.02)
+            assert "packed" not in a["per_layer"] and b["per_layer"]["packed"] == [True, True]
+            assert all(16 <= c <= 64 for c in b["per_layer"]["capacity"])  # F = 64: grid values, at most F
+
+    again = tmp_path / "again"
+    shutil.copytree(tmp_path / "twell", again)
+    shutil.rmtree(again / "checkpoints" / "step-00000008")
+    shutil.rmtree(again / "model")
+    finetune(load_recipe(recipe_dict(tiny_silu, again, max_steps=8),
+                         ["train.kernels=twell", "train.log_every=2", "train.save_every=4", "train.keep_checkpoints=3"]),
+             resume=True, progress=False)
+    assert metrics(again)[-1]["val_loss"] == twell[-1]["val_loss"]
+
+
+def test_packed_ffn_kernels_refuse_lora_before_loading(tiny_silu, tmp_path):
+    from sparsify.errors import SparsifyError
+    from sparsify.recipe import load_recipe
+
+    with pytest.raises(SparsifyError, match=r"train.kernels: `auto` with lora.r = 4; the packed FFN kernels"):
+        load_recipe(recipe_dict(tiny_silu, tmp_path / "run", max_steps=2), ["train.kernels=auto", "lora.r=4"])
