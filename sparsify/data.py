@@ -215,25 +215,33 @@ class TokenData:
         return self._heldout[name]
 
     @staticmethod
-    def _eval_shape(s: EvalStream, batch_size: int, max_batches: int, world: int) -> tuple[int, int]:
-        """(sequences per batch, batches over all ranks): batch_size x up to max_batches x world, or what the
-        held-out text holds when that is less (smaller batches, down to one sequence per rank)."""
-        per_batch = min(batch_size, s.n // world)
-        if per_batch == 0:
+    def _eval_chunks(s: EvalStream, batch_size: int, max_batches: int, world: int) -> list[tuple[int, int]]:
+        """The windows evaluated, as (first, end) window ranges, one per batch; batch b goes to rank b % world.
+
+        The set is the first min(n, batch_size x max_batches x world) windows of the stream, whatever the process
+        count. Every rank gets the same number of batches (FSDP runs a collective per forward), so when the text
+        holds fewer windows than asked, they are split evenly into world x ceil(W / (batch_size x world))
+        batches of at most batch_size windows (sizes differ by at most one): all of the held-out text is scored,
+        none dropped to fill whole batches."""
+        if s.n < world:
             raise SparsifyError(f"{s.n} {s.what} sequence(s) cannot give one to each of {world} processes; {s.fix}.")
-        return per_batch, min(s.n // per_batch, max_batches * world) // world * world
+        used = min(s.n, batch_size * max_batches * world)
+        n_batches = world * -(-used // (batch_size * world))  # ceil, a multiple of world
+        while n_batches > used:  # batches of one window cannot go round evenly: drop the last few windows
+            used -= 1
+            n_batches = world * -(-used // (batch_size * world))
+        bounds = np.linspace(0, used, n_batches + 1).round().astype(int)  # even split: sizes differ by <= 1
+        return list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
 
     def _eval_batches(self, s: EvalStream, batch_size: int, max_batches: int, rank: int, world: int
                       ) -> Iterator[torch.Tensor]:
-        per_batch, n_batches = self._eval_shape(s, batch_size, max_batches, world)
-        for b in range(rank, n_batches, world):
-            rows = [s.tokens[j * s.length : j * s.length + s.length + 1] for j in range(b * per_batch,
-                                                                                     (b + 1) * per_batch)]
+        chunks = self._eval_chunks(s, batch_size, max_batches, world)
+        for first, end in chunks[rank::world]:
+            rows = [s.tokens[j * s.length : j * s.length + s.length + 1] for j in range(first, end)]
             yield torch.from_numpy(np.stack(rows).astype(np.int64))
 
     def _eval_note(self, s: EvalStream, batch_size: int, max_batches: int, world: int) -> str | None:
-        per_batch, n_batches = self._eval_shape(s, batch_size, max_batches, world)
-        used, asked = per_batch * n_batches, batch_size * max_batches * world
+        used, asked = self._eval_chunks(s, batch_size, max_batches, world)[-1][1], batch_size * max_batches * world
         if used == asked and s.length == self.seq_len:
             return None
         return (f"{s.what} runs on {used} sequence(s) of {s.length} tokens, all the held-out text holds: less "

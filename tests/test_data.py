@@ -462,3 +462,19 @@ def test_split_corpus_writes_train_and_heldout_atomically_once(tmp_path):
         (tmp_path / "cli" / "heldout" / "tutorial.txt").read_text() == (src / "tutorial.txt").read_text()
     proc = subprocess.run(cli[:5] + ["--heldout", "0.7"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--heldout 0.7: must be in (0, 0.5)" in proc.stderr
+
+
+def test_a_held_out_text_shorter_than_asked_is_scored_whole_with_equal_batches_per_rank(tmp_path):
+    """90 windows asked in batches of 16 over 2 ranks (256 asked): all 90 are scored, split into 6 batches of 15,
+    3 per rank (FSDP needs the same count on every rank); the windows are those of one process."""
+    meta = {"format": "sparsify-tokens/1", "dtype": "uint16"}
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    np.arange(1000, dtype=np.uint16).tofile(tmp_path / "train.bin")
+    (np.arange(90 * 8 + 1) % 60000).astype(np.uint16).tofile(tmp_path / "validation.bin")
+    d = TokenData(tmp_path, 8, seed=0)
+    ranks = [list(d.validation_batches(16, 8, rank=r, world=2)) for r in (0, 1)]
+    assert [[b.shape[0] for b in bs] for bs in ranks] == [[15, 15, 15], [15, 15, 15]]
+    rows = lambda bs: sorted(map(tuple, torch_cat(bs).tolist()))  # noqa: E731
+    assert rows(ranks[0] + ranks[1]) == rows(list(d.validation_batches(16, 8)))
+    assert len(rows(ranks[0] + ranks[1])) == 90 == len(set(rows(ranks[0] + ranks[1])))
+    assert "runs on 90 sequence(s) of 8 tokens" in d.validation_note(16, 8, world=2)
