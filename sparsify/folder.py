@@ -100,12 +100,16 @@ def _normal_permissions(folder: Path) -> None:
             os.chmod(os.path.join(root, name), 0o666 & ~umask)
 
 
+# kernel files for fine-tuning only: a model folder's modeling code never imports them
+TRAINING_ONLY = ("twell_train.py",)
+
+
 def shipped_code_files() -> list[Path]:
     """The flat files copied into every model folder: modeling_sparsify.py and the kernel files."""
     files = [Path(__file__).parent / "modeling" / MODELING_FILE]
     spec = importlib.util.find_spec("sparsify.kernels")  # no import: kernels may pull in triton
     kernel_dir = Path(next(iter(spec.submodule_search_locations)))
-    files += sorted(p for p in kernel_dir.glob("*.py") if p.name != "__init__.py")
+    files += sorted(p for p in kernel_dir.glob("*.py") if p.name not in ("__init__.py", *TRAINING_ONLY))
     return files
 
 

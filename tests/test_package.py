@@ -23,6 +23,7 @@ def test_shipped_code_is_flat_and_self_contained():
     files = shipped_code_files()
     names = {f.name for f in files}
     assert "modeling_sparsify.py" in names and "twell_ops.py" in names
+    assert "twell_train.py" not in names  # fine-tuning kernels stay in the package, not in model folders
     problems = []
     for f in files:
         tree = ast.parse(f.read_text())
