@@ -46,7 +46,7 @@ from .errors import SparsifyError
 from .profiling import StepProfiler
 from .recipe import Recipe, dump_recipe, format_help, load_recipe, raise_problems, recipe_problems
 from .sources import local_config
-from .sparsity import L1Control, Plateau, SparsityProbe, StepStats, reinit_dead
+from .sparsity import ActivationBlend, L1Control, Plateau, SparsityProbe, StepStats, reinit_dead
 
 # Dense bf16 peak FLOP/s for MFU (NVIDIA datasheets, SXM parts, no sparsity). SPARSIFY_PEAK_TFLOPS overrides.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "4090": 165.0}
@@ -178,7 +178,25 @@ def load_student(model_dir: Path, recipe: Recipe, dist: Dist) -> nn.Module:
         lora = LoraConfig(r=recipe.lora.r, lora_alpha=recipe.lora.alpha, lora_dropout=recipe.lora.dropout,
                           target_modules=list(recipe.lora.target_modules), task_type="CAUSAL_LM")
         model = get_peft_model(model, lora)
+    freeze(model, recipe.train.freeze)
     return model.to(dist.device)
+
+
+def freeze(model: nn.Module, patterns: list[str]) -> None:
+    """train.freeze: parameters whose names match a glob pattern are not trained (a pattern matching nothing
+    is an error: it is a typo, or names another family's modules)."""
+    import fnmatch
+
+    if not patterns:
+        return
+    names = [name for name, _ in model.named_parameters()]
+    unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+    if unmatched:
+        raise SparsifyError(f"train.freeze: {unmatched} match no parameter of the model; names look like "
+                            f"{names[len(names) // 2]!r} (e.g. '*.self_attn.*' for attention).")
+    for name, param in model.named_parameters():
+        if any(fnmatch.fnmatchcase(name, p) for p in patterns):
+            param.requires_grad_(False)
 
 
 def load_teacher(model_dir: Path, dist: Dist, seq_len: int) -> nn.Module:
@@ -292,6 +310,7 @@ class Run:
     loss_fn: Any
     l1: L1Control  # the per-layer L1 coefficients (fixed, or driven to sparsity.target)
     ffn: Any = None  # sparsify.train_kernels.PackedFFN: which layers train on the packed FFN kernels
+    blend: ActivationBlend | None = None  # sparsity.blend_steps: source activation -> ReLU over the first steps
     model_dir: Path | None = None  # the ReLU folder trained (the original dense model is rebuilt from it)
     reference: dict[str, float] = field(default_factory=dict)  # the original model's loss per evaluated text
     verbose: bool = True  # a line per logged step (when no progress bar) and per validation, on stderr
@@ -332,6 +351,7 @@ def attention_order(choice: str, device: torch.device) -> list | None:
 def train_step(run: Run) -> dict[str, torch.Tensor]:
     """One optimizer step over grad_accum micro-batches; returns the step's mean loss terms (device tensors)."""
     t, dist = run.recipe.train, run.dist
+    run.blend.set_step(run.state.step)
     coef = run.l1.coefficients(run.state.step)  # [L]
     sums = {k: torch.zeros((), device=dist.device) for k in ("loss", "ce", "l1", "kd")}
     for micro in range(t.grad_accum):
@@ -742,6 +762,10 @@ def finetune(recipe: Recipe, *, resume: bool = False, progress: bool = True, ver
 
     raise_problems("the recipe", recipe_problems(recipe))  # load_recipe checked it; a Recipe built in Python too
     dist = _init_distributed()
+    if recipe.sparsity.blend_steps >= total_steps_of(recipe, dist):
+        raise SparsifyError(f"sparsity.blend_steps={recipe.sparsity.blend_steps} is not below the run's "
+                            f"{total_steps_of(recipe, dist)} steps: the model would end between its source activation "
+                            "and ReLU. Lower blend_steps or raise train.max_tokens / max_steps.")
     if recipe.lora.r > 0 and dist.world > 1 and recipe.train.distributed == "fsdp":
         raise SparsifyError("lora.r > 0 with train.distributed=fsdp is not supported; use distributed=ddp for "
                             "LoRA (adapters are small) or lora.r=0 for a sharded full fine-tune.")
@@ -822,14 +846,21 @@ def _setup(recipe: Recipe, dist: Dist, model_dir: Path, data: Any) -> Run:
     from .train_kernels import install_packed_ffn  # patches the MLPs before compile / DDP wrap them
 
     ffn = install_packed_ffn(model, probe, recipe.train.kernels)
+    source = json.loads((model_dir / "config.json").read_text()).get("sparsify", {}).get("source_activation")
+    if recipe.sparsity.blend_steps > 0 and source in (None, "relu"):
+        raise SparsifyError(f"sparsity.blend_steps={recipe.sparsity.blend_steps}: {model_dir} records no non-ReLU source "
+                            "activation to blend from (config.json sparsify.source_activation); give the SiLU source "
+                            "as model.source, or set sparsity.blend_steps=0.")
+    blend = ActivationBlend(model, source or "relu", recipe.sparsity.blend_steps, dist.device)
     train_model = wrap_model(model, recipe, dist)
     opt, sched = build_optimizer(model, recipe, total_steps_of(recipe, dist), dist)
     sp = recipe.sparsity
-    plateau = Plateau(sp.plateau_tolerance, sp.plateau_window, after=sp.ramp_steps if sp.schedule == "ramp" else 0)
+    plateau = Plateau(sp.plateau_tolerance, sp.plateau_window,
+                      after=max(sp.ramp_steps if sp.schedule == "ramp" else 0, sp.blend_steps))
     loss_fn = torch.compile(losses) if recipe.train.compile else losses
     l1 = L1Control(sp, len(probe.mlps), dist.device)
     return Run(recipe, dist, model, train_model, teacher, probe, data, opt, sched, TrainState(), plateau, loss_fn, l1,
-               ffn, model_dir)
+               ffn, blend, model_dir)
 
 
 def _read_history(out: Path) -> list[dict]:
@@ -872,7 +903,8 @@ def _loop(run: Run, log: MetricsLog, history: list[dict], progress: bool) -> Non
             stats = run.probe.step_stats(run.dist.reduce)
             if run.recipe.sparsity.reinit_dead:
                 reinit_dead(run.model, stats.inactive, run.state.step, t.seed)
-            run.l1.update(stats)
+            if not run.blend.active(run.state.step - 1):  # the blend's zeros say nothing about the targets
+                run.l1.update(stats)
         else:
             run.probe.reset()
         if logging_now:

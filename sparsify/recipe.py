@@ -109,6 +109,12 @@ class SparsitySection:
         "steps. 0 disables the plateau stop.",
     )
     plateau_window: int = doc(200, "Steps over which the plateau rule compares sparsity.")
+    blend_steps: int = doc(
+        0,
+        "Optimizer steps over which the MLP activation moves from the source model's (SiLU, GELU...) to ReLU, "
+        "(1 - a) act(x) + a relu(x) with a = step / blend_steps, instead of the bare swap at step 0. Target mode "
+        "starts adapting coefficients after it. 0: the bare swap.",
+    )
     target: float | list[float] | None = doc(
         None,
         "Target mode: the fraction of zeros in h every layer is driven to (e.g. 0.95), or one value per layer "
@@ -163,6 +169,10 @@ class TrainSection:
     attention: Literal["auto", "cudnn", "flash", "efficient", "math"] = doc(
         "auto", "Scaled-dot-product attention kernel tried first on GPU (the others stay as fallbacks for shapes "
         "it cannot serve). auto: cuDNN on Hopper (sm_90), PyTorch's own order elsewhere.",
+    )
+    freeze: list[str] = doc(
+        [], "Parameters not trained: glob patterns on parameter names, e.g. ['*.self_attn.*'] freezes attention "
+        "(names as in model.named_parameters(); a pattern matching nothing is an error).",
     )
     kernels: Literal["dense", "twell", "auto"] = doc(
         "dense",
@@ -249,7 +259,10 @@ def _coerce(value: Any, tp: Any) -> Any:
     if origin is list:
         items = value if isinstance(value, list) else None
         if items is None and isinstance(value, str):  # `data.train=a.txt,b.txt` on the command line
-            items = [v.strip() for v in value.split(",") if v.strip()]
+            text = value.strip()
+            if text.startswith("[") and text.endswith("]"):  # `[*.self_attn.*]`: not YAML (`*` starts an alias)
+                text = text[1:-1]
+            items = [v.strip().strip("'\"") for v in text.split(",") if v.strip()]
         if items is None:
             raise TypeError("expected a list")
         return [_coerce(v, args[0]) for v in items]
@@ -427,6 +440,12 @@ def _check_values(r: Recipe) -> list[tuple[tuple[str, ...], str]]:
             e.append((("sparsity.target_gain",), f"sparsity.target_gain: got {sp.target_gain}; must be > 0"))
     if r.distill.temperature <= 0:
         e.append((("distill.temperature",), f"distill.temperature: got {r.distill.temperature}; must be > 0"))
+    if sp.blend_steps < 0:
+        e.append((("sparsity.blend_steps",), f"sparsity.blend_steps: got {sp.blend_steps}; must be >= 0"))
+    if sp.blend_steps > 0 and t.kernels != "dense":
+        e.append((("sparsity.blend_steps", "train.kernels"),
+                  f"sparsity.blend_steps: {sp.blend_steps} with train.kernels={t.kernels}; the packed FFN kernels "
+                  "compute relu(gate) * up and cannot train the blended activation. Set train.kernels=dense"))
     if t.kernels != "dense" and r.lora.r > 0:
         e.append((("train.kernels", "lora.r"),
                   f"train.kernels: `{t.kernels}` with lora.r = {r.lora.r}; the packed FFN kernels read the base weights "

@@ -504,3 +504,38 @@ def test_packed_ffn_kernels_refuse_lora_before_loading(tiny_silu, tmp_path):
 
     with pytest.raises(SparsifyError, match=r"train.kernels: `auto` with lora.r = 4; the packed FFN kernels"):
         load_recipe(recipe_dict(tiny_silu, tmp_path / "run", max_steps=2), ["train.kernels=auto", "lora.r=4"])
+
+
+def test_blend_then_target_and_frozen_attention(tiny_silu, tmp_path):
+    """sparsity.blend_steps: the first evaluation sees the source (SiLU) model, so the step-0 perplexity is the
+    original's; target-mode coefficients stay put while blending and move after. train.freeze keeps attention
+    weights as they were; a pattern matching nothing is refused."""
+    from safetensors.torch import load_file
+
+    from sparsify.errors import SparsifyError
+    from sparsify.finetune import finetune
+    from sparsify.recipe import load_recipe
+
+    out = tmp_path / "run"
+    overrides = ["sparsity.blend_steps=4", "sparsity.target=0.99", "sparsity.target_gain=2", "train.log_every=2",
+                 "train.freeze=[*.self_attn.*]"]
+    finetune(load_recipe(recipe_dict(tiny_silu, out, max_steps=8), overrides), progress=False)
+    m = metrics(out)
+    first = m[0]
+    assert first["val_loss"] == pytest.approx(first["teacher_val_loss"], rel=1e-5)  # blend at 0 = the original
+    coefs = {r["step"]: r["per_layer"]["l1_coef"] for r in m if "sparsity" in r}
+    assert coefs[2] == coefs[4] == pytest.approx([0.05, 0.05])  # no update while blending (steps 1-4)
+    assert all(c > 0.05 for c in coefs[8])  # then below target: stronger
+    before = load_file(str(next((out / "converted").glob("*.safetensors"))))
+    after = load_file(str(next((out / "model").glob("*.safetensors"))))
+    attn = [k for k in before if ".self_attn." in k]
+    assert attn and all(torch.equal(before[k], after[k]) for k in attn)
+    assert not torch.equal(before["model.layers.0.mlp.gate_proj.weight"], after["model.layers.0.mlp.gate_proj.weight"])
+    assert json.loads((out / "model" / "config.json").read_text())["hidden_act"] == "relu"
+
+    with pytest.raises(SparsifyError, match=r"train.freeze: \['\*attn_typo\*'\] match no parameter"):
+        finetune(load_recipe(recipe_dict(tiny_silu, tmp_path / "bad", max_steps=2), ["train.freeze=[*attn_typo*]"]),
+                 progress=False)
+    with pytest.raises(SparsifyError, match="sparsity.blend_steps=8 is not below the run's 2 steps"):
+        finetune(load_recipe(recipe_dict(tiny_silu, tmp_path / "bad2", max_steps=2), ["sparsity.blend_steps=8"]),
+                 progress=False)

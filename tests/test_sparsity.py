@@ -200,3 +200,43 @@ def test_target_recipe_keys_parse_and_bad_values_are_listed_together(tmp_path):
     with pytest.raises(SparsifyError, match=r"sparsity.target: 2 values, but .*model has 3 layers"):
         load_recipe(recipe, ["sparsity.target=[0.9, 0.95]"])
     assert load_recipe(recipe, ["sparsity.target=[0.9, 0.95, 0.97]"]).sparsity.target == [0.9, 0.95, 0.97]
+
+
+def test_activation_blend_moves_from_silu_to_relu_and_gives_the_relus_back():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from sparsify.sparsity import ActivationBlend
+
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=64, hidden_size=16, intermediate_size=40, num_hidden_layers=2, num_attention_heads=2,
+               num_key_value_heads=1, max_position_embeddings=32)
+    silu = LlamaForCausalLM(LlamaConfig(**cfg, hidden_act="silu")).eval()
+    relu = LlamaForCausalLM(LlamaConfig(**cfg, hidden_act="relu")).eval()
+    relu.load_state_dict(silu.state_dict())
+    ids = torch.randint(0, 64, (2, 9))
+    with torch.no_grad():
+        want_silu, want_relu = silu(input_ids=ids).logits, relu(input_ids=ids).logits
+        blend = ActivationBlend(relu, "silu", 4, torch.device("cpu"))
+        blend.set_step(0)
+        torch.testing.assert_close(relu(input_ids=ids).logits, want_silu)  # step 0: the source model
+        blend.set_step(2)  # half way: (silu + relu) / 2 in every MLP
+        mlp = relu.model.layers[0].mlp
+        x = torch.randn(3, 16)
+        torch.testing.assert_close(mlp.act_fn(x), 0.5 * torch.nn.functional.silu(x) + 0.5 * torch.relu(x))
+        blend.set_step(4)
+        assert isinstance(mlp.act_fn, torch.nn.ReLU)  # the model's own ReLU modules are back
+        torch.testing.assert_close(relu(input_ids=ids).logits, want_relu)
+
+
+def test_blend_recipe_problems():
+    from sparsify.errors import SparsifyError
+    from sparsify.recipe import load_recipe
+
+    base = {"data": {"train": ["x.txt"]}, "train": {"max_steps": 5}}
+    with pytest.raises(SparsifyError) as e:
+        load_recipe(base, ["sparsity.blend_steps=-1"], check_paths=False)
+    assert "sparsity.blend_steps: got -1; must be >= 0" in str(e.value)
+    with pytest.raises(SparsifyError, match="cannot train the blended activation"):
+        load_recipe(base, ["sparsity.blend_steps=3", "train.kernels=twell"], check_paths=False)
+    assert load_recipe(base, ["train.freeze=[*.self_attn.*, *.embed_tokens.*]"], check_paths=False).train.freeze == \
+        ["*.self_attn.*", "*.embed_tokens.*"]
