@@ -11,6 +11,10 @@
 #                                        text files, for sparsify eval)
 #   bash eval/h200_long.sh train         start, or resume, the run; stops after LEG_S seconds (default 530) or at
 #                                        its token budget, whichever comes first; prints the last logged steps
+#   bash eval/h200_long.sh sweep         short experiment runs side by side, one per GPU at a time, from the same
+#                                        inputs: SWEEP="name=OVERRIDE OVERRIDE;name2=..." (each run gets TOKENS,
+#                                        default 40_000_000, and the recipe's other keys), then frontier.md/.png
+#                                        over the runs' last evaluations in $OUT/sweep
 #   bash eval/h200_long.sh finish        after the run: sparsify eval original vs fine-tuned on the held-out text,
 #                                        sparsify bench (generate speed, sparse vs dense FFN), and
 #                                        eval/bench_train_ffn.py when present (BENCH_FFN=0 skips it)
@@ -89,6 +93,24 @@ case "${1:-}" in
     cp "$RUN"/metrics.jsonl "$RUN"/recipe.yaml "$OUT/" 2>/dev/null || true
     cp "$RUN"/*.png "$RUN"/model/sparsity.json "$OUT/" 2>/dev/null || true
     summary
+    ;;
+  sweep)
+    inputs
+    IFS=';' read -ra runs <<< "${SWEEP:?set SWEEP=\"name=override ...;name2=...\"}"
+    for ((g = 0; g < GPUS; g++)); do
+        (for ((i = g; i < ${#runs[@]}; i += GPUS)); do
+            name=${runs[i]%%=*}; overrides=${runs[i]#*=}
+            dir=$WORK/sweep/$name
+            CUDA_VISIBLE_DEVICES=$g timeout -s TERM "${LEG_S:-530}" python -m sparsify finetune --no-progress \
+                recipes/smollm2-135m.yaml model.source="$WORK/converted" "data.train=[$WORK/tok]" "data.heldout={}" \
+                output.dir="$dir" output.overwrite=true train.max_tokens="${TOKENS:-40_000_000}" train.eval_every=0 \
+                train.save_every=0 $overrides ${EXTRA:-} > "$OUT/sweep-$name.log" 2>&1 \
+                || echo "$name: exit $? (see sweep-$name.log)"
+            mkdir -p "$OUT/sweep/$name" && cp "$dir"/metrics.jsonl "$dir"/recipe.yaml "$OUT/sweep/$name/" 2>/dev/null || true
+        done) &
+    done
+    wait
+    python eval/frontier.py "$OUT"/sweep/* --out "$OUT/sweep" || true
     ;;
   finish)
     inputs
