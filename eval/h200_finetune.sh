@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# SmolLM2-135M on one H200: SiLU -> ReLU conversion + L1 continued pretraining on Debian documentation text.
+# SmolLM2-135M on one H200: SiLU -> ReLU conversion + L1 continued pretraining on Debian documentation text,
+# fixed l1 (the recipe's mixture weights, held-out domains and targets are switched off here; the default
+# recipe's own long run is eval/h200_long.sh).
 #
 # Usage, from the repository root on the GPU machine (each mode fits one 10-minute device command):
 #   bash eval/h200_finetune.sh bench    # ~2 min: dense training path, no teacher, 60 steps: tokens/s and MFU
@@ -84,6 +86,7 @@ finetune() {  # finetune NAME OVERRIDES...: one run into out/h200/NAME, its arte
     local dir=$WORK/$name
     ${LAUNCH:-python} -m sparsify finetune --no-progress recipes/smollm2-135m.yaml \
         model.source="$SOURCE" "data.train=[$DATA]" output.dir="$dir" output.overwrite=true \
+        "data.weights=[]" "data.heldout={}" sparsity.target=none \
         train.batch_size="$BATCH" train.compile="$COMPILE" "$@" ${EXTRA:-} > "$OUT/$name.log" 2>&1 \
         || { echo "$name failed: see $OUT/$name.log"; tail -5 "$OUT/$name.log"; return 0; }
     tail -2 "$OUT/$name.log"
