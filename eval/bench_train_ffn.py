@@ -55,45 +55,26 @@ if "--smoke" in sys.argv and shutil.which("nvidia-smi") is None:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+import bench_kernels as _kernel_bench  # noqa: E402  (eval/, this script's folder, is on sys.path)
+
 SHAPES = "576x1536,2048x8192"
 ZEROS = "0.5,0.75,0.9,0.99"
 SWEEP_FWD = [dict(BM=bm, BF=bf, num_warps=w) for bm in (16, 32) for bf in (64, 128, 256) for w in (4, 8)]
 SWEEP_BWD = [dict(BM=bm, BF=bf, num_warps=w) for bm in (16, 32) for bf in (64, 128, 256) for w in (4, 8)]
-SMOLLM2_135M = {  # config.json of HuggingFaceTB/SmolLM2-135M (architecture fields), ReLU swapped in
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
-    "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
-    "vocab_size": 49152, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "hidden_act": "relu",
-    "tie_word_embeddings": True, "rope_theta": 100000.0, "bos_token_id": 1, "eos_token_id": 2,
-    "attention_bias": False, "mlp_bias": False,
-}
+# SmolLM2-135M's architecture (eval/configs/smollm2-135m.json, the file `sparsify synth` reads), ReLU swapped in
+SMOLLM2_135M = {**json.loads((ROOT / "eval" / "configs" / "smollm2-135m.json").read_text()), "hidden_act": "relu"}
 TINY = {**SMOLLM2_135M, "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256}
 
 
 # --------------------------------------------------------------------------------------------------- timing
-class Clock:
-    """ms per call of a loop of n calls: CUDA events on GPU, perf_counter on CPU (the smoke run)."""
+Clock = _kernel_bench.Clock  # eval/bench_kernels.py's: CUDA events on GPU (twell_ops.loop_ms), perf_counter on CPU
 
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
 
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
+def _gpu_loop():
+    from sparsify.kernels.twell_ops import loop_ms
 
-    def loop_ms(self, fn, n: int) -> float:
-        if not self.cuda:
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            return (time.perf_counter() - t0) * 1e3 / n
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(n):
-            fn()
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b) / n
+    return loop_ms
 
 
 def interleaved(fns: dict, clock: Clock, rounds: int, target_ms: float, errors: dict) -> dict:
@@ -533,7 +514,7 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     args.warm = max(1, args.warm)
     ctx = {"cuda": cuda, "device": torch.device("cuda" if cuda else "cpu"),
-           "dtype": torch.bfloat16 if cuda else torch.float32, "clock": Clock(cuda)}
+           "dtype": torch.bfloat16 if cuda else torch.float32, "clock": Clock(cuda, _gpu_loop() if cuda else None)}
     report = {"env": env_info(), "args": vars(args), "rows": []}
     tic = time.perf_counter()
     if args.tests:

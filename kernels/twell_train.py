@@ -146,6 +146,7 @@ def _config(x: torch.Tensor, base: dict) -> dict:
 
 # ------------------------------------------------------------------------------------------------ kernels
 if HAS_TRITON:
+    from .twell_triton import _dot  # fp32 inputs: true fp32 products (IEEE), else tl.dot's default
 
     @triton.jit
     def _fwd_pack(
@@ -215,12 +216,6 @@ if HAS_TRITON:
                     tl.store(side_ptr + soff, tl.load(g_ptr + off, mask=m2, other=0.0), mask=m2)
                     tl.store(side_ptr + soff + F, tl.load(u_ptr + off, mask=m2, other=0.0), mask=m2)
         tl.store(slot_ptr + rows, slot, mask=row_ok)
-
-    @triton.jit
-    def _dot(a, b, acc, IEEE: tl.constexpr):
-        if IEEE:  # fp32 inputs: true fp32 products (tf32 would lose 13 bits)
-            return tl.dot(a, b, acc, input_precision="ieee")
-        return tl.dot(a, b, acc)
 
     @triton.jit
     def _bwd_recompute(

@@ -23,7 +23,6 @@ import math
 import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 MIN_CHARS = 4096  # held-out characters per file at least: below that a domain's perplexity is noise
@@ -69,9 +68,9 @@ def split_corpus(src: str | os.PathLike, out: str | os.PathLike, fraction: float
     written = all((out / part / f.name).is_file() for part in ("train", "heldout") for f in files)
     if previous and {k: previous.get(k) for k in record} == record and written:
         return {k: tuple(v) for k, v in previous["chars"].items()}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    from .folder import atomic_dir  # tmp folder beside OUT, renamed over it on success, removed on failure
+
+    with atomic_dir(out, overwrite=True) as tmp:
         (tmp / "train").mkdir()
         (tmp / "heldout").mkdir()
         chars = {}
@@ -88,26 +87,7 @@ def split_corpus(src: str | os.PathLike, out: str | os.PathLike, fraction: float
         if manifest:  # get-corpus.sh's origin and licence of each file (ROOT/MANIFEST.tsv beside ROOT/text)
             shutil.copy2(manifest[0], tmp / "MANIFEST.tsv")
         (tmp / "split.json").write_text(json.dumps({**record, "source": str(src.resolve()), "chars": chars}, indent=1))
-        _replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return chars
-
-
-def _replace(tmp: Path, out: Path) -> None:
-    """Renames tmp to out; an existing out is moved aside first and removed once tmp is in place."""
-    if not out.exists():
-        os.rename(tmp, out)
-        return
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
-    os.rename(out, old)
-    try:
-        os.rename(tmp, out)
-    except OSError:
-        os.rename(old, out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
