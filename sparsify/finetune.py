@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import importlib.util
 import json
 import math
@@ -1022,5 +1023,6 @@ def main(args: argparse.Namespace) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"fine-tuned model: {folder}")
     if torch.distributed.is_initialized():
+        gc.collect()  # the run's DDP reducer (kept alive by reference cycles) goes before its process group
         torch.distributed.destroy_process_group()
     return 0

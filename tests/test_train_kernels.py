@@ -9,6 +9,7 @@ makes every gate negative with x != 0.
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -435,6 +436,10 @@ def distributed_worker(mode, out):
              for n, p in model.named_parameters()}
     if rank == 0:
         torch.save(state, out)
+    # DDP's reducer must go before its process group: destroyed after it, gloo's teardown hung now and then
+    # (3 of ~40 runs here; faulthandler showed the main thread past this function's return, in C++ teardown)
+    del train, model, opt
+    gc.collect()
     dist.destroy_process_group()
 
 
