@@ -495,14 +495,7 @@ def _define_ops():
         ctx.spill_rows, ctx.normalization, ctx.backend = spill_rows, normalization, backend
 
     def backward(ctx, dy, dl1, *unused):
-        x, w_gate, w_up, w_down, mask, vals, side, slot = ctx.saved_tensors
-        if dy is None:
-            dy = x.new_zeros(x.shape[0], w_down.shape[0])
-        if dl1 is None:
-            dl1 = x.new_zeros((), dtype=torch.float32)
-        dx, dwg, dwu, dwd = bwd(dy.contiguous(), dl1, x, w_gate, w_up, w_down, mask, vals, side, slot,
-                                ctx.spill_rows, ctx.normalization, ctx.backend)
-        return dx, dwg, dwu, dwd, None, None, None, None
+        return (*_backward(ctx, dy, dl1, bwd), None, None, None, None)
 
     fwd.register_autograd(backward, setup_context=setup_context)
     return fwd, bwd
@@ -526,6 +519,18 @@ def _bwd_op_schema(
     return _bwd_impl(dy, dl1, x, w_gate, w_up, w_down, mask, vals, side, slot, spill_rows, normalization, backend)
 
 
+def _backward(ctx, dy, dl1, bwd) -> tuple:
+    """(dx, dw_gate, dw_up, dw_down) from what forward saved; a missing output gradient counts as zeros. `bwd` is
+    the custom op (compiled path) or _bwd_impl itself (eager path)."""
+    x, w_gate, w_up, w_down, mask, vals, side, slot = ctx.saved_tensors
+    if dy is None:
+        dy = x.new_zeros(x.shape[0], w_down.shape[0])
+    if dl1 is None:
+        dl1 = x.new_zeros((), dtype=torch.float32)
+    return bwd(dy.contiguous(), dl1, x, w_gate, w_up, w_down, mask, vals, side, slot, ctx.spill_rows,
+               ctx.normalization, ctx.backend)
+
+
 _fwd_op, _bwd_op = _define_ops()
 
 
@@ -546,14 +551,7 @@ class _EagerFFN(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dl1, *unused):
-        x, w_gate, w_up, w_down, mask, vals, side, slot = ctx.saved_tensors
-        if dy is None:
-            dy = x.new_zeros(x.shape[0], w_down.shape[0])
-        if dl1 is None:
-            dl1 = x.new_zeros((), dtype=torch.float32)
-        grads = _bwd_impl(dy.contiguous(), dl1, x, w_gate, w_up, w_down, mask, vals, side, slot, ctx.spill_rows,
-                          ctx.normalization, ctx.backend)
-        return (*grads, None, None, None, None)
+        return (*_backward(ctx, dy, dl1, _bwd_impl), None, None, None, None)
 
 
 # ------------------------------------------------------------------------------------------------ public API

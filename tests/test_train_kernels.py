@@ -388,16 +388,21 @@ def train_full_batch(model, batches, probe_mode):
     probe = SparsityProbe(model, "sum_hidden")
     install_packed_ffn(model, probe, probe_mode)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    adamw_steps(model, probe, opt, batches)
+    return model
+
+
+def adamw_steps(train, probe, opt, batches) -> None:
+    """One AdamW step per batch of `train` (the model, or its DDP / FSDP wrapper): CE + 0.05 x the probe's L1."""
     for ids in batches:
         probe.start()
-        logits = model(input_ids=ids[:, :-1]).logits
+        logits = train(input_ids=ids[:, :-1]).logits
         l1 = probe.take(tokens=ids[:, :-1].numel()).sum()
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()) + 0.05 * l1
         loss.backward()
         probe.reset()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return model
 
 
 def distributed_worker(mode, out):
@@ -423,15 +428,7 @@ def distributed_worker(mode, out):
         install_packed_ffn(model, probe, "twell")
         train = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for ids in halves:
-        probe.start()
-        logits = train(input_ids=ids[:, :-1]).logits
-        l1 = probe.take(tokens=ids[:, :-1].numel()).sum()
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()) + 0.05 * l1
-        loss.backward()
-        probe.reset()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    adamw_steps(train, probe, opt, halves)
     state = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
              for n, p in model.named_parameters()}
     if rank == 0:
