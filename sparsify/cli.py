@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(importlib.import_module(args._module).main(args) or 0)
     except SparsifyError as e:
         print(f"sparsify {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        return getattr(e, "exit_code", 2)
     except KeyboardInterrupt:
         print(f"sparsify {args.command}: interrupted; nothing was left half-written.", file=sys.stderr)
         return 130

@@ -7,7 +7,9 @@ One loop, top to bottom (`finetune`): prepare the model (a SiLU source is conver
 optionally load the original dense model as distillation teacher, then per optimizer step: grad_accum
 micro-batches of cross-entropy + l1(step) * L1(h) + kd * KL(teacher || student), clip, AdamW, cosine
 schedule, dead-neuron re-init; log, evaluate, checkpoint; stop at the step/token budget or when sparsity
-plateaus; export the final model folder (convert format, recipe.yaml + sparsity.json inside).
+plateaus; export the final model folder (convert format, recipe.yaml + sparsity.json inside). SIGTERM (a
+scheduler's or `timeout`'s stop) or a first Ctrl-C ends the run at the next step with a checkpoint of that step,
+so `--resume` loses nothing; a second Ctrl-C interrupts at once.
 
 Output folder:
     converted/        the ReLU model the run started from (when the source had to be converted)
@@ -31,7 +33,9 @@ import os
 import pickle
 import random
 import shutil
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -89,6 +93,51 @@ class TrainState:
     samples: int = 0  # training sequences consumed, all processes together: the data position
     tokens: int = 0  # training tokens consumed (samples * seq_len)
     stopped: str = ""  # why the run ended (budget / plateau)
+
+
+class RunStopped(SparsifyError):
+    """The run stopped on a signal after writing a checkpoint; the CLI exits 128 + the signal's number."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+class StopRequest:
+    """SIGTERM or a first SIGINT, caught: the training loop stops at its next step boundary and checkpoints.
+
+    Under torchrun every rank gets the signal (the agent forwards SIGTERM; Ctrl-C reaches the whole process
+    group), but not necessarily before the same step, so ranks agree at logged steps (a max-reduce of the
+    flag, where the logging already synchronises); one process checks after every step. A second SIGINT
+    raises KeyboardInterrupt as usual. Handlers can only be set from the main thread (elsewhere: a no-op).
+    """
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGTERM, signal.SIGINT):
+                self._previous[s] = signal.signal(s, self._catch)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+    def _catch(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and self.signum:
+            raise KeyboardInterrupt
+        self.signum = self.signum or signum
+
+    def due(self, dist: Dist, step: int, log_every: int) -> int:
+        """The signal to stop on now (0: none), the same on every rank."""
+        if dist.world == 1:
+            return self.signum
+        if step % log_every:
+            return 0
+        return int(dist.reduce(torch.tensor([self.signum], device=dist.device), "max").item())
 
 
 def _init_distributed() -> Dist:
@@ -792,8 +841,11 @@ def finetune(recipe: Recipe, *, resume: bool = False, progress: bool = True, ver
             (out / "recipe.yaml").write_text(dump_recipe(recipe))
         log = MetricsLog(out, recipe, dist, run.state.step)
         history = _read_history(out) if dist.main else []
-        _loop(run, log, history, progress)
-        log.close()
+        try:
+            with StopRequest() as stop:
+                _loop(run, log, history, progress, stop)
+        finally:
+            log.close()
         if dist.main and recipe.output.plots:
             plot(out, history)
         return export(run, model_dir, out, tokenizer, history)
@@ -880,8 +932,9 @@ def _parse_lines(path: Path) -> list[dict]:
     return records
 
 
-def _loop(run: Run, log: MetricsLog, history: list[dict], progress: bool) -> None:
-    """Steps until the budget or the plateau; logs, evaluates and checkpoints on the way."""
+def _loop(run: Run, log: MetricsLog, history: list[dict], progress: bool, stop: StopRequest | None = None) -> None:
+    """Steps until the budget or the plateau; logs, evaluates and checkpoints on the way. On a stop request
+    (SIGTERM, Ctrl-C) it checkpoints the step just done and raises RunStopped."""
     from tqdm.auto import tqdm
 
     t, out = run.recipe.train, Path(run.recipe.output.dir)
@@ -932,6 +985,13 @@ def _loop(run: Run, log: MetricsLog, history: list[dict], progress: bool) -> Non
             _evaluate_all(run, log, history)
         if t.save_every and run.state.step % t.save_every == 0 and run.state.step < total and not run.state.stopped:
             save_checkpoint(run, out)
+        signum = stop.due(run.dist, run.state.step, t.log_every) if stop is not None else 0
+        if signum and run.state.step < total and not run.state.stopped:
+            bar.close()
+            folder = save_checkpoint(run, out)
+            raise RunStopped(f"stopped by {signal.Signals(signum).name} after step {run.state.step} "
+                             f"({run.state.tokens:,} tokens); checkpoint {folder}. Continue with the same command "
+                             "and --resume.", signum)
     bar.close()
     run.state.stopped = run.state.stopped or f"budget: {run.state.step} steps, {run.state.tokens} tokens"
     _evaluate_all(run, log, history)
@@ -1009,7 +1069,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="SECTION.KEY=VALUE",
                    help="recipe overrides, e.g. train.lr=3e-4 sparsity.l1=2e-2 output.dir=runs/x (put the --options "
                         "before RECIPE or after the last override)")
-    p.add_argument("--resume", action="store_true", help="continue the run in output.dir from its newest checkpoint")
+    p.add_argument("--resume", action="store_true", help="continue the run in output.dir from its newest checkpoint (after a crash, "
+                   "or after SIGTERM / Ctrl-C, which checkpoint the step they stop at)")
     p.add_argument("--print-recipe", action="store_true", help="print the resolved recipe as YAML and exit")
     p.add_argument("--no-progress", action="store_true", help="no progress bars (logs still go to metrics.jsonl)")
 
