@@ -11,18 +11,24 @@
 #                                        text files, for sparsify eval)
 #   bash eval/h200_long.sh train         start, or resume, the run; stops after LEG_S seconds (default 530) or at
 #                                        its token budget, whichever comes first; prints the last logged steps
-#   bash eval/h200_long.sh sweep         short experiment runs side by side, one per GPU at a time, from the same
-#                                        inputs: SWEEP="name=OVERRIDE OVERRIDE;name2=..." (each run gets TOKENS,
-#                                        default 40_000_000, and the recipe's other keys), then frontier.md/.png
-#                                        over the runs' last evaluations in $OUT/sweep
-#   bash eval/h200_long.sh finish        after the run: sparsify eval original vs fine-tuned on the held-out text,
-#                                        sparsify bench (generate speed, sparse vs dense FFN), and
-#                                        eval/bench_train_ffn.py when present (BENCH_FFN=0 skips it)
-# Knobs: EXTRA (recipe overrides for every leg, e.g. train.max_tokens=200_000_000), GPUS (default: all).
-# Results go to $OUT (default out/long): train.log, metrics.jsonl, recipe.yaml, plots, eval/ and bench/.
+#   bash eval/h200_long.sh sweep         short experiment runs side by side (SLOTS at a time) from the same inputs:
+#                                        SWEEP="name=OVERRIDE OVERRIDE;name2=..." (each run gets TOKENS, default
+#                                        40_000_000, and the recipe's other keys); a run cut at LEG_S checkpoints
+#                                        and the next sweep call resumes it; then frontier.md/.png over the runs'
+#                                        last evaluations in sweep/
+#   bash eval/h200_long.sh finish        after the run or sweep: sparsify eval original vs the fine-tuned models on
+#                                        the held-out text, eval/ppl_gap.py (the finetune log's measure vs
+#                                        sparsify eval's), sparsify bench (generate speed, sparse vs dense FFN),
+#                                        and eval/bench_train_ffn.py with BENCH_FFN=1
+# Knobs: EXTRA (recipe overrides for every leg, e.g. train.max_tokens=200_000_000), GPUS (default: all), SLOTS
+# (sweep runs at a time, default GPUS: more share a GPU), TOKENS and EVAL_EVERY (sweep), FINISH / BENCH_MODEL
+# (finish: "name=folder ..." to evaluate, the one to bench).
+# Results go to $RESULTS (default $WORK/results, kept between calls): train.log, metrics.jsonl, recipe.yaml, plots,
+# sweep/, eval/, gap/ and bench/; PACK=DIR writes all of them as DIR/results.tar.xz when the call ends (a device
+# call returns at most 8 files).
 set -euo pipefail
 WORK=${WORK:-/tmp/sparsify-long}
-OUT=${OUT:-out/long}
+OUT=${RESULTS:-$WORK/results}  # kept between calls; PACK=DIR puts all of it into DIR/results.tar.xz at the end
 mkdir -p "$WORK/in" "$OUT"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
@@ -97,32 +103,68 @@ case "${1:-}" in
   sweep)
     inputs
     IFS=';' read -ra runs <<< "${SWEEP:?set SWEEP=\"name=override ...;name2=...\"}"
-    for ((g = 0; g < GPUS; g++)); do
-        (for ((i = g; i < ${#runs[@]}; i += GPUS)); do
+    slots=${SLOTS:-$GPUS}  # runs at a time; several share a GPU (time-sliced), slot s on GPU s % GPUS
+    end=$(( $(date +%s) + ${LEG_S:-530} ))  # this call's deadline, for all its runs together
+    set -f  # overrides are words, never file patterns: train.freeze=['*.self_attn.*']
+    for ((s = 0; s < slots; s++)); do
+        (for ((i = s; i < ${#runs[@]}; i += slots)); do
             name=${runs[i]%%=*}; overrides=${runs[i]#*=}
             dir=$WORK/sweep/$name
-            CUDA_VISIBLE_DEVICES=$g timeout -s TERM "${LEG_S:-530}" python -m sparsify finetune --no-progress \
-                recipes/smollm2-135m.yaml model.source="$WORK/converted" "data.train=[$WORK/tok]" "data.heldout={}" \
-                output.dir="$dir" output.overwrite=true train.max_tokens="${TOKENS:-40_000_000}" train.eval_every=0 \
-                train.save_every=0 $overrides ${EXTRA:-} > "$OUT/sweep-$name.log" 2>&1 \
-                || echo "$name: exit $? (see sweep-$name.log)"
+            [ -f "$dir/model/config.json" ] && continue  # finished in an earlier call
+            again=""
+            ls "$dir"/checkpoints/step-*/state.pt >/dev/null 2>&1 && again="--resume"
+            left=$(( end - $(date +%s) ))
+            if [ "$left" -lt "${MIN_LEFT_S:-120}" ]; then echo "$name: not started ($left s left; next sweep call)"; continue; fi
+            # SIGTERM at the deadline: the run checkpoints the step it is at; the next sweep call resumes it
+            CUDA_VISIBLE_DEVICES=$((s % GPUS)) timeout -s TERM -k 60 "$left" python -m sparsify finetune \
+                --no-progress $again recipes/smollm2-135m.yaml model.source="$WORK/converted" "data.train=[$WORK/tok]" \
+                "data.heldout={}" output.dir="$dir" output.overwrite=true train.max_tokens="${TOKENS:-40_000_000}" \
+                train.eval_every="${EVAL_EVERY:-0}" train.save_every=0 $overrides ${EXTRA:-} >> "$OUT/sweep-$name.log" 2>&1 \
+                || { rc=$?; [ $rc = 124 ] && echo "$name: stopped at the deadline, checkpointed (the next sweep call resumes it)" \
+                     || echo "$name: exit $rc (see sweep-$name.log)"; }
             mkdir -p "$OUT/sweep/$name" && cp "$dir"/metrics.jsonl "$dir"/recipe.yaml "$OUT/sweep/$name/" 2>/dev/null || true
+            cp "$dir"/model/sparsity.json "$dir"/sparsity.png "$OUT/sweep/$name/" 2>/dev/null || true
         done) &
     done
     wait
-    python eval/frontier.py "$OUT"/sweep/* --out "$OUT/sweep" || true
+    set +f
+    python eval/frontier.py "$OUT"/sweep/*/ --out "$OUT/sweep" || true
+    python - "$OUT"/sweep/*/metrics.jsonl <<'PY'
+import json, sys
+for path in sys.argv[1:]:
+    lines = [json.loads(l) for l in open(path) if l.strip()]
+    train = [l for l in lines if "sparsity" in l]
+    evals = [l for l in lines if "val_loss" in l]
+    t, e = (train or [{}])[-1], evals[-1]
+    dom = " ".join(f"{k} {d.get('ratio', float('nan')):.3f}x" for k, d in e.get("heldout", {}).items())
+    print(f"{path.split('/')[-2]:>14}: step {t.get('step')} tokens {t.get('tokens', 0)/1e6:.1f}M "
+          f"tok/s {t.get('tokens_per_s', 0):,.0f} zeros {t.get('sparsity', 0):.2%} | eval at {e['tokens']/1e6:.1f}M {dom}")
+PY
     ;;
   finish)
     inputs
-    [ -f "$RUN/model/config.json" ] || { echo "no finished run in $RUN (run the train legs first)"; exit 2; }
+    # the models to evaluate: FINISH="name=folder ..." (default: the long run's, else every finished sweep run)
+    models=${FINISH:-}
+    [ -z "$models" ] && [ -f "$RUN/model/config.json" ] && models="finetuned=$RUN/model"
+    if [ -z "$models" ]; then
+        for d in "$WORK"/sweep/*/model; do [ -f "$d/config.json" ] && models="$models $(basename "$(dirname "$d")")=$d"; done
+    fi
+    [ -n "$models" ] || { echo "no finished run in $RUN or $WORK/sweep (run train or sweep first)"; exit 2; }
     texts=$(ls "$WORK"/heldout/*.txt 2>/dev/null || true)
-    python -m sparsify eval original="$WORK/smollm2.gguf" finetuned="$RUN/model" --tasks none \
-        ${texts:+--text $texts} --text-tokens 0 --out "$OUT/eval" -q 2>&1 | tail -12 || echo "eval failed"
-    python -m sparsify bench finetuned="$RUN/model" --batch "${BENCH_BATCH:-1,8,32}" --prompt "${BENCH_PROMPT:-512}" \
+    python -m sparsify eval original="$WORK/smollm2.gguf" $models --tasks none \
+        ${texts:+--text $texts} --text-tokens 0 --out "$OUT/eval" -q 2>&1 | tail -14 || echo "eval failed"
+    bench=${BENCH_MODEL:-${models%% *}}; bench=${bench# }
+    if [ -f eval/ppl_gap.py ] && [ -n "$texts" ]; then
+        python eval/ppl_gap.py --original "$WORK/smollm2.gguf" --finetuned "${bench#*=}" --tokens "$WORK/tok" \
+            --text general="$WORK/heldout/general.txt" --text docs="$WORK/heldout/docs.txt" --out "$OUT/gap" 2>&1 \
+            | tail -20 || echo "ppl_gap failed"
+    fi
+    python -m sparsify bench "$bench" --batch "${BENCH_BATCH:-1,8,32}" --prompt "${BENCH_PROMPT:-512}" \
         --new-tokens 256 --out "$OUT/bench" -q 2>&1 | tail -15 || echo "bench failed"
-    if [ "${BENCH_FFN:-1}" = 1 ] && [ -f eval/bench_train_ffn.py ]; then
+    if [ "${BENCH_FFN:-0}" = 1 ] && [ -f eval/bench_train_ffn.py ]; then
         python eval/bench_train_ffn.py --out "$OUT/train_ffn" 2>&1 | tail -25 || echo "bench_train_ffn failed"
     fi
     ;;
-  *) echo "usage: $0 stage DIR... | train | finish" >&2; exit 2 ;;
+  *) echo "usage: $0 stage DIR... | train | sweep | finish" >&2; exit 2 ;;
 esac
+if [ -n "${PACK:-}" ]; then tar -cJf "$PACK/results.tar.xz" -C "$OUT" . && ls -la "$PACK"; fi
