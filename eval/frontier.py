@@ -71,8 +71,13 @@ def main() -> int:
         pts = [r for r in rows if r.get(d) is not None]
         ax.plot([r["zeros"] for r in pts], [r[d] for r in pts], marker + "-" if args.trajectory else marker,
                 ms=4, lw=0.8, label=d)
-    last = max(rows, key=lambda r: r["tokens"])
-    ax.annotate(f"{last['tokens'] / 1e6:.0f}M tokens", (last["zeros"], last[domains[0]]), fontsize=7)
+    if args.trajectory:  # one run's path: say how far it went
+        last = max(rows, key=lambda r: r["tokens"])
+        ax.annotate(f"{last['tokens'] / 1e6:.0f}M tokens", (last["zeros"], last[domains[0]]), fontsize=7)
+    else:  # one point per run: name each (next to its first domain's marker)
+        for r in rows:
+            if r.get(domains[0]) is not None:
+                ax.annotate(f" {r['run']}", (r["zeros"], r[domains[0]]), fontsize=6, va="center")
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.axhline(1.1, color="gray", ls=":", lw=0.8, label="1.10x")
     ax.axhline(1.15, color="gray", ls="--", lw=0.8, label="1.15x")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # SmolLM2-135M on one H200: SiLU -> ReLU conversion + L1 continued pretraining on Debian documentation text,
-# fixed l1 (the recipe's mixture weights, held-out domains and targets are switched off here; the default
+# fixed l1 at lr 3e-4 (the recipe's mixture weights, held-out domains, targets and lr 3e-3 are switched off here; the default
 # recipe's own long run is eval/h200_long.sh).
 #
 # Usage, from the repository root on the GPU machine (each mode fits one 10-minute device command):
@@ -86,7 +86,7 @@ finetune() {  # finetune NAME OVERRIDES...: one run into out/h200/NAME, its arte
     local dir=$WORK/$name
     ${LAUNCH:-python} -m sparsify finetune --no-progress recipes/smollm2-135m.yaml \
         model.source="$SOURCE" "data.train=[$DATA]" output.dir="$dir" output.overwrite=true \
-        "data.weights=[]" "data.heldout={}" sparsity.target=none \
+        "data.weights=[]" "data.heldout={}" sparsity.target=none train.lr=3e-4 \
         train.batch_size="$BATCH" train.compile="$COMPILE" "$@" ${EXTRA:-} > "$OUT/$name.log" 2>&1 \
         || { echo "$name failed: see $OUT/$name.log"; tail -5 "$OUT/$name.log"; return 0; }
     tail -2 "$OUT/$name.log"

@@ -22,7 +22,9 @@
 #                                        and eval/bench_train_ffn.py with BENCH_FFN=1
 # Knobs: EXTRA (recipe overrides for every leg, e.g. train.max_tokens=200_000_000), GPUS (default: all), SLOTS
 # (sweep runs at a time, default GPUS: more share a GPU), TOKENS and EVAL_EVERY (sweep), FINISH / BENCH_MODEL
-# (finish: "name=folder ..." to evaluate, the one to bench).
+# (finish: "name=folder ..." to evaluate, the one to bench). Measured on one H200: four 16M-token sweep runs side
+# by side take ~450 s; sparsify eval takes ~50 s per model on all 407k held-out tokens (~28 s more to load the
+# GGUF), so name few models in FINISH (all ten sweep models did not fit a 280 s limit).
 # Results go to $RESULTS (default $WORK/results, kept between calls): train.log, metrics.jsonl, recipe.yaml, plots,
 # sweep/, eval/, gap/ and bench/; PACK=DIR writes all of them as DIR/results.tar.xz when the call ends (a device
 # call returns at most 8 files).

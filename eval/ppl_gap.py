@@ -4,8 +4,9 @@
         --text general=general.txt --text docs=docs.txt [--max-tokens N] [--out DIR]
 
 Scores both models (fp32, the finetuned FFN forced dense) on each domain under several measures:
-  folder-W        the token folder's heldout-NAME.bin (text tokenised paragraph by paragraph, as training saw
-                  it), non-overlapping W+1-token windows, every whole window: finetune's `evaluate`, in fp32;
+  folder-W        the token folder's heldout-NAME.bin (the text as training saw it: paragraph by paragraph, with
+                  the break at the end of each before f6e0665, in front since), non-overlapping W+1-token windows,
+                  every whole window: finetune's `evaluate`, in fp32;
   folder-W-bf16   the same under bf16 autocast (CUDA, or --bf16), as finetune runs the student;
   folder-W-bf16w  the same with bf16 weights (CUDA, or --bf16), as finetune runs the teacher;
   natural-W       the text file tokenised in one go (as `sparsify eval` does), the same windows;
