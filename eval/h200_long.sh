@@ -29,6 +29,7 @@
 # sweep/, eval/, gap/ and bench/; PACK=DIR writes all of them as DIR/results.tar.xz when the call ends (a device
 # call returns at most 8 files).
 set -euo pipefail
+T0=$(date +%s)  # the sweep's deadline counts from here: setup (inputs) is part of LEG_S
 WORK=${WORK:-/tmp/sparsify-long}
 OUT=${RESULTS:-$WORK/results}  # kept between calls; PACK=DIR puts all of it into DIR/results.tar.xz at the end
 mkdir -p "$WORK/in" "$OUT"
@@ -106,11 +107,11 @@ case "${1:-}" in
     inputs
     IFS=';' read -ra runs <<< "${SWEEP:?set SWEEP=\"name=override ...;name2=...\"}"
     slots=${SLOTS:-$GPUS}  # runs at a time; several share a GPU (time-sliced), slot s on GPU s % GPUS
-    end=$(( $(date +%s) + ${LEG_S:-530} ))  # this call's deadline, for all its runs together
-    set -f  # overrides are words, never file patterns: train.freeze=['*.self_attn.*']
+    end=$(( T0 + ${LEG_S:-530} ))  # this call's deadline from its start, for all its runs together
+    read -ra extra <<< "${EXTRA:-}"  # words, never file patterns: train.freeze=['*.self_attn.*']
     for ((s = 0; s < slots; s++)); do
         (for ((i = s; i < ${#runs[@]}; i += slots)); do
-            name=${runs[i]%%=*}; overrides=${runs[i]#*=}
+            name=${runs[i]%%=*}; read -ra overrides <<< "${runs[i]#*=}"
             dir=$WORK/sweep/$name
             [ -f "$dir/model/config.json" ] && continue  # finished in an earlier call
             again=""
@@ -121,7 +122,8 @@ case "${1:-}" in
             CUDA_VISIBLE_DEVICES=$((s % GPUS)) timeout -s TERM -k 60 "$left" python -m sparsify finetune \
                 --no-progress $again recipes/smollm2-135m.yaml model.source="$WORK/converted" "data.train=[$WORK/tok]" \
                 "data.heldout={}" output.dir="$dir" output.overwrite=true train.max_tokens="${TOKENS:-40_000_000}" \
-                train.eval_every="${EVAL_EVERY:-0}" train.save_every=0 $overrides ${EXTRA:-} >> "$OUT/sweep-$name.log" 2>&1 \
+                train.eval_every="${EVAL_EVERY:-0}" train.save_every=0 "${overrides[@]}" "${extra[@]}" \
+                >> "$OUT/sweep-$name.log" 2>&1 \
                 || { rc=$?; [ $rc = 124 ] && echo "$name: stopped at the deadline, checkpointed (the next sweep call resumes it)" \
                      || echo "$name: exit $rc (see sweep-$name.log)"; }
             mkdir -p "$OUT/sweep/$name" && cp "$dir"/metrics.jsonl "$dir"/recipe.yaml "$OUT/sweep/$name/" 2>/dev/null || true
@@ -129,14 +131,21 @@ case "${1:-}" in
         done) &
     done
     wait
-    set +f
     python eval/frontier.py "$OUT"/sweep/*/ --out "$OUT/sweep" || true
-    python - "$OUT"/sweep/*/metrics.jsonl <<'PY'
+    python - "$OUT"/sweep/*/metrics.jsonl <<'PY' || true
 import json, sys
 for path in sys.argv[1:]:
-    lines = [json.loads(l) for l in open(path) if l.strip()]
+    lines = []
+    for l in open(path):
+        try:
+            lines.append(json.loads(l))
+        except ValueError:  # a line cut short by a kill
+            pass
     train = [l for l in lines if "sparsity" in l]
     evals = [l for l in lines if "val_loss" in l]
+    if not evals:
+        print(f"{path.split('/')[-2]:>14}: no evaluation yet")
+        continue
     t, e = (train or [{}])[-1], evals[-1]
     dom = " ".join(f"{k} {d.get('ratio', float('nan')):.3f}x" for k, d in e.get("heldout", {}).items())
     print(f"{path.split('/')[-2]:>14}: step {t.get('step')} tokens {t.get('tokens', 0)/1e6:.1f}M "
@@ -151,11 +160,12 @@ PY
     if [ -z "$models" ]; then
         for d in "$WORK"/sweep/*/model; do [ -f "$d/config.json" ] && models="$models $(basename "$(dirname "$d")")=$d"; done
     fi
+    models=${models# }
     [ -n "$models" ] || { echo "no finished run in $RUN or $WORK/sweep (run train or sweep first)"; exit 2; }
     texts=$(ls "$WORK"/heldout/*.txt 2>/dev/null || true)
     python -m sparsify eval original="$WORK/smollm2.gguf" $models --tasks none \
         ${texts:+--text $texts} --text-tokens 0 --out "$OUT/eval" -q 2>&1 | tail -14 || echo "eval failed"
-    bench=${BENCH_MODEL:-${models%% *}}; bench=${bench# }
+    bench=${BENCH_MODEL:-${models%% *}}
     if [ -f eval/ppl_gap.py ] && [ -n "$texts" ]; then
         python eval/ppl_gap.py --original "$WORK/smollm2.gguf" --finetuned "${bench#*=}" --tokens "$WORK/tok" \
             --text general="$WORK/heldout/general.txt" --text docs="$WORK/heldout/docs.txt" --out "$OUT/gap" 2>&1 \

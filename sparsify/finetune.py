@@ -106,10 +106,11 @@ class RunStopped(SparsifyError):
 class StopRequest:
     """SIGTERM or a first SIGINT, caught: the training loop stops at its next step boundary and checkpoints.
 
-    Under torchrun every rank gets the signal (the agent forwards SIGTERM; Ctrl-C reaches the whole process
-    group), but not necessarily before the same step, so ranks agree at logged steps (a max-reduce of the
-    flag, where the logging already synchronises); one process checks after every step. A second SIGINT
-    raises KeyboardInterrupt as usual. Handlers can only be set from the main thread (elsewhere: a no-op).
+    Under torchrun the agent forwards the signal to every rank (the workers run in their own sessions), not
+    necessarily before the same step, so ranks agree at logged steps (a max-reduce of the flag, where the
+    logging already synchronises); one process checks after every step. The agent kills its workers 30 s after
+    forwarding (its shutdown timeout), so train.log_every steps plus a checkpoint must fit in that.
+    A second SIGINT raises KeyboardInterrupt as usual. Handlers can only be set from the main thread.
     """
 
     def __init__(self) -> None:
@@ -983,12 +984,13 @@ def _loop(run: Run, log: MetricsLog, history: list[dict], progress: bool, stop: 
             window, tic, steps = None, time.perf_counter(), 0
         if t.eval_every and run.state.step % t.eval_every == 0 and run.state.step < total:
             _evaluate_all(run, log, history)
+        saved = None
         if t.save_every and run.state.step % t.save_every == 0 and run.state.step < total and not run.state.stopped:
-            save_checkpoint(run, out)
+            saved = save_checkpoint(run, out)
         signum = stop.due(run.dist, run.state.step, t.log_every) if stop is not None else 0
         if signum and run.state.step < total and not run.state.stopped:
             bar.close()
-            folder = save_checkpoint(run, out)
+            folder = saved or save_checkpoint(run, out)
             raise RunStopped(f"stopped by {signal.Signals(signum).name} after step {run.state.step} "
                              f"({run.state.tokens:,} tokens); checkpoint {folder}. Continue with the same command "
                              "and --resume.", signum)

@@ -498,3 +498,22 @@ def test_text_files_are_tokenised_as_in_one_go_not_paragraph_by_paragraph(tokeni
     agree = sum(b.size for b in blocks) / max(len(ids), len(natural))
     assert agree > 0.999, agree
     assert abs(len(ids) - len(natural)) <= 4, (len(ids), len(natural))
+
+
+def test_a_folder_prepared_with_the_old_tokenisation_is_used_with_a_warning(tokenizer, prepared, tmp_path, caplog):
+    import logging
+    import shutil
+
+    _, folder = prepared
+    assert json.loads((folder / "meta.json").read_text())["tokenisation"] == 2
+    with caplog.at_level(logging.WARNING, logger="sparsify"):
+        assert prepare_data(DataSection(train=[str(folder)]), tokenizer, tmp_path / "unused", progress=False) == folder
+    assert "older sparsify" not in caplog.text
+    old = tmp_path / "old"
+    shutil.copytree(folder, old)
+    meta = json.loads((old / "meta.json").read_text())
+    del meta["tokenisation"]  # as written before the fix
+    (old / "meta.json").write_text(json.dumps(meta))
+    with caplog.at_level(logging.WARNING, logger="sparsify"):
+        assert prepare_data(DataSection(train=[str(old)]), tokenizer, tmp_path / "unused", progress=False) == old
+    assert "older sparsify" in caplog.text and str(old) in caplog.text
