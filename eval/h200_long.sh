@@ -16,9 +16,9 @@
 #                                        40_000_000, and the recipe's other keys); a run cut at LEG_S checkpoints
 #                                        and the next sweep call resumes it; then frontier.md/.png over the runs'
 #                                        last evaluations in sweep/
-#   bash eval/h200_long.sh finish        after the run or sweep: sparsify eval original vs the fine-tuned models on
-#                                        the held-out text, eval/ppl_gap.py (the finetune log's measure vs
-#                                        sparsify eval's), sparsify bench (generate speed, sparse vs dense FFN),
+#   bash eval/h200_long.sh finish        after the run or sweep: sparsify bench (generate speed, sparse vs dense
+#                                        FFN), eval/ppl_gap.py (the finetune log's measure vs sparsify eval's),
+#                                        sparsify eval original vs the fine-tuned models on the held-out text,
 #                                        and eval/bench_train_ffn.py with BENCH_FFN=1
 # Knobs: EXTRA (recipe overrides for every leg, e.g. train.max_tokens=200_000_000), GPUS (default: all), SLOTS
 # (sweep runs at a time, default GPUS: more share a GPU), TOKENS and EVAL_EVERY (sweep), FINISH / BENCH_MODEL
@@ -163,16 +163,17 @@ PY
     models=${models# }
     [ -n "$models" ] || { echo "no finished run in $RUN or $WORK/sweep (run train or sweep first)"; exit 2; }
     texts=$(ls "$WORK"/heldout/*.txt 2>/dev/null || true)
-    python -m sparsify eval original="$WORK/smollm2.gguf" $models --tasks none \
-        ${texts:+--text $texts} --text-tokens 0 --out "$OUT/eval" -q 2>&1 | tail -14 || echo "eval failed"
     bench=${BENCH_MODEL:-${models%% *}}
+    # shortest first, so a call cut at its limit keeps the rest; each step writes under $OUT as it ends
+    python -m sparsify bench "$bench" --batch "${BENCH_BATCH:-1,8,32}" --prompt "${BENCH_PROMPT:-512}" \
+        --new-tokens 256 --out "$OUT/bench" -q 2>&1 | tail -15 || echo "bench failed"
     if [ -f eval/ppl_gap.py ] && [ -n "$texts" ]; then
         python eval/ppl_gap.py --original "$WORK/smollm2.gguf" --finetuned "${bench#*=}" --tokens "$WORK/tok" \
             --text general="$WORK/heldout/general.txt" --text docs="$WORK/heldout/docs.txt" --out "$OUT/gap" 2>&1 \
             | tail -20 || echo "ppl_gap failed"
     fi
-    python -m sparsify bench "$bench" --batch "${BENCH_BATCH:-1,8,32}" --prompt "${BENCH_PROMPT:-512}" \
-        --new-tokens 256 --out "$OUT/bench" -q 2>&1 | tail -15 || echo "bench failed"
+    python -m sparsify eval original="$WORK/smollm2.gguf" $models --tasks none \
+        ${texts:+--text $texts} --text-tokens 0 --out "$OUT/eval" -q 2>&1 | tail -14 || echo "eval failed"
     if [ "${BENCH_FFN:-0}" = 1 ] && [ -f eval/bench_train_ffn.py ]; then
         python eval/bench_train_ffn.py --out "$OUT/train_ffn" 2>&1 | tail -25 || echo "bench_train_ffn failed"
     fi
