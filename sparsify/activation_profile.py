@@ -58,31 +58,39 @@ def kernel_layout() -> tuple[int, int]:
 
 
 class _LayerStats:
+    """Accumulators stay on h's device (no host synchronisation per forward pass); result() reads them once."""
+
     def __init__(self):
         self.tile, self.slots = kernel_layout()
-        self.nnz: list[Any] = []  # per-token counts, [t] int32 chunks
+        self.nnz: list[Any] = []  # per-token counts, [t] int32 chunks (on h's device)
         self.neuron_hits = None  # [F] int64: tokens in which each neuron fired
-        self.tile_max = 0
-        self.tiles = self.overflow_tiles = self.overflow_rows = 0
+        self.tile_max = self.tiles = self.overflow_tiles = self.overflow_rows = None  # 0-d int64 tensors
         self.carry: dict[int, Any] = {}  # BT -> leftover rows [r < BT, F] bool
-        self.pairs = dict.fromkeys(REUSE_BLOCKS, 0)  # active pairs inside full blocks
-        self.unions = dict.fromkeys(REUSE_BLOCKS, 0)
+        self.pairs: dict[int, Any] = dict.fromkeys(REUSE_BLOCKS, 0)  # active pairs inside full blocks
+        self.unions: dict[int, Any] = dict.fromkeys(REUSE_BLOCKS, 0)
 
     def add(self, active: Any) -> None:
         import torch
 
         rows, width = active.shape
         self.width = width
-        counts = active.sum(dim=1)  # [t]
-        self.nnz.append(counts.to("cpu", torch.int32))
-        hits = active.sum(dim=0, dtype=torch.int64).cpu()  # [F]
+        if not rows:
+            return
+        self.nnz.append(active.sum(dim=1, dtype=torch.int32))  # [t]
+        hits = active.sum(dim=0, dtype=torch.int64)  # [F]
         self.neuron_hits = hits if self.neuron_hits is None else self.neuron_hits + hits
         pad = (-width) % self.tile
         tiled = torch.nn.functional.pad(active, (0, pad)).view(rows, -1, self.tile).sum(dim=2)  # [t, F/T]
-        self.tile_max = max(self.tile_max, int(tiled.max()) if rows else 0)
+        over = tiled > self.slots
+        stats = torch.stack([tiled.max().long(), over.sum(), over.any(dim=1).sum()])  # [3]
+        if self.tile_max is None:
+            self.tile_max, self.overflow_tiles, self.overflow_rows = stats[0], stats[1], stats[2]
+            self.tiles = 0
+        else:
+            self.tile_max = torch.maximum(self.tile_max, stats[0])
+            self.overflow_tiles = self.overflow_tiles + stats[1]
+            self.overflow_rows = self.overflow_rows + stats[2]
         self.tiles += tiled.numel()
-        self.overflow_tiles += int((tiled > self.slots).sum())
-        self.overflow_rows += int((tiled > self.slots).any(dim=1).sum())
         for bt in REUSE_BLOCKS:
             self._reuse(bt, active)
 
@@ -93,8 +101,8 @@ class _LayerStats:
         full = rows.shape[0] // bt * bt
         if full:
             blocks = rows[:full].view(-1, bt, rows.shape[1])  # [n, BT, F]
-            self.pairs[bt] += int(blocks.sum())
-            self.unions[bt] += int(blocks.any(dim=1).sum())
+            self.pairs[bt] = self.pairs[bt] + blocks.sum(dtype=torch.int64)
+            self.unions[bt] = self.unions[bt] + blocks.any(dim=1).sum()
         self.carry[bt] = rows[full:]
 
     def result(self) -> dict:
@@ -102,16 +110,18 @@ class _LayerStats:
 
         if not self.nnz:
             return {"tokens": 0}
-        nnz = torch.cat(self.nnz).double()  # [N]
+        nnz = torch.cat(self.nnz).double().cpu()  # [N]
         dead = int((self.neuron_hits == 0).sum())
+        pairs = {bt: int(v) for bt, v in self.pairs.items()}
+        unions = {bt: int(v) for bt, v in self.unions.items()}
         return {
             "tokens": nnz.numel(), "width": self.width,
             "nnz_mean": float(nnz.mean()), "nnz_p99": float(torch.quantile(nnz, 0.99)), "nnz_max": int(nnz.max()),
             "density": float(nnz.mean()) / self.width,
             "dead": dead, "dead_frac": dead / self.width,
-            "tile_max": self.tile_max, "overflow_rate": self.overflow_tiles / max(self.tiles, 1),
-            "overflow_row_rate": self.overflow_rows / nnz.numel(),
-            "reuse": {str(bt): (self.pairs[bt] / self.unions[bt] if self.unions[bt] else None) for bt in REUSE_BLOCKS},
+            "tile_max": int(self.tile_max), "overflow_rate": int(self.overflow_tiles) / max(self.tiles, 1),
+            "overflow_row_rate": int(self.overflow_rows) / nnz.numel(),
+            "reuse": {str(bt): (pairs[bt] / unions[bt] if unions[bt] else None) for bt in REUSE_BLOCKS},
         }
 
 

@@ -48,7 +48,8 @@ def text_pass(model: Any, tok: Any, text: str, window: int, max_tokens: int | No
     if len(ids) < 2:
         raise SparsifyError("--text: a text file holds fewer than 2 tokens; perplexity needs more text.")
     ids = torch.tensor(ids, device=model.device)  # [N]
-    stride, nll, scored, prev_end = max(window // 2, 1), 0.0, 0, 0
+    stride, scored, prev_end = max(window // 2, 1), 0, 0
+    nll = torch.zeros((), dtype=torch.float64, device=model.device)  # summed on the device: no sync per window
     for begin in range(0, len(ids), stride):
         end = min(begin + window, len(ids))
         new = end - prev_end if begin else end - 1  # the first token of the text has no prediction
@@ -56,10 +57,11 @@ def text_pass(model: Any, tok: Any, text: str, window: int, max_tokens: int | No
             recorder.keep = slice(prev_end - begin if begin else 0, None)
         with torch.inference_mode():
             logits = model(ids[None, begin:end], use_cache=False).logits[0, -new - 1:-1].float()  # [new, V]
-        nll += float(torch.nn.functional.cross_entropy(logits, ids[end - new:end], reduction="sum"))
+        nll += torch.nn.functional.cross_entropy(logits, ids[end - new:end], reduction="sum").double()
         scored, prev_end = scored + new, end
         if end == len(ids):
             break
+    nll = float(nll)
     return {"tokens": scored, "bytes": n_bytes, "window": window, "nll": nll / max(scored, 1),
             "perplexity": math.exp(nll / max(scored, 1)), "bits_per_byte": nll / math.log(2) / max(n_bytes, 1)}
 
