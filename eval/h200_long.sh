@@ -131,26 +131,7 @@ case "${1:-}" in
         done) &
     done
     wait
-    python eval/frontier.py "$OUT"/sweep/*/ --out "$OUT/sweep" || true
-    python - "$OUT"/sweep/*/metrics.jsonl <<'PY' || true
-import json, sys
-for path in sys.argv[1:]:
-    lines = []
-    for l in open(path):
-        try:
-            lines.append(json.loads(l))
-        except ValueError:  # a line cut short by a kill
-            pass
-    train = [l for l in lines if "sparsity" in l]
-    evals = [l for l in lines if "val_loss" in l]
-    if not evals:
-        print(f"{path.split('/')[-2]:>14}: no evaluation yet")
-        continue
-    t, e = (train or [{}])[-1], evals[-1]
-    dom = " ".join(f"{k} {d.get('ratio', float('nan')):.3f}x" for k, d in e.get("heldout", {}).items())
-    print(f"{path.split('/')[-2]:>14}: step {t.get('step')} tokens {t.get('tokens', 0)/1e6:.1f}M "
-          f"tok/s {t.get('tokens_per_s', 0):,.0f} zeros {t.get('sparsity', 0):.2%} | eval at {e['tokens']/1e6:.1f}M {dom}")
-PY
+    python eval/frontier.py "$OUT"/sweep/*/ --out "$OUT/sweep" || true  # prints the table: run, zeros, ratios
     ;;
   finish)
     inputs

@@ -97,10 +97,11 @@ def score(spec, args, texts: dict[str, Path], meta: dict, device: str, stats: di
     W, S, out = model_window(model, args.window), model_window(model, args.sliding), {}
     batch = args.batch if device.startswith("cuda") else 1
     bf16 = device.startswith("cuda") or args.bf16
-    for name, path in texts.items():
-        text = path.read_text(encoding="utf-8", errors="replace")  # as perplexity.texts_section reads it
-        folder = EvalStream.open(Path(args.tokens) / f"heldout-{name}.bin", np.dtype(meta["dtype"]), W,
-                                 f"held-out domain {name!r}", "pass a token folder prepared with it")
+    inputs = {name: (path.read_text(encoding="utf-8", errors="replace"),  # as perplexity.texts_section reads it
+                     EvalStream.open(Path(args.tokens) / f"heldout-{name}.bin", np.dtype(meta["dtype"]), W,
+                                     f"held-out domain {name!r}", "pass a token folder prepared with it"))
+              for name, path in texts.items()}
+    for name, (text, folder) in inputs.items():
         natural = _tokenize(tok, text, None)[0]
         if name not in stats:
             stats[name] = token_stats(tok, folder.tokens, natural, text)
@@ -112,11 +113,9 @@ def score(spec, args, texts: dict[str, Path], meta: dict, device: str, stats: di
             r[f"natural-sliding-{S}"] = text_pass(model, tok, text, S, args.max_tokens, None)
     if bf16:  # bf16 weights: finetune's teacher, and `sparsify eval --dtype auto` on CUDA
         model.to(torch.bfloat16)
-        for name, path in texts.items():
-            folder = EvalStream.open(Path(args.tokens) / f"heldout-{name}.bin", np.dtype(meta["dtype"]), W, "", "")
+        for name, (text, folder) in inputs.items():
             out[name][f"folder-{W}-bf16w"] = window_nll(model, folder, args.max_tokens, False, batch)
             if not args.no_sliding:
-                text = path.read_text(encoding="utf-8", errors="replace")
                 out[name][f"natural-sliding-{S}-bf16w"] = text_pass(model, tok, text, S, args.max_tokens, None)
     for name, r in out.items():
         for measure, v in r.items():
@@ -158,7 +157,7 @@ def markdown(rows: list[dict], buckets: list[dict], stats: dict) -> str:
            "| domain | measure | positions | original | finetuned | ratio |", "|---|---|---|---:|---:|---:|"]
     md += [f"| {b['domain']} | {b['measure']} | {b['positions']} | {num(b['original'])} | {num(b['finetuned'])} | "
            f"{num(b['ratio'], 4)} |" for b in buckets]
-    md += ["", "Tokens of the folder stream (paragraph by paragraph) vs the text tokenised in one go:", "",
+    md += ["", "Tokens of the folder stream vs the text tokenised in one go:", "",
            "| domain | folder tokens | natural tokens | folder chars | natural chars | blank-only tokens folder / "
            "natural | folder tokens differing | most common |", "|---|---:|---:|---:|---:|---:|---:|---|"]
     md += [f"| {n} | {s['folder_tokens']} | {s['natural_tokens']} | {s['folder_chars']} | {s['natural_chars']} | "

@@ -64,7 +64,8 @@ class _LayerStats:
         self.tile, self.slots = kernel_layout()
         self.nnz: list[Any] = []  # per-token counts, [t] int32 chunks (on h's device)
         self.neuron_hits = None  # [F] int64: tokens in which each neuron fired
-        self.tile_max = self.tiles = self.overflow_tiles = self.overflow_rows = None  # 0-d int64 tensors
+        self.tiles = 0
+        self.tile_max = self.overflow = None  # 0-d, and [2] (overflowing tiles, rows): int64 on h's device
         self.carry: dict[int, Any] = {}  # BT -> leftover rows [r < BT, F] bool
         self.pairs: dict[int, Any] = dict.fromkeys(REUSE_BLOCKS, 0)  # active pairs inside full blocks
         self.unions: dict[int, Any] = dict.fromkeys(REUSE_BLOCKS, 0)
@@ -82,14 +83,9 @@ class _LayerStats:
         pad = (-width) % self.tile
         tiled = torch.nn.functional.pad(active, (0, pad)).view(rows, -1, self.tile).sum(dim=2)  # [t, F/T]
         over = tiled > self.slots
-        stats = torch.stack([tiled.max().long(), over.sum(), over.any(dim=1).sum()])  # [3]
-        if self.tile_max is None:
-            self.tile_max, self.overflow_tiles, self.overflow_rows = stats[0], stats[1], stats[2]
-            self.tiles = 0
-        else:
-            self.tile_max = torch.maximum(self.tile_max, stats[0])
-            self.overflow_tiles = self.overflow_tiles + stats[1]
-            self.overflow_rows = self.overflow_rows + stats[2]
+        top, counts = tiled.max().long(), torch.stack([over.sum(), over.any(dim=1).sum()])
+        self.tile_max = top if self.tile_max is None else torch.maximum(self.tile_max, top)
+        self.overflow = counts if self.overflow is None else self.overflow + counts
         self.tiles += tiled.numel()
         for bt in REUSE_BLOCKS:
             self._reuse(bt, active)
@@ -112,6 +108,7 @@ class _LayerStats:
             return {"tokens": 0}
         nnz = torch.cat(self.nnz).double().cpu()  # [N]
         dead = int((self.neuron_hits == 0).sum())
+        overflow_tiles, overflow_rows = self.overflow.tolist()
         pairs = {bt: int(v) for bt, v in self.pairs.items()}
         unions = {bt: int(v) for bt, v in self.unions.items()}
         return {
@@ -119,8 +116,8 @@ class _LayerStats:
             "nnz_mean": float(nnz.mean()), "nnz_p99": float(torch.quantile(nnz, 0.99)), "nnz_max": int(nnz.max()),
             "density": float(nnz.mean()) / self.width,
             "dead": dead, "dead_frac": dead / self.width,
-            "tile_max": int(self.tile_max), "overflow_rate": int(self.overflow_tiles) / max(self.tiles, 1),
-            "overflow_row_rate": int(self.overflow_rows) / nnz.numel(),
+            "tile_max": int(self.tile_max), "overflow_rate": overflow_tiles / max(self.tiles, 1),
+            "overflow_row_rate": overflow_rows / nnz.numel(),
             "reuse": {str(bt): (pairs[bt] / unions[bt] if unions[bt] else None) for bt in REUSE_BLOCKS},
         }
 

@@ -364,7 +364,7 @@ def _warn_old_tokenisation(folder: Path) -> None:
     meta = json.loads((folder / "meta.json").read_text())
     entries = [str(e) for e in meta.get("train", [])] + [str(e) for d in meta.get("heldout", {}).values()
                                                            for e in d.get("entries", [])]
-    text = [e for e in entries if not e.startswith("hub:") and not e.endswith((".jsonl", ".json", ".parquet"))]
+    text = [e for e in entries if not e.startswith("hub:") and BUILDERS.get(Path(e).suffix, "text") == "text"]
     if text and meta.get("tokenisation", 1) != TOKENISATION:
         logging.getLogger("sparsify").warning(
             "%s was prepared by an older sparsify that tokenised text files paragraph by paragraph with the break "
