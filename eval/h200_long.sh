@@ -22,7 +22,7 @@
 #                                        and eval/bench_train_ffn.py with BENCH_FFN=1
 # Knobs: EXTRA (recipe overrides for every leg, e.g. train.max_tokens=200_000_000), GPUS (default: all), SLOTS
 # (sweep runs at a time, default GPUS: more share a GPU), TOKENS and EVAL_EVERY (sweep), FINISH / BENCH_MODEL
-# (finish: "name=folder ..." to evaluate, the one to bench). Measured on one H200: four 16M-token sweep runs side
+# (finish: "name=folder ..." to evaluate, the one to bench), BENCH_BATCH / BENCH_PROMPT / BENCH_REGIMES. Measured on one H200: four 16M-token sweep runs side
 # by side take ~450 s; sparsify eval takes ~50 s per model on all 407k held-out tokens (~28 s more to load the
 # GGUF), so name few models in FINISH (all ten sweep models did not fit a 280 s limit).
 # Results go to $RESULTS (default $WORK/results, kept between calls): train.log, metrics.jsonl, recipe.yaml, plots,
@@ -146,8 +146,11 @@ case "${1:-}" in
     texts=$(ls "$WORK"/heldout/*.txt 2>/dev/null || true)
     bench=${BENCH_MODEL:-${models%% *}}
     # shortest first, so a call cut at its limit keeps the rest; each step writes under $OUT as it ends
+    # prompts from held-out text (a real model's sparsity depends on the text; random ids are not text)
+    general=$(ls "$WORK"/heldout/general.txt 2>/dev/null || true)
     python -m sparsify bench "$bench" --batch "${BENCH_BATCH:-1,8,32}" --prompt "${BENCH_PROMPT:-512}" \
-        --new-tokens 256 --out "$OUT/bench" -q 2>&1 | tail -15 || echo "bench failed"
+        --regimes "${BENCH_REGIMES:-graphs}" ${general:+--text "$general"} --new-tokens 256 --out "$OUT/bench" -q \
+        2>&1 | tail -15 || echo "bench failed"
     if [ -f eval/ppl_gap.py ] && [ -n "$texts" ]; then
         python eval/ppl_gap.py --original "$WORK/smollm2.gguf" --finetuned "${bench#*=}" --tokens "$WORK/tok" \
             --text general="$WORK/heldout/general.txt" --text docs="$WORK/heldout/docs.txt" --out "$OUT/gap" 2>&1 \

@@ -1,7 +1,9 @@
 """Where one decode step's GPU time goes: CUDA-event time of the captured greedy step (graph replay) and a
 torch.profiler table of the same step run eagerly, per FFN variant of a sparsify folder (CUDA only).
 
-    PYTHONPATH=. python eval/profile_decode.py FOLDER [--batch 1] [--prompt 512] [--rows 12]
+    PYTHONPATH=. python eval/profile_decode.py FOLDER [--batch 1] [--prompt 512] [--rows 12] [--compile]
+
+--compile runs the step through torch.compile (the bench's "compiled" regime) before capture.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--rows", type=int, default=12)
     ap.add_argument("--variants", default="dense,twell,auto", help="FFN backends to profile")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the decode step before capture")
     args = ap.parse_args()
     model, _ = load_model(parse_models([args.folder])[0], "cuda", "bf16")
     modeling = installed_modeling()
-    fast = modeling.enable_fast_decode(model)
+    fast = modeling.enable_fast_decode(model, compile=args.compile)
     vocab = model.get_input_embeddings().weight.shape[0]
     ids = torch.randint(0, vocab, (args.batch, args.prompt), device="cuda")
     for variant in args.variants.split(","):
@@ -44,13 +47,13 @@ def main() -> None:
         b.record()
         b.synchronize()
         print(f"{variant}: graph replay {a.elapsed_time(b) / 100:.3f} ms per decode step "
-              f"(batch {args.batch}, cache {fast.cache_key})")
+              f"(batch {args.batch}, cache {fast.cache_key}, compiled {fast.compile})")
         paths = [m.last_path for m in model.modules() if hasattr(m, "last_path")]
         print(f"{variant}: FFN path per layer at capture {paths}")
         kw = modeling._cache_kwarg(model)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
-                loop.run_step(fast.forward, kw, fast.cache)
+                loop.run_step(fast.decode_forward(), kw, fast.cache)
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows))
 

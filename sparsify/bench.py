@@ -5,6 +5,9 @@ Every model runs through `model.generate()`. Regimes:
 - "graphs" (what a sparsify folder gives greedy generate() on CUDA): static KV cache, the whole decode step
   (forward + argmax) replayed from one CUDA graph with no host sync per token (modeling_sparsify.FastDecode);
   the dense side gets the very same regime (`enable_fast_decode`).
+- "compiled": "graphs" with the decode step's forward through torch.compile first (`enable_fast_decode(
+  model, compile=True)`): inductor fuses the small non-FFN kernels (norms, rotary, residual adds) of the
+  captured step, on both sides; the warm-up then includes one compile per variant and shape.
 - "hf-graphs": transformers' own generation loop (what sampling and other options run), the forward
   replayed from a CUDA graph on the static cache.
 - "eager": transformers' default dynamic cache, every kernel launched from Python.
@@ -27,7 +30,7 @@ from typing import Any
 
 from .errors import SparsifyError
 
-REGIMES = ("graphs", "hf-graphs", "eager")
+REGIMES = ("graphs", "compiled", "hf-graphs", "eager")
 
 
 class _FirstToken:
@@ -133,7 +136,8 @@ def bench_model(model: Any, *, batches: tuple[int, ...], prompts: tuple[int, ...
         if budget_s is not None and time.perf_counter() - t0 > budget_s:
             rows.append({"regime": regime, "batch": batch, "prompt": prompt, "skipped": "time budget"})
             continue
-        fast.enabled, fast.loop = regime != "eager", regime == "graphs"
+        fast.enabled, fast.loop = regime != "eager", regime in ("graphs", "compiled")
+        fast.compile = regime == "compiled"
         ids = _prompt(vocab, batch, prompt, tokens, "cuda")
         times: dict[str, list[dict]] = {v: [] for v in variants}
         outputs: dict[str, Any] = {}
@@ -164,11 +168,13 @@ def bench_model(model: Any, *, batches: tuple[int, ...], prompts: tuple[int, ...
                          "step_ms": _median([t["step_ms"] for t in ts]),
                          "step_ms_spread": (max(t["step_ms"] for t in ts) - min(t["step_ms"] for t in ts)),
                          "graph_replays_per_call": ts[-1]["replays"],
-                         "greedy_tokens": same})
+                         "greedy_tokens": same,
+                         **({"compiled": fast.compile, "compile_error": fast.compile_error}
+                            if regime == "compiled" else {})})
         if progress:
             line = "  ".join(f"{n} {_median([t['decode_tok_s'] for t in ts]):.0f} tok/s" for n, ts in times.items())
             print(f"bench: {regime} batch {batch} prompt {prompt}: {line}", flush=True)
-    fast.enabled, fast.loop = True, True
+    fast.enabled, fast.loop, fast.compile = True, True, False
     return rows
 
 
@@ -194,6 +200,7 @@ def markdown(report: dict) -> str:
              "their time; TTFT = prompt processing + first token. dense = the same weights with the FFN on "
              "cuBLAS (the original model's speed); sparse = the TwELL `auto` dispatcher. "
              "graphs = static KV cache + the whole greedy decode step in one CUDA graph (the sparsify default on CUDA); "
+             "compiled = graphs with the step's forward through torch.compile (both variants); "
              "hf-graphs = transformers' generation loop with the forward replayed from a graph; eager = dynamic cache.",
              "", f"Provenance: {json.dumps(report['provenance'])}", ""]
     for name, model in report["models"].items():
@@ -331,8 +338,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new-tokens", type=int, default=256, help="tokens generated per call (default 256)")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per variant and case (default 3)")
     parser.add_argument("--regimes", default="graphs",
-                        help="comma list of graphs (greedy graph loop, the default), hf-graphs (transformers' "
-                             "loop, forward from a graph), eager (dynamic cache)")
+                        help="comma list of graphs (greedy graph loop, the default), compiled (graphs with the "
+                             "step through torch.compile: a compile per variant and shape), hf-graphs "
+                             "(transformers' loop, forward from a graph), eager (dynamic cache)")
     parser.add_argument("--dtype", default="bf16", help="bf16 (default), fp16 or fp32")
     parser.add_argument("--text", default=None, help="prompt text file (default: random token ids)")
     parser.add_argument("--budget-s", type=float, default=None, help="skip remaining cases after this many seconds")

@@ -129,3 +129,44 @@ def test_a_backend_switch_gets_its_own_graph(tiny):
     finally:
         fast.cpu_emulation, fast.loop = False, True
         tiny.set_ffn_backend("auto")
+
+
+def test_compiled_decode_gives_the_same_tokens_and_falls_back_when_compiling_fails(tiny, caplog):
+    """compile=True: decode steps (and so the captured step) run through torch.compile (dynamo traces the
+    whole forward on the static cache, no graph break), tokens unchanged; a compiler that fails leaves
+    a warning and the uncompiled path, with the same tokens."""
+    from torch._dynamo.utils import counters
+
+    ids = torch.randint(3, TINY["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(4))
+    fast = tiny._fast_decode
+    ref = tiny.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+
+    def failing(gm, example_inputs):
+        raise RuntimeError("compiler unavailable")
+
+    torch._dynamo.reset()
+    counters.clear()
+    fast.cpu_emulation = True
+    try:
+        for loop in (True, False):
+            fast.loop = loop
+            assert tiny.enable_fast_decode(compile=True) is fast and fast.compile
+            fast.compile_options, fast._compiled = {"backend": "eager"}, None
+            got = tiny.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+            assert torch.equal(ref, got) and fast.compile and fast.compile_error is None
+        assert counters["stats"]["unique_graphs"] >= 2 and not counters["graph_break"]
+        for loop in (True, False):
+            fast.loop, fast.compile, fast.compile_error = loop, True, None
+            fast.compile_options, fast._compiled = {"backend": failing}, None
+            fast.drop_graphs()  # (graphs captured above would be replayed without compiling)
+            torch._dynamo.reset()
+            caplog.clear()
+            with caplog.at_level("WARNING", logger="sparsify"):
+                got = tiny.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+            assert torch.equal(ref, got)
+            assert not fast.compile and "compiler unavailable" in fast.compile_error
+            assert "torch.compile of the decode step failed" in caplog.text
+    finally:
+        fast.cpu_emulation, fast.loop, fast.compile = False, True, False
+        fast.compile_options, fast._compiled, fast.compile_error = {}, None, None
+        torch._dynamo.reset()

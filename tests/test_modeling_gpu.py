@@ -66,3 +66,31 @@ def test_fast_decode_graphs_match_eager_on_cuda(backend, loop, tmp_path):
     assert fast.captures == 1 and torch.equal(eager, again)
     if backend != "dense":
         assert {m.last_path for m in mlp_modules(model)} <= {"twell_ffn:twell", "twell_ffn:dense"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["dense", "twell"])
+def test_compiled_fast_decode_matches_eager_on_cuda(backend, tmp_path):
+    """compile=True on CUDA: inductor's kernels and the twell_ffn custom op captured in the decode graph give
+    the eager dynamic-cache tokens (fp32), and nothing fell back to the uncompiled path."""
+    import json
+
+    from sparsify.synth import synth
+
+    from .test_synth import TINY
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    synth(tmp_path / "config.json", tmp_path / "m", zeros=0.9, dtype="fp32", device="cuda", progress=False)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "m", trust_remote_code=True, dtype=torch.float32).cuda().eval()
+    ids = torch.randint(0, TINY["vocab_size"], (2, 9), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    fast = model._fast_decode
+    model.set_ffn_backend("dense")
+    fast.enabled = False
+    eager = model.generate(ids, max_new_tokens=64, do_sample=False)
+    fast.enabled = True
+    model.enable_fast_decode(compile=True)
+    model.set_ffn_backend(backend)
+    got = model.generate(ids, max_new_tokens=64, do_sample=False)
+    assert fast.compile and fast.compile_error is None
+    assert fast.captures == 1 and fast.replays == 62
+    assert torch.equal(eager, got)

@@ -98,12 +98,14 @@ class SparseMLP(nn.Module):
         reason = self._kernel_reason(x)
         if reason is None:
             w_gate, w_up, w_down = self._weights()  # [F, d], [F, d], [d, F]
-            _announce(f"twell_ffn (backend={self.ffn_backend})", "CUDA inference with Triton")
             y = twell_ffn(x, w_gate, w_up, w_down, backend=self.ffn_backend)  # caches W_down^T on w_down
-            self.last_path = f"twell_ffn:{last_backend()}"
+            if not torch.compiler.is_compiling():  # (traced: the op's path is only known when it runs)
+                _announce(f"twell_ffn (backend={self.ffn_backend})", "CUDA inference with Triton")
+                self.last_path = f"twell_ffn:{last_backend()}"
             return y
-        self.last_path = "torch"
-        _announce("torch", reason)
+        if not torch.compiler.is_compiling():
+            self.last_path = "torch"
+            _announce("torch", reason)
         if self.fused:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
             return self.down_proj(up * torch.relu(gate))
@@ -237,6 +239,11 @@ class FastDecode:
     dispatcher's graph-replay timing), replayed from the third on. At most MAX_GRAPHS are kept.
 
     `enabled` switches it off; `replays` / `captures` count what it did (tests and benchmarks read them).
+    `compile` (off by default) runs the decode steps, and so the captured graphs, through torch.compile of
+    the forward: inductor fuses the many small non-FFN kernels of a step (norms, rotary, residual adds,
+    cache writes), the FFN staying one opaque `sparsify::twell_ffn` op that dispatches when it runs. It
+    costs one compile per (batch size, cache length, FFN backend), tens of seconds each; prefill stays
+    eager. If compiling fails, a warning is logged and decoding goes on uncompiled.
     `cpu_emulation` (tests) runs the same flow on CPU tensors, a "replay" then being a forward call on the
     captured input buffers: the capture/replay bookkeeping is checked without a GPU.
     """
@@ -258,6 +265,42 @@ class FastDecode:
         self.replays = 0
         self.captures = 0
         self._graphs: OrderedDict = OrderedDict()
+        self.compile = False
+        self.compile_options: dict = {}  # extra torch.compile arguments (tests: {"backend": "eager"})
+        self.compile_error: str | None = None
+        self._compiled = None
+
+    def decode_forward(self):
+        """The forward decode steps run and graphs capture: the model's own, or (`compile`) that forward
+        through torch.compile, made once (dynamo keeps one compiled graph per input shapes and FFN state)."""
+        if not self.compile:
+            return self.forward
+        if self._compiled is None:
+            import torch._dynamo
+
+            cfg = torch._dynamo.config  # variants x batch sizes x cache lengths exceed dynamo's default of 8
+            name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+            setattr(cfg, name, max(getattr(cfg, name), 64))
+            self._compiled = torch.compile(self.forward, dynamic=False, **self.compile_options)
+        return self._compiled
+
+    def first_step(self, run, cache):
+        """Run a decode step's first (eager, uncaptured) call `run(forward)` on decode_forward(); when
+        compiling fails, undo what the step wrote to the cache's counters, log it, turn `compile` off and
+        run the step on the plain forward."""
+        if not self.compile:
+            return run(self.forward)
+        counters = _cache_counters(cache)
+        try:
+            return run(self.decode_forward())
+        except Exception as e:  # noqa: BLE001 - dynamo/inductor failures come in many types
+            for t, saved in counters:
+                t.copy_(saved)
+            self.compile, self._compiled = False, None
+            self.compile_error = f"{type(e).__name__}: {e}"
+            logger.warning("sparsify: torch.compile of the decode step failed (%s); decoding uncompiled",
+                           self.compile_error.splitlines()[0][:300])
+            return run(self.forward)
 
     def drop_graphs(self) -> None:
         """Free every captured graph and the caches they hold (done when the reused cache is replaced)."""
@@ -285,7 +328,7 @@ class FastDecode:
     def __call__(self, cache, kwargs):
         try:
             key = (id(cache), _signature({k: v for k, v in kwargs.items() if v is not cache}),
-                   _ffn_state(self.model) if self.model is not None else ())
+                   _ffn_state(self.model) if self.model is not None else (), self.compile)
         except TypeError:
             return self.forward(**kwargs)
         entry = self._graphs.get(key)
@@ -293,7 +336,7 @@ class FastDecode:
             self._graphs[key] = _Graph(cache)
             while len(self._graphs) > self.MAX_GRAPHS:
                 self._graphs.popitem(last=False)
-            return self.forward(**kwargs)
+            return self.first_step(lambda forward: forward(**kwargs), cache)
         self._graphs.move_to_end(key)
         if entry.failed:
             return self.forward(**kwargs)
@@ -318,22 +361,23 @@ class FastDecode:
     def _capture(self, entry: _Graph, cache, kwargs) -> None:
         inputs = {k: (v if v is cache else _clone_inputs(v)) for k, v in kwargs.items()}
         counters = _cache_counters(cache)
+        forward = self.decode_forward()
         if inputs["input_ids"].is_cuda:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # one run on a side stream before capturing (cuBLAS workspaces)
-                self.forward(**inputs)
+                forward(**inputs)
             torch.cuda.current_stream().wait_stream(stream)
         else:
-            self.forward(**inputs)
+            forward(**inputs)
         for t, saved in counters:
             t.copy_(saved)
         if inputs["input_ids"].is_cuda:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):  # its own memory pool: graphs of dropped caches free theirs
-                output = self.forward(**inputs)
+                output = forward(**inputs)
         else:  # cpu_emulation
-            graph = output = _EagerReplay(self.forward, inputs)
+            graph = output = _EagerReplay(forward, inputs)
         entry.graph, entry.inputs, entry.output = graph, inputs, output
         self.captures += 1
 
@@ -428,7 +472,7 @@ def _greedy_generate(model, fast: "FastDecode", plan) -> torch.Tensor:
     if fast.timing:
         sync()
         t0 = time.perf_counter()
-    key = (id(cache), batch, _ffn_state(model))
+    key = (id(cache), batch, _ffn_state(model), fast.compile)
     loop = fast._loops.get(key)
     if loop is None:
         loop = fast._loops[key] = _Loop(cache, batch, cache.layers[0].max_cache_len, ids.device)
@@ -452,10 +496,13 @@ def _greedy_generate(model, fast: "FastDecode", plan) -> torch.Tensor:
         done_at = None
         for i in range(1, new):
             if loop.graph is None:
-                if i == 1:  # the first decode step runs eagerly (warms kernels and the FFN dispatcher)
-                    loop.run_step(forward, cache_kw, cache)
+                if i == 1:  # the first decode step runs uncaptured (compiles; warms kernels and the FFN dispatcher)
+                    fast.first_step(lambda f: loop.run_step(f, cache_kw, cache), cache)
+                    if fast.compile != key[3]:  # compiling failed: this loop object belongs to the compiled key
+                        key = (*key[:3], fast.compile)
+                        fast._loops[key] = loop
                     continue
-                _capture_loop(loop, forward, cache_kw, cache, fast)
+                _capture_loop(loop, fast.decode_forward(), cache_kw, cache, fast)
             loop.graph.replay()
             fast.replays += 1
             if eos and (i + 1) % EOS_CHECK == 0 and _finished(loop.out[:, : i + 1], eos):
@@ -569,10 +616,12 @@ def _fast_generate_kwargs(model, args: tuple, kwargs: dict) -> dict:
     return {**kwargs, _cache_kwarg(model): cache, "disable_compile": True}
 
 
-def enable_fast_decode(model, enabled: bool = True) -> "FastDecode":
+def enable_fast_decode(model, enabled: bool = True, compile: bool | None = None) -> "FastDecode":
     """Give a loaded causal LM (a sparsify model, or any transformers one, e.g. the dense original) the fast
     decode regime: generate() on CUDA defaults to a static cache and replays decode steps from CUDA graphs.
-    Returns the FastDecode object (`.enabled`, `.replays`, `.captures`). Sparsify models have it from load."""
+    `compile=True` also runs those steps through torch.compile (fewer, fused kernels per step; a compile
+    per batch size and cache length); None leaves the setting as it is. Returns the FastDecode object
+    (`.enabled`, `.compile`, `.replays`, `.captures`). Sparsify models have it from load."""
     fast = model.__dict__.get("_fast_decode")
     if fast is None:
         forward, generate = model.forward, model.generate  # bound methods of the class
@@ -597,6 +646,8 @@ def enable_fast_decode(model, enabled: bool = True) -> "FastDecode":
         model.__dict__["forward"] = fast_forward
         model.__dict__["generate"] = fast_generate
     fast.enabled = enabled
+    if compile is not None:
+        fast.compile = bool(compile)
     return fast
 
 
@@ -611,7 +662,8 @@ def _sparse_class(base_name: str) -> type:
         sparsify_mlps(self)
         set_ffn_backend(self, default_backend(config))
         info = getattr(config, "sparsify", None) or {}
-        enable_fast_decode(self, enabled=info.get("fast_decode", True) is not False)
+        enable_fast_decode(self, enabled=info.get("fast_decode", True) is not False,
+                           compile=info.get("compile_decode", False) is True)
 
     cls = type(f"Sparse{base_name}", (base,), {
         "__init__": __init__, "__module__": __name__, "__doc__": f"{base_name} with SparseMLP FFNs.",
