@@ -149,7 +149,7 @@ case "${1:-}" in
     # prompts from held-out text (a real model's sparsity depends on the text; random ids are not text)
     general=$(ls "$WORK"/heldout/general.txt 2>/dev/null || true)
     python -m sparsify bench "$bench" --batch "${BENCH_BATCH:-1,8,32}" --prompt "${BENCH_PROMPT:-512}" \
-        --regimes "${BENCH_REGIMES:-graphs}" ${general:+--text "$general"} --new-tokens 256 --out "$OUT/bench" -q \
+        --regimes "${BENCH_REGIMES:-compiled}" ${general:+--text "$general"} --new-tokens 256 --out "$OUT/bench" -q \
         2>&1 | tail -15 || echo "bench failed"
     if [ -f eval/ppl_gap.py ] && [ -n "$texts" ]; then
         python eval/ppl_gap.py --original "$WORK/smollm2.gguf" --finetuned "${bench#*=}" --tokens "$WORK/tok" \

@@ -37,6 +37,7 @@ Without CUDA or triton, "auto" and "twell" on CPU tensors run the dense torch pa
 from __future__ import annotations
 
 import logging
+import contextlib
 import math
 import os
 from dataclasses import dataclass, field
@@ -77,6 +78,29 @@ CPU_BOUND = 1.5  # eager twell > 1.5 x its graph-replay time: launch-bound, appl
 
 _last_backend: str | None = None
 _logged: dict[tuple, str] = {}
+_capture_dense = False  # dense_in_capture(): calls captured into CUDA graphs run dense in every layer
+
+
+@contextlib.contextmanager
+def dense_in_capture():
+    """Calls captured into CUDA graphs inside this block run dense whatever each layer's graph-replay
+    decision says: a model-level check captures a whole decode step both ways and keeps the faster one
+    (a layer's decision is timed on the FFN alone, and a step can still come out slower)."""
+    global _capture_dense
+    old, _capture_dense = _capture_dense, True
+    try:
+        yield
+    finally:
+        _capture_dense = old
+
+
+def twell_in_capture(w_gate: torch.Tensor, m: int) -> bool:
+    """Whether a call of m rows on this layer (its W_gate), captured into a graph now, would run twell."""
+    held = getattr(w_gate, "_twell_auto", None)
+    if held is None or held[0] != w_gate._version:
+        return False
+    st = held[1].get(1 << max(0, (m - 1).bit_length()))
+    return st is not None and st.graph_decision == "twell"
 
 
 def last_backend() -> str | None:
@@ -328,7 +352,7 @@ def _auto(x2d, w_gate, w_up, w_down, w_down_t) -> torch.Tensor:
         st = states[bucket] = _LayerState()
     if torch.cuda.is_current_stream_capturing():
         key = (tuple(w_gate.shape), x2d.dtype, bucket)
-        backend = st.graph_decision or "dense"
+        backend = "dense" if _capture_dense else (st.graph_decision or "dense")
         _note(key, backend, "graph capture: decision timed in graph replay")
         if backend == "twell":
             return _run_twell(st, x2d, w_gate, w_up, w_down, w_down_t)

@@ -2,12 +2,12 @@
 decode tokens/s, dense vs sparse, on the same GPU in the same run and the same cache/graph regime.
 
 Every model runs through `model.generate()`. Regimes:
-- "graphs" (what a sparsify folder gives greedy generate() on CUDA): static KV cache, the whole decode step
-  (forward + argmax) replayed from one CUDA graph with no host sync per token (modeling_sparsify.FastDecode);
-  the dense side gets the very same regime (`enable_fast_decode`).
-- "compiled": "graphs" with the decode step's forward through torch.compile first (`enable_fast_decode(
-  model, compile=True)`): inductor fuses the small non-FFN kernels (norms, rotary, residual adds) of the
-  captured step, on both sides; the warm-up then includes one compile per variant and shape.
+- "compiled" (what a sparsify folder gives greedy generate() on CUDA): static KV cache, the decode step's
+  forward through torch.compile (inductor fuses the small non-FFN kernels: norms, rotary, residual adds),
+  and the whole step (forward + argmax) replayed from one CUDA graph with no host sync per token
+  (modeling_sparsify.FastDecode); the dense side gets the very same regime (`enable_fast_decode(model,
+  compile=True)`). The warm-up includes one compile per variant and shape.
+- "graphs": the same without torch.compile (a folder with `"compile_decode": false`).
 - "hf-graphs": transformers' own generation loop (what sampling and other options run), the forward
   replayed from a CUDA graph on the static cache.
 - "eager": transformers' default dynamic cache, every kernel launched from Python.
@@ -116,7 +116,7 @@ def _prompt(vocab: int, batch: int, length: int, tokens: Any, device: str) -> An
 
 
 def bench_model(model: Any, *, batches: tuple[int, ...], prompts: tuple[int, ...], new_tokens: int,
-                repeats: int, regimes: tuple[str, ...] = ("graphs",), tokens: Any = None,
+                repeats: int, regimes: tuple[str, ...] = ("compiled",), tokens: Any = None,
                 budget_s: float | None = None, progress: bool = True) -> list[dict]:
     """Rows {regime, variant, batch, prompt, ttft_ms, decode_tok_s, step_ms, ...} for one loaded model."""
     import torch
@@ -126,6 +126,7 @@ def bench_model(model: Any, *, batches: tuple[int, ...], prompts: tuple[int, ...
     if model.device.type != "cuda":
         raise SparsifyError("sparsify bench needs a CUDA GPU: CPU timings say nothing about the TwELL kernels.")
     fast = installed_modeling().enable_fast_decode(model)
+    folder_compile = fast.compile  # (a sparsify folder compiles by default; each regime sets its own)
     variants = _variants(model)
     vocab = model.get_input_embeddings().weight.shape[0]
     limit = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
@@ -174,7 +175,7 @@ def bench_model(model: Any, *, batches: tuple[int, ...], prompts: tuple[int, ...
         if progress:
             line = "  ".join(f"{n} {_median([t['decode_tok_s'] for t in ts]):.0f} tok/s" for n, ts in times.items())
             print(f"bench: {regime} batch {batch} prompt {prompt}: {line}", flush=True)
-    fast.enabled, fast.loop, fast.compile = True, True, False
+    fast.enabled, fast.loop, fast.compile = True, True, folder_compile
     return rows
 
 
@@ -199,8 +200,8 @@ def markdown(report: dict) -> str:
              f"{report['settings']['new_tokens']} new tokens. decode tok/s = batch x tokens after the first / "
              "their time; TTFT = prompt processing + first token. dense = the same weights with the FFN on "
              "cuBLAS (the original model's speed); sparse = the TwELL `auto` dispatcher. "
-             "graphs = static KV cache + the whole greedy decode step in one CUDA graph (the sparsify default on CUDA); "
-             "compiled = graphs with the step's forward through torch.compile (both variants); "
+             "graphs = static KV cache + the whole greedy decode step in one CUDA graph; "
+             "compiled = graphs with the step's forward through torch.compile (the sparsify default on CUDA); "
              "hf-graphs = transformers' generation loop with the forward replayed from a graph; eager = dynamic cache.",
              "", f"Provenance: {json.dumps(report['provenance'])}", ""]
     for name, model in report["models"].items():
@@ -275,7 +276,7 @@ def gpu_provenance() -> dict:
 
 
 def bench(models: list[str], *, batches=(1, 8, 32), prompts=(128, 512, 2048), new_tokens: int = 256,
-          repeats: int = 3, regimes=("graphs",), dtype: str = "bf16", text: str | Path | None = None,
+          repeats: int = 3, regimes=("compiled",), dtype: str = "bf16", text: str | Path | None = None,
           out: str | Path | None = None, trust_remote_code: bool = False, budget_s: float | None = None,
           progress: bool = True) -> dict:
     """Benchmark each model (`[NAME=]PATH`); writes OUT/bench.json, report.md and decode.png if `out`."""
@@ -337,10 +338,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", type=_ints, default=(128, 512, 2048), help="prompt lengths (default 128,512,2048)")
     parser.add_argument("--new-tokens", type=int, default=256, help="tokens generated per call (default 256)")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per variant and case (default 3)")
-    parser.add_argument("--regimes", default="graphs",
-                        help="comma list of graphs (greedy graph loop, the default), compiled (graphs with the "
-                             "step through torch.compile: a compile per variant and shape), hf-graphs "
-                             "(transformers' loop, forward from a graph), eager (dynamic cache)")
+    parser.add_argument("--regimes", default="compiled",
+                        help="comma list of compiled (greedy graph loop with the step through torch.compile: "
+                             "what folders do by default; a compile per variant and shape), graphs (the same "
+                             "uncompiled), hf-graphs (transformers' loop, forward from a graph), eager "
+                             "(dynamic cache)")
     parser.add_argument("--dtype", default="bf16", help="bf16 (default), fp16 or fp32")
     parser.add_argument("--text", default=None, help="prompt text file (default: random token ids)")
     parser.add_argument("--budget-s", type=float, default=None, help="skip remaining cases after this many seconds")

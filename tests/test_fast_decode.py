@@ -22,7 +22,10 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("fast")
     (root / "config.json").write_text(json.dumps(TINY))
     synth(root / "config.json", root / "model", zeros=0.9, dtype="fp32", progress=False)
-    return AutoModelForCausalLM.from_pretrained(root / "model", trust_remote_code=True, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(root / "model", trust_remote_code=True, dtype=torch.float32).eval()
+    assert model._fast_decode.compile  # folders compile their decode step by default (on CUDA, or emulated)
+    model._fast_decode.compile = False  # these tests check the capture flow; one test below compiles
+    return model
 
 
 @pytest.mark.parametrize("loop", [True, False], ids=["greedy-loop", "transformers-loop"])
@@ -170,3 +173,51 @@ def test_compiled_decode_gives_the_same_tokens_and_falls_back_when_compiling_fai
         fast.cpu_emulation, fast.loop, fast.compile = False, True, False
         fast.compile_options, fast._compiled, fast.compile_error = {}, None, None
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("times, kept", [([2.0, 1.0], "dense"), ([1.0, 2.0], "twell"), ([1.0, 1.005], "dense")])
+def test_step_check_keeps_the_faster_of_the_twell_step_and_its_dense_twin(tiny, monkeypatch, times, kept):
+    """A captured greedy step with TwELL layers is captured again all dense; the dense twin is kept unless
+    the TwELL step is >= 1% faster; tokens are the same either way; no check without free cache room."""
+    import contextlib
+    import sys
+
+    mod = sys.modules[type(tiny._fast_decode).__module__]
+    fast = tiny._fast_decode
+    dense_now, captured, graphs = [False], [], []
+
+    @contextlib.contextmanager
+    def dense_in_capture():
+        dense_now[0] = True
+        yield
+        dense_now[0] = False
+
+    real_capture = mod._capture_step
+    def capture(*args):
+        captured.append(dense_now[0])
+        graphs.append(real_capture(*args))
+        return graphs[-1]
+
+    monkeypatch.setattr(mod, "_capture_step", capture)
+    monkeypatch.setattr(mod, "dense_in_capture", dense_in_capture)
+    monkeypatch.setattr(mod, "_twell_in_step", lambda model, batch: True)
+    monkeypatch.setattr(mod, "_time_graphs", lambda graphs, restore: (restore(), times)[1])
+    for prompt, new, checked in ((6, 10, True), (250, 6, False)):  # 250 + 6 fills a 256-position cache
+        ids = torch.randint(3, TINY["vocab_size"], (1, prompt), generator=torch.Generator().manual_seed(5))
+        ref = tiny.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        fast.cpu_emulation = True
+        fast.drop_graphs(), fast.step_checks.clear(), captured.clear(), graphs.clear()
+        fast.cache = fast.cache_key = None
+        try:
+            got = tiny.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        finally:
+            fast.cpu_emulation = False
+        assert torch.equal(ref, got)
+        if checked:
+            assert captured == [False, True]
+            assert fast.step_checks == [{"batch": 1, "twell_ms": times[0], "dense_ms": times[1], "kept": kept}]
+            (loop,) = fast._loops.values()  # the step replayed is the graph kept
+            assert loop.graph is graphs[1 if kept == "dense" else 0]
+        else:
+            assert captured == [False] and fast.step_checks == []
+    fast.drop_graphs(), fast.step_checks.clear()

@@ -54,6 +54,7 @@ def test_fast_decode_graphs_match_eager_on_cuda(backend, loop, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "m", trust_remote_code=True, dtype=torch.float32).cuda().eval()
     ids = torch.randint(0, TINY["vocab_size"], (3, 9), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     fast = model._fast_decode
+    fast.compile = False  # the capture flow alone (compiled: the test below)
     model.set_ffn_backend("dense")
     fast.enabled = False
     eager = model.generate(ids, max_new_tokens=64, do_sample=False)
@@ -69,10 +70,11 @@ def test_fast_decode_graphs_match_eager_on_cuda(backend, loop, tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["dense", "twell"])
+@pytest.mark.parametrize("backend", ["dense", "twell", "auto"])
 def test_compiled_fast_decode_matches_eager_on_cuda(backend, tmp_path):
-    """compile=True on CUDA: inductor's kernels and the twell_ffn custom op captured in the decode graph give
-    the eager dynamic-cache tokens (fp32), and nothing fell back to the uncompiled path."""
+    """The folder default on CUDA (decode step compiled, then captured; with auto, the step check): inductor's
+    kernels and the twell_ffn custom op in the decode graph give the eager dynamic-cache tokens (fp32), and
+    nothing fell back to the uncompiled path."""
     import json
 
     from sparsify.synth import synth
@@ -88,7 +90,7 @@ def test_compiled_fast_decode_matches_eager_on_cuda(backend, tmp_path):
     fast.enabled = False
     eager = model.generate(ids, max_new_tokens=64, do_sample=False)
     fast.enabled = True
-    model.enable_fast_decode(compile=True)
+    assert fast.compile  # the folder default
     model.set_ffn_backend(backend)
     got = model.generate(ids, max_new_tokens=64, do_sample=False)
     assert fast.compile and fast.compile_error is None

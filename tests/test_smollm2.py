@@ -40,8 +40,9 @@ def test_real_gguf_stock_and_remote_logits_agree(smol):
 
 @pytest.mark.slow
 def test_real_gguf_fast_decode_matches_eager_dense_for_64_tokens(smol):
-    """The fast decode path (static cache, captured decode step; replayed on CPU by cpu_emulation) gives the
-    stock eager model's greedy tokens, token for token, in fp32."""
+    """The fast decode path as a folder runs it by default (static cache, the decode step through
+    torch.compile and captured; replayed on CPU by cpu_emulation) gives the stock eager model's greedy
+    tokens, token for token, in fp32."""
     tok = AutoTokenizer.from_pretrained(smol)
     prompt = tok("Lists in Python are", return_tensors="pt").input_ids
     stock = AutoModelForCausalLM.from_pretrained(smol, dtype=torch.float32).eval()
@@ -51,4 +52,5 @@ def test_real_gguf_fast_decode_matches_eager_dense_for_64_tokens(smol):
     remote._fast_decode.cpu_emulation = True
     fast = remote.generate(prompt, max_new_tokens=64, do_sample=False)
     assert remote._fast_decode.replays == 62
+    assert remote._fast_decode.compile and remote._fast_decode.compile_error is None
     assert torch.equal(eager, fast)

@@ -25,12 +25,12 @@ import torch.nn as nn
 import transformers
 
 try:  # twell_ops imports without triton (its kernels then report unavailable): only a missing file lands here
-    from .twell_ops import last_backend, twell_ffn
+    from .twell_ops import dense_in_capture, last_backend, twell_ffn, twell_in_capture
     from .twell_triton import HAS_TRITON
 
     _KERNELS_MISSING = "" if HAS_TRITON else "triton is not installed"
 except ImportError as e:  # an older folder without the kernel files: dense torch path, reason logged
-    twell_ffn = None
+    twell_ffn = twell_in_capture = dense_in_capture = None
     _KERNELS_MISSING = f"kernel files not importable: {e}"
 
 logger = logging.getLogger("sparsify")
@@ -239,11 +239,14 @@ class FastDecode:
     dispatcher's graph-replay timing), replayed from the third on. At most MAX_GRAPHS are kept.
 
     `enabled` switches it off; `replays` / `captures` count what it did (tests and benchmarks read them).
-    `compile` (off by default) runs the decode steps, and so the captured graphs, through torch.compile of
-    the forward: inductor fuses the many small non-FFN kernels of a step (norms, rotary, residual adds,
-    cache writes), the FFN staying one opaque `sparsify::twell_ffn` op that dispatches when it runs. It
-    costs one compile per (batch size, cache length, FFN backend), tens of seconds each; prefill stays
-    eager. If compiling fails, a warning is logged and decoding goes on uncompiled.
+    `compile` (on for sparsify folders unless their config says `"compile_decode": false`; off for other
+    models unless enable_fast_decode(model, compile=True)) runs the decode steps, and so the captured
+    graphs, through torch.compile of the forward: inductor fuses the many small non-FFN kernels of a step
+    (norms, rotary, residual adds, cache writes), the FFN staying one opaque `sparsify::twell_ffn` op that
+    dispatches when it runs. Measured on an H200: 1.6x (1B), 1.4x (8B) and 2.1x (SmolLM2-135M) the decode
+    tokens/s of the uncompiled graphs, dense and sparse alike. Cost: a compile on the first generate() of
+    a batch size (tens of seconds; shapes that change again get one dynamic-shape compile that serves the
+    rest). Prefill stays eager. If compiling fails, a warning is logged and decoding goes on uncompiled.
     `cpu_emulation` (tests) runs the same flow on CPU tensors, a "replay" then being a forward call on the
     captured input buffers: the capture/replay bookkeeping is checked without a GPU.
     """
@@ -258,6 +261,8 @@ class FastDecode:
         self.cache = None  # the static cache generate() reuses (see _reused_cache) and its (batch, length)
         self.cache_key = None
         self.loop = True  # greedy generate() runs the whole decode step (forward + argmax) in one graph
+        self.check_step = True  # a captured step with TwELL layers is timed against the same step all dense
+        self.step_checks: list[dict] = []  # what those checks measured and kept
         self.loops = 0  # generate() calls served by that loop
         self.timing = False  # (benchmarks) sync after prefill and at the end: `last` = {"ttft_s", "decode_s"}
         self.last: dict = {}
@@ -281,7 +286,10 @@ class FastDecode:
             cfg = torch._dynamo.config  # variants x batch sizes x cache lengths exceed dynamo's default of 8
             name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
             setattr(cfg, name, max(getattr(cfg, name), 64))
-            self._compiled = torch.compile(self.forward, dynamic=False, **self.compile_options)
+            logger.warning("sparsify: compiling the decode step with torch.compile (the first generate() of a "
+                           "batch size takes tens of seconds more; model.enable_fast_decode(compile=False) "
+                           "skips it)")
+            self._compiled = torch.compile(self.forward, **self.compile_options)
         return self._compiled
 
     def first_step(self, run, cache):
@@ -502,7 +510,8 @@ def _greedy_generate(model, fast: "FastDecode", plan) -> torch.Tensor:
                         key = (*key[:3], fast.compile)
                         fast._loops[key] = loop
                     continue
-                _capture_loop(loop, fast.decode_forward(), cache_kw, cache, fast)
+                _capture_loop(loop, fast.decode_forward(), cache_kw, cache, fast,
+                              room=cache.layers[0].max_cache_len - prompt - i)
             loop.graph.replay()
             fast.replays += 1
             if eos and (i + 1) % EOS_CHECK == 0 and _finished(loop.out[:, : i + 1], eos):
@@ -530,24 +539,85 @@ def _finished(tokens: torch.Tensor, eos: list[int]) -> bool:
     return bool(torch.isin(tokens, torch.tensor(eos, device=tokens.device)).any(1).all())
 
 
-def _capture_loop(loop: _Loop, forward, cache_kw: str, cache, fast: "FastDecode") -> None:
-    """Capture loop.run_step (on CPU with cpu_emulation: a plain call stands in for the replay)."""
+# The step check: the FFN dispatcher decides per layer from the FFN timed alone, so a whole step with TwELL
+# layers can still come out slower than the same step all dense (measured on the H200: SmolLM2-135M and a
+# 1B at batch 8 under torch.compile, 0.98x). When a captured greedy step runs TwELL in some layer, the same
+# step is captured again with every layer dense, both are replayed in alternating rounds, and the dense one
+# is kept unless TwELL's is at least 1% faster: a step never pays for a layer's wrong call.
+STEP_CHECK_ROUNDS = 5  # timed batches per graph (median)
+STEP_CHECK_REPLAYS = 4  # replays per batch: the cache needs this many free positions past the current one
+STEP_CHECK_MARGIN = 0.99
+
+
+def _twell_in_step(model, batch: int) -> bool:
+    """Whether some SparseMLP on "auto" runs TwELL when a step of `batch` tokens is captured now."""
+    if twell_in_capture is None or model is None:
+        return False
+    return any(m.ffn_backend == "auto" and twell_in_capture(m._weights()[0], batch)
+               for m in model.modules() if isinstance(m, SparseMLP))
+
+
+def _time_graphs(graphs: list, restore) -> list[float]:
+    """Median ms per replay of each graph: one untimed replay each, then STEP_CHECK_ROUNDS batches of
+    STEP_CHECK_REPLAYS replays, graphs alternating in an order that flips every round; restore() undoes
+    each batch's writes (cache counters, loop buffers)."""
+    for g in graphs:
+        g.replay()
+        restore()
+    times: list[list[float]] = [[] for _ in graphs]
+    for r in range(STEP_CHECK_ROUNDS):
+        for i in (range(len(graphs)) if r % 2 == 0 else reversed(range(len(graphs)))):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(STEP_CHECK_REPLAYS):
+                graphs[i].replay()
+            end.record()
+            end.synchronize()
+            times[i].append(start.elapsed_time(end) / STEP_CHECK_REPLAYS)
+            restore()
+    return [sorted(t)[len(t) // 2] for t in times]
+
+
+def _capture_step(loop: _Loop, forward, cache_kw: str, cache, restore):
+    """One run on a side stream (cuBLAS workspaces), undone, then the step captured into a CUDA graph (on
+    CPU with cpu_emulation: a plain call stands in for the replay)."""
+    if not loop.token.is_cuda:
+        return _EagerReplay(lambda: loop.run_step(forward, cache_kw, cache), {})
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        loop.run_step(forward, cache_kw, cache)
+    torch.cuda.current_stream().wait_stream(stream)
+    restore()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # its own memory pool: graphs of dropped caches free theirs
+        loop.run_step(forward, cache_kw, cache)
+    return graph
+
+
+def _capture_loop(loop: _Loop, forward, cache_kw: str, cache, fast: "FastDecode", room: int = 0) -> None:
+    """Capture loop.run_step; with TwELL layers in the step and `room` free cache positions past the one it
+    writes, keep the faster of it and its all-dense twin."""
     saved = _cache_counters(cache) + [(t, t.clone()) for t in (loop.token, loop.step, loop.out)]
-    if loop.token.is_cuda:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # one run before capturing (cuBLAS workspaces), then undone
-            loop.run_step(forward, cache_kw, cache)
-        torch.cuda.current_stream().wait_stream(stream)
+
+    def restore() -> None:
         for t, copy in saved:
             t.copy_(copy)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):  # its own memory pool: graphs of dropped caches free theirs
-            loop.run_step(forward, cache_kw, cache)
-        loop.graph = graph
-    else:
-        loop.graph = _EagerReplay(lambda: loop.run_step(forward, cache_kw, cache), {})
+
+    loop.graph = _capture_step(loop, forward, cache_kw, cache, restore)
     fast.captures += 1
+    batch = loop.token.shape[0]
+    if not fast.check_step or room <= STEP_CHECK_REPLAYS or not _twell_in_step(fast.model, batch):
+        return
+    with dense_in_capture():
+        dense = _capture_step(loop, forward, cache_kw, cache, restore)
+    twell_ms, dense_ms = _time_graphs([loop.graph, dense], restore)
+    kept = "twell" if twell_ms <= STEP_CHECK_MARGIN * dense_ms else "dense"
+    if kept == "dense":
+        loop.graph = dense
+    fast.step_checks.append({"batch": batch, "twell_ms": twell_ms, "dense_ms": dense_ms, "kept": kept})
+    logger.info("sparsify: decode step at batch %d: TwELL layers %.3f ms, all dense %.3f ms: kept %s",
+                batch, twell_ms, dense_ms, kept)
 
 
 def _no_sliding_window(config) -> bool:
@@ -663,7 +733,7 @@ def _sparse_class(base_name: str) -> type:
         set_ffn_backend(self, default_backend(config))
         info = getattr(config, "sparsify", None) or {}
         enable_fast_decode(self, enabled=info.get("fast_decode", True) is not False,
-                           compile=info.get("compile_decode", False) is True)
+                           compile=info.get("compile_decode", True) is not False)
 
     cls = type(f"Sparse{base_name}", (base,), {
         "__init__": __init__, "__module__": __name__, "__doc__": f"{base_name} with SparseMLP FFNs.",
