@@ -153,11 +153,13 @@ def default_backend(config) -> str:
 # forward, when called for one new token per sequence on such a cache, is captured once into a CUDA graph
 # and replayed for every later token. The generate loop itself (sampling, stopping criteria, masks) stays
 # transformers' own, so every generation option keeps working. Prefill (many tokens) runs eagerly, through
-# the FFN dispatcher. We capture the forward ourselves rather than use transformers' automatic
-# torch.compile of static-cache decoding: capture takes well under a second where compiling a model takes
-# tens of seconds to minutes per shape, and the FFN dispatcher times its graph-replay decision in an eager
-# warm-up step right before the capture. `enable_fast_decode(model)` gives any transformers causal LM
-# (the dense original too) the same regime, so comparisons are like for like.
+# the FFN dispatcher. We capture the step ourselves rather than use transformers' automatic torch.compile
+# of static-cache decoding ("reduce-overhead" CUDA graph trees): the FFN dispatcher times its graph-replay
+# decision in an uncaptured warm-up step right before the capture, the greedy loop puts forward + argmax +
+# bookkeeping into one graph, and the step check compares two captures of the same step. The forward we
+# capture is compiled by default (FastDecode.compile: inductor's default mode, automatic dynamic shapes),
+# which fuses the step's small non-FFN kernels. `enable_fast_decode(model, compile=True)` gives any
+# transformers causal LM (the dense original too) the same regime, so comparisons are like for like.
 # ---------------------------------------------------------------------------------------------------------
 
 
