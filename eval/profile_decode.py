@@ -1,9 +1,12 @@
 """Where one decode step's GPU time goes: CUDA-event time of the captured greedy step (graph replay) and a
 torch.profiler table of the same step run eagerly, per FFN variant of a sparsify folder (CUDA only).
 
-    PYTHONPATH=. python eval/profile_decode.py FOLDER [--batch 1] [--prompt 512] [--rows 12] [--compile]
+    PYTHONPATH=. python eval/profile_decode.py FOLDER [--batch 1] [--prompt 512] [--rows 12] [--[no-]compile]
 
---compile runs the step through torch.compile (the bench's "compiled" regime) before capture.
+--compile / --no-compile: the step through torch.compile before capture or not (default: the folder's
+setting, compiled unless its config says otherwise). With compile on, each layer's "FFN path at capture"
+is not recorded (the path is chosen inside the compiled op), and the step check may have kept the
+all-dense twin (printed as the step checks).
 """
 
 from __future__ import annotations
@@ -26,11 +29,13 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--rows", type=int, default=12)
     ap.add_argument("--variants", default="dense,twell,auto", help="FFN backends to profile")
-    ap.add_argument("--compile", action="store_true", help="torch.compile the decode step before capture")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="torch.compile the decode step before capture (default: the folder's setting, on "
+                         "unless its config says compile_decode false)")
     args = ap.parse_args()
     model, _ = load_model(parse_models([args.folder])[0], "cuda", "bf16")
     modeling = installed_modeling()
-    fast = modeling.enable_fast_decode(model, compile=args.compile)
+    fast = modeling.enable_fast_decode(model, compile=args.compile)  # None: as the folder says
     vocab = model.get_input_embeddings().weight.shape[0]
     ids = torch.randint(0, vocab, (args.batch, args.prompt), device="cuda")
     for variant in args.variants.split(","):
@@ -49,7 +54,8 @@ def main() -> None:
         print(f"{variant}: graph replay {a.elapsed_time(b) / 100:.3f} ms per decode step "
               f"(batch {args.batch}, cache {fast.cache_key}, compiled {fast.compile})")
         paths = [m.last_path for m in model.modules() if hasattr(m, "last_path")]
-        print(f"{variant}: FFN path per layer at capture {paths}")
+        print(f"{variant}: FFN path per layer at capture {paths}; step checks {fast.step_checks}")
+        fast.step_checks.clear()
         kw = modeling._cache_kwarg(model)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(5):

@@ -411,8 +411,10 @@ def _dense_decided(x: torch.Tensor, w_gate: torch.Tensor) -> bool:
     being captured), and no refresh is due. A plain dense FFN then pays only this lookup (no checks of
     its own: F.linear validates the shapes, and a layer only gets state after a fully checked call). Every REFRESH_DENSE-th call goes
     through the dispatcher to refresh the density estimate (no host sync)."""
+    if torch.compiler.is_compiling():  # first: dynamo cannot trace w_gate._version (a graph break per FFN)
+        return False
     held = getattr(w_gate, "_twell_auto", None)
-    if held is None or held[0] != w_gate._version or torch.compiler.is_compiling():
+    if held is None or held[0] != w_gate._version:
         return False
     shape = x.shape
     m = shape[0] if len(shape) == 2 else x.numel() // max(shape[-1], 1)

@@ -138,14 +138,17 @@ def bench_model(model: Any, *, batches: tuple[int, ...], prompts: tuple[int, ...
             rows.append({"regime": regime, "batch": batch, "prompt": prompt, "skipped": "time budget"})
             continue
         fast.enabled, fast.loop = regime != "eager", regime in ("graphs", "compiled")
-        fast.compile = regime == "compiled"
+        fast.compile, fast.compile_error = regime == "compiled", None
+        fast.step_checks.clear()
         ids = _prompt(vocab, batch, prompt, tokens, "cuda")
         times: dict[str, list[dict]] = {v: [] for v in variants}
         outputs: dict[str, Any] = {}
+        compiled: dict[str, bool] = {}  # per variant: still compiled after its warm-up (a failure turns it off)
         try:
             for name, apply in variants.items():  # warm-up: compiles, dispatcher timing, graph capture
                 apply()
                 outputs[name] = time_generate(model, ids, new_tokens)["tokens"]
+                compiled[name] = fast.compile
             names = list(variants)
             for r in range(repeats):
                 for name in names if r % 2 == 0 else names[::-1]:
@@ -170,7 +173,8 @@ def bench_model(model: Any, *, batches: tuple[int, ...], prompts: tuple[int, ...
                          "step_ms_spread": (max(t["step_ms"] for t in ts) - min(t["step_ms"] for t in ts)),
                          "graph_replays_per_call": ts[-1]["replays"],
                          "greedy_tokens": same,
-                         **({"compiled": fast.compile, "compile_error": fast.compile_error}
+                         "step_checks": list(fast.step_checks) if name != "dense" else [],
+                         **({"compiled": compiled[name], "compile_error": fast.compile_error}
                             if regime == "compiled" else {})})
         if progress:
             line = "  ".join(f"{n} {_median([t['decode_tok_s'] for t in ts]):.0f} tok/s" for n, ts in times.items())

@@ -210,14 +210,51 @@ def test_step_check_keeps_the_faster_of_the_twell_step_and_its_dense_twin(tiny, 
         fast.cache = fast.cache_key = None
         try:
             got = tiny.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+            checks, loops = list(fast.step_checks), list(fast._loops.values())
         finally:
             fast.cpu_emulation = False
+            fast.drop_graphs(), fast.step_checks.clear()
         assert torch.equal(ref, got)
         if checked:
             assert captured == [False, True]
-            assert fast.step_checks == [{"batch": 1, "twell_ms": times[0], "dense_ms": times[1], "kept": kept}]
-            (loop,) = fast._loops.values()  # the step replayed is the graph kept
+            assert checks == [{"batch": 1, "twell_ms": times[0], "dense_ms": times[1], "kept": kept}]
+            (loop,) = loops  # the step replayed is the graph kept
             assert loop.graph is graphs[1 if kept == "dense" else 0]
         else:
-            assert captured == [False] and fast.step_checks == []
-    fast.drop_graphs(), fast.step_checks.clear()
+            assert captured == [False] and checks == []
+
+
+def test_compiled_step_through_the_twell_op_is_one_graph(tiny, monkeypatch):
+    """On the kernel path (faked here on CPU: the op's auto backend runs dense on CPU), with the dispatcher's
+    per-layer state already set by an eager prefill, dynamo traces the whole decode step as one graph: no
+    break at each FFN (reading W_gate._version while tracing used to split the step at every layer)."""
+    import sys
+
+    from torch._dynamo.utils import counters
+
+    mod = sys.modules[type(tiny._fast_decode).__module__]
+    ids = torch.randint(3, TINY["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(6))
+    ref = tiny.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    monkeypatch.setattr(mod, "_KERNELS_MISSING", "")
+    monkeypatch.setattr(mod.SparseMLP, "_kernel_reason", lambda self, x: None)
+    gates = [m._weights()[0] for m in tiny.modules() if isinstance(m, mod.SparseMLP)]
+    for w in gates:
+        w._twell_auto = (w._version, {})  # as an eager CUDA prefill leaves it
+    fast = tiny._fast_decode
+    fast.cpu_emulation, fast.compile, fast.compile_options, fast._compiled = True, True, {"backend": "eager"}, None
+    fast.drop_graphs()
+    fast.cache = fast.cache_key = None
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        got = tiny.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        assert fast.compile and fast.compile_error is None
+        assert {m.last_path for m in tiny.modules() if isinstance(m, mod.SparseMLP)} == {"twell_ffn:dense"}  # prefill
+    finally:
+        fast.cpu_emulation, fast.compile, fast.compile_options, fast._compiled = False, False, {}, None
+        fast.drop_graphs()
+        for w in gates:
+            del w._twell_auto
+        torch._dynamo.reset()
+    assert counters["stats"]["unique_graphs"] == 1  # the greedy step's forward, whole
+    assert torch.equal(ref, got)

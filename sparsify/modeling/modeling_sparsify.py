@@ -268,7 +268,7 @@ class FastDecode:
         self.loops = 0  # generate() calls served by that loop
         self.timing = False  # (benchmarks) sync after prefill and at the end: `last` = {"ttft_s", "decode_s"}
         self.last: dict = {}
-        self._loops: dict = {}  # (id(cache), batch) -> _Loop
+        self._loops: dict = {}  # (id(cache), batch, FFN backends, compile) -> _Loop
         self.replays = 0
         self.captures = 0
         self._graphs: OrderedDict = OrderedDict()
@@ -285,13 +285,18 @@ class FastDecode:
         if self._compiled is None:
             import torch._dynamo
 
-            cfg = torch._dynamo.config  # variants x batch sizes x cache lengths exceed dynamo's default of 8
+            compiled = torch.compile(self.forward, **self.compile_options)
+            cfg = torch._dynamo.config  # FFN backends x batch sizes x cache lengths can pass dynamo's default 8
             name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
-            setattr(cfg, name, max(getattr(cfg, name), 64))
+
+            def run(*args, **kwargs):  # (called only uncaptured and while capturing: replays skip Python)
+                with cfg.patch({name: max(getattr(cfg, name), 64)}):  # for these calls only, not the process
+                    return compiled(*args, **kwargs)
+
             logger.warning("sparsify: compiling the decode step with torch.compile (the first generate() of a "
                            "batch size takes tens of seconds more; model.enable_fast_decode(compile=False) "
                            "skips it)")
-            self._compiled = torch.compile(self.forward, **self.compile_options)
+            self._compiled = run
         return self._compiled
 
     def first_step(self, run, cache):
@@ -303,6 +308,8 @@ class FastDecode:
         counters = _cache_counters(cache)
         try:
             return run(self.decode_forward())
+        except torch.cuda.OutOfMemoryError:
+            raise  # not a compiler failure: the caller's out-of-memory handling applies
         except Exception as e:  # noqa: BLE001 - dynamo/inductor failures come in many types
             for t, saved in counters:
                 t.copy_(saved)
@@ -346,7 +353,10 @@ class FastDecode:
             self._graphs[key] = _Graph(cache)
             while len(self._graphs) > self.MAX_GRAPHS:
                 self._graphs.popitem(last=False)
-            return self.first_step(lambda forward: forward(**kwargs), cache)
+            out = self.first_step(lambda forward: forward(**kwargs), cache)
+            if key[-1] != self.compile:  # compiling failed: the next step warms up and captures uncompiled
+                self._graphs.pop(key, None)
+            return out
         self._graphs.move_to_end(key)
         if entry.failed:
             return self.forward(**kwargs)
@@ -508,9 +518,8 @@ def _greedy_generate(model, fast: "FastDecode", plan) -> torch.Tensor:
             if loop.graph is None:
                 if i == 1:  # the first decode step runs uncaptured (compiles; warms kernels and the FFN dispatcher)
                     fast.first_step(lambda f: loop.run_step(f, cache_kw, cache), cache)
-                    if fast.compile != key[3]:  # compiling failed: this loop object belongs to the compiled key
-                        key = (*key[:3], fast.compile)
-                        fast._loops[key] = loop
+                    if fast.compile != key[3]:  # compiling failed: the loop moves to the uncompiled key
+                        fast._loops[(*key[:3], fast.compile)] = fast._loops.pop(key)
                     continue
                 _capture_loop(loop, fast.decode_forward(), cache_kw, cache, fast,
                               room=cache.layers[0].max_cache_len - prompt - i)
@@ -547,7 +556,7 @@ def _finished(tokens: torch.Tensor, eos: list[int]) -> bool:
 # step is captured again with every layer dense, both are replayed in alternating rounds, and the dense one
 # is kept unless TwELL's is at least 1% faster: a step never pays for a layer's wrong call.
 STEP_CHECK_ROUNDS = 5  # timed batches per graph (median)
-STEP_CHECK_REPLAYS = 4  # replays per batch: the cache needs this many free positions past the current one
+STEP_CHECK_REPLAYS = 4  # replays per batch: they write the captured step's position and the next 3
 STEP_CHECK_MARGIN = 0.99
 
 
@@ -691,8 +700,9 @@ def _fast_generate_kwargs(model, args: tuple, kwargs: dict) -> dict:
 def enable_fast_decode(model, enabled: bool = True, compile: bool | None = None) -> "FastDecode":
     """Give a loaded causal LM (a sparsify model, or any transformers one, e.g. the dense original) the fast
     decode regime: generate() on CUDA defaults to a static cache and replays decode steps from CUDA graphs.
-    `compile=True` also runs those steps through torch.compile (fewer, fused kernels per step; a compile
-    per batch size and cache length); None leaves the setting as it is. Returns the FastDecode object
+    `compile=True` also runs those steps through torch.compile (fewer, fused kernels per step; a compile on
+    the first batch size and cache length, then one dynamic-shape compile serves the other lengths and
+    batch sizes above 1); None leaves the setting as it is. Returns the FastDecode object
     (`.enabled`, `.compile`, `.replays`, `.captures`). Sparsify models have it from load."""
     fast = model.__dict__.get("_fast_decode")
     if fast is None:
