@@ -25,6 +25,8 @@ bf16. Per case:
        old             the path decode_ffn replaces: gate_pack + updown as twell_ffn_triton ran them
                        (r5 K1 with 32-column tiles + K2 split over programs up to M = 16; r6 K1 +
                        compacted K2 above)
+       chunked         K1 (32-column decode tiles) + updown_decode_chunked (K2 with d in chunks: no
+                       d-length registers; the candidate fix for d = 8192), M <= 16 only
   3. measured zeros, the union U of neurons active in some row (what decode_ffn gathers), the bytes each
      side must move (dense 3 F d b, decode F d b + 2 U d b; b = 2) and the implied GB/s.
 --sweep: after the grid, a few decode_ffn block configs on four cases (own budget, --sweep-budget-s).
@@ -55,7 +57,7 @@ from bench_kernels import as_graph, env_info, make_layer, med, set_sparsity  # n
 SHAPES = [(576, 1536), (2048, 8192), (4096, 14336), (8192, 28672)]
 MS = [1, 2, 4, 8, 16, 32]
 ZEROS = [0.85, 0.90, 0.95, 0.99]
-FNS = ("dense", "dense_b", "decode", "decode_cg", "old")
+FNS = ("dense", "dense_b", "decode", "decode_cg", "old", "chunked")
 GRAPH_MS = 2.0  # target GPU time of one graph replay (calls per graph follow from it)
 MAX_CALLS = 20
 # --sweep: (d, F, M, zeros) and decode_config overrides (relative to the default config of each case)
@@ -83,6 +85,8 @@ def case_fns(tt, ffn_dense, x, w_gate, w_up, w_down, w_down_t, old: bool = True)
            "decode_cg": lambda: tt.decode_ffn(x, w_gate, w_up, w_down_t, gate="cublas")}
     if old:
         fns["old"] = lambda: old_path(tt, x, w_gate, w_up, w_down_t)
+    if x.shape[0] <= 16:  # decode tiles (T = S = 32) up to M = 16: the chunked K2's precondition
+        fns["chunked"] = lambda: tt.updown_decode_chunked(x, tt.gate_pack(x, w_gate), w_up, w_down_t)
     return fns
 
 
@@ -294,6 +298,15 @@ def compile_report(out_dir: Path) -> list[dict]:
                **compile_usage(tt._k2_updown, types, const, k2["num_warps"], 3, div)}
         rows.append(row)
         print(row, flush=True)
+        chunk_types = {"x_ptr": "*bf16", "wu_ptr": "*bf16", "wdt_ptr": "*bf16", "cnt_ptr": "*i32", "col_ptr": "*i32",
+                       "val_ptr": "*i32", "out_ptr": "*fp32", "hs_ptr": "*fp32", "js_ptr": "*i32"}
+        cdiv = (ptr16 | {"hs_ptr", "js_ptr"}) | {n for n, v in (("D", d), ("NT", nt), ("KMAX", nt * 32),
+                                                                ("stride_xm", d), ("stride_om", d)) if v % 16 == 0}
+        row = {"d": d, "F": f, "kernel": "chunked K2 decode (_k2_dec_chunked, M <= 16)", "E": 4,
+               **compile_usage(tt._k2_dec_chunked, chunk_types, dict(T=32, S=32, NT_PAD=triton.next_power_of_2(nt),
+                               BD=min(1024, triton.next_power_of_2(d)), E=4, SPLIT=128, ENT=1), 4, 3, cdiv)}
+        rows.append(row)
+        print(row, flush=True)
         for m in (1, 8, 32):
             cfg = tt.decode_config(m, d, f)
             ints = {"D": d, "F": f, "stride_xm": d, "stride_wg": d, "stride_wu": d, "stride_gm": f, "stride_hm": f,
@@ -331,6 +344,7 @@ def row_line(r: dict) -> str:
              f"{fmt(ms.get('decode'), '.4f', '')} ({fmt(x.get('decode'))})",
              f"{fmt(ms.get('decode_cg'), '.4f', '')} ({fmt(x.get('decode_cg'))})",
              f"{fmt(ms.get('old'), '.4f', '')} ({fmt(x.get('old'))})",
+             f"{fmt(ms.get('chunked'), '.4f', '')} ({fmt(x.get('chunked'))})",
              "-" if "noise" not in r else f"{r['noise'][0]:.2f}-{r['noise'][2]:.2f}",
              fmt(r.get("GBps_dense"), ".0f", ""), fmt(r.get("GBps_decode"), ".0f", ""),
              f"{r['rel_err'].get('decode', float('nan')):.1e} / {r['rel_err'].get('dense', float('nan')):.1e}"]
@@ -341,14 +355,14 @@ def row_line(r: dict) -> str:
 
 
 HEADER = ("| d x F | M | zeros | measured | union U/F | dense ms | decode ms (x) | decode_cg ms (x) | old ms (x) | "
-          "dense/dense | dense GB/s | decode GB/s | rel err decode / dense bf16 |\n" + "|---" * 13 + "|")
+          "chunked ms (x) | dense/dense | dense GB/s | decode GB/s | rel err decode / dense bf16 |\n" + "|---" * 14 + "|")
 
 
 def ratio_tables(rows: list[dict]) -> list[str]:
     """dense / fn per (shape, zeros) x M, one table per function."""
     lines = []
     ms = sorted({r["M"] for r in rows})
-    for fn in ("decode", "decode_cg", "old"):
+    for fn in ("decode", "decode_cg", "old", "chunked"):
         if not any(fn in r.get("x", {}) for r in rows):
             continue
         lines += [f"dense / {fn} ({rows[0].get('timing')}, skewed, {rows[0].get('dtype')}; > 1 = faster than dense)",

@@ -362,6 +362,56 @@ if HAS_TRITON:
         else:
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=d_ok)
 
+    @triton.jit
+    def _k2_dec_chunked(
+        x_ptr, cnt_ptr, col_ptr, val_ptr, wu_ptr, wdt_ptr, out_ptr, hs_ptr, js_ptr,
+        D, NT, KMAX, stride_xm, stride_om,
+        T: tl.constexpr, S: tl.constexpr, NT_PAD: tl.constexpr, BD: tl.constexpr, E: tl.constexpr,
+        SPLIT: tl.constexpr, ENT: tl.constexpr,
+    ):
+        """K2 for decode at any d (updown_decode_chunked): nothing of length d stays in registers.
+
+        Program (row, split) takes the row's entries of rank split * E + lane + k * E * SPLIT. Pass 1:
+        u = W_up[j] . x over d in BD chunks, h = relu(g) * u, stored with j to the row's scratch (hs, js:
+        [M, KMAX], rank order). Pass 2: for each BD chunk of d, sum over the program's entries of
+        h * W_down^T[j, chunk], one fp32 atomic add per chunk. W_up and W_down^T rows are read once; x and
+        the scratch come back from L2. Slots must hold every entry (S >= T: decode tiles cannot overflow)."""
+        row = tl.program_id(0).to(tl.int64)
+        split = tl.program_id(1)
+        tiles = tl.arange(0, NT_PAD)
+        cnt = tl.load(cnt_ptr + row * NT + tiles, mask=tiles < NT, other=0)  # [NT_PAD]
+        cum = tl.cumsum(cnt, 0)
+        start = cum - cnt
+        K = tl.sum(cnt, 0)
+        lane = tl.arange(0, E)
+        step = E * SPLIT
+        offs = tl.arange(0, BD)
+        for k0 in range(split * E, K, step):  # pass 1: h of this program's entries
+            j, g, p_ok = _k2_entries(col_ptr, val_ptr, row, NT, S, k0 + lane, K, cum, start, tiles, T, ENT)
+            u = tl.zeros([E], dtype=tl.float32)
+            for d0 in range(0, D, BD):
+                d_ok = d0 + offs < D
+                xc = tl.load(x_ptr + row * stride_xm + d0 + offs, mask=d_ok, other=0.0).to(tl.float32)  # [BD]
+                wu = tl.load(wu_ptr + j[:, None] * D + (d0 + offs)[None, :], mask=p_ok[:, None] & d_ok[None, :],
+                             other=0.0)  # [E, BD]
+                u += tl.sum(wu.to(tl.float32) * xc[None, :], 1)
+            tl.store(hs_ptr + row * KMAX + k0 + lane, g * u, mask=p_ok)
+            tl.store(js_ptr + row * KMAX + k0 + lane, j.to(tl.int32), mask=p_ok)
+        tl.debug_barrier()  # the scratch stores of all threads are visible to the loads below
+        if split * E < K:  # pass 2 (a program without entries adds nothing)
+            for d0 in range(0, D, BD):
+                d_ok = d0 + offs < D
+                acc = tl.zeros([BD], dtype=tl.float32)
+                for k0 in range(split * E, K, step):
+                    p = k0 + lane
+                    p_ok = p < K
+                    h = tl.load(hs_ptr + row * KMAX + p, mask=p_ok, other=0.0)  # [E]
+                    j = tl.load(js_ptr + row * KMAX + p, mask=p_ok, other=0).to(tl.int64)
+                    wd = tl.load(wdt_ptr + j[:, None] * D + (d0 + offs)[None, :],
+                                 mask=p_ok[:, None] & d_ok[None, :], other=0.0)  # [E, BD]
+                    acc += tl.sum(h[:, None] * wd.to(tl.float32), 0)
+                tl.atomic_add(out_ptr + row * stride_om + d0 + offs, acc, mask=d_ok)
+
     # ------------------------------------------------------------------ decode (M <= DECODE_MAX_M)
     @triton.jit
     def _dot(a, b, acc, IEEE: tl.constexpr):
@@ -708,6 +758,38 @@ def updown(
         E=cfg["E"], SPLIT=split, ENT=ENT_CODES[packed.entries], num_warps=cfg["num_warps"], **extra,
     )
     return out.to(x2d.dtype) if split > 1 else out
+
+
+def updown_decode_chunked(
+    x2d: torch.Tensor, packed: TwellPacked, w_up: torch.Tensor, w_down_t: torch.Tensor, *,
+    E: int = 4, BD: int = 1024, SPLIT: int | None = None, num_warps: int = 4,
+) -> torch.Tensor:
+    """K2 for decode without the d-length registers of `updown`'s split path (_k2_dec_chunked), which
+    spills at d = 8192 (kernels/NOTES.md): -> [M, d] in x2d's dtype. Not routed: the H200 has not timed it
+    yet (`eval/bench_decode.py` compares it, "chunked"). SPLIT (programs per row) defaults to about four
+    programs per SM over the M rows, at most 512. packed must hold every entry (decode tiles: S >= T)."""
+    _require_triton()
+    m, d = x2d.shape
+    if packed.slots < packed.tile:
+        raise ValueError(f"updown_decode_chunked needs tiles that cannot overflow (S >= T); got T={packed.tile}, "
+                         f"S={packed.slots}: use updown")
+    for name, t in (("x2d", x2d), ("w_up", w_up), ("w_down_t", w_down_t)):
+        if t.stride(-1) != 1 or (t is not x2d and t.stride(0) != d):
+            raise ValueError(f"{name} must be contiguous [.., {d}] (strides {tuple(t.stride())})")
+    nt = packed.n_tiles
+    kmax = nt * packed.slots
+    split = SPLIT or max(1, min(512, -(-4 * _sm_count(x2d.device) // m)))
+    out = torch.zeros(m, d, dtype=torch.float32, device=x2d.device)
+    hs = torch.empty(m, kmax, dtype=torch.float32, device=x2d.device)  # [M, KMAX] h of each entry
+    js = torch.empty(m, kmax, dtype=torch.int32, device=x2d.device)  # [M, KMAX] its neuron
+    _k2_dec_chunked[(m, split)](
+        x2d, packed.cnt, packed.ent if packed.entries != "split" else packed.col,
+        packed.val if packed.entries == "split" else packed.cnt, w_up, w_down_t, out, hs, js,
+        d, nt, kmax, x2d.stride(0), out.stride(0),
+        T=packed.tile, S=packed.slots, NT_PAD=_next_pow2(nt), BD=min(BD, _next_pow2(d)), E=E, SPLIT=split,
+        ENT=ENT_CODES[packed.entries], num_warps=num_warps,
+    )
+    return out.to(x2d.dtype)
 
 
 # ---------------------------------------------------------------------------------------- decode

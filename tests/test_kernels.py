@@ -231,7 +231,7 @@ def test_bench_decode_smoke_on_cpu(tmp_path):
     assert [r["M"] for r in rows] == [1, 32]
     for r in rows:
         assert "errors" not in r and "bad" not in r, r
-        assert set(r["ms"]) == {"dense", "dense_b", "decode", "decode_cg", "old"}
+        assert set(r["ms"]) == {"dense", "dense_b", "decode", "decode_cg", "old"} | ({"chunked"} if r["M"] <= 16 else set())
         assert r["rel_err"]["decode"] < 1e-5 and 0 < r["union_frac"] < 1, r["rel_err"]
     assert "dense / decode" in res.stdout and (tmp_path / "decode-bench.md").exists()
 
@@ -1059,3 +1059,31 @@ def test_gpu_auto_calibration_and_refresh_reuse_pinned_buffer_and_event(monkeypa
     assert st.pinned is first[0] and st.event is first[1]
     want = float((torch.nn.functional.linear(x, wg) > 0).float().mean())
     assert st.density == pytest.approx(want, abs=2e-3)
+
+
+# ------------------------------------------------- chunked decode K2 (d in chunks: no d-length registers)
+@pytest.mark.parametrize("m, d, bd, split", [(1, 80, 32, 3), (3, 64, 64, 5), (5, 96, 32, 64)])
+@pytest.mark.parametrize("zeros", [0.0, 0.9, 0.99])
+def test_k2_decode_chunked_matches_reference(m, d, bd, split, zeros):
+    """d over several chunks (and not a multiple of the chunk), more programs than entries, every neuron
+    active (0% zeros fills every decode tile: S = T, no overflow) and near-empty rows; fp32 and bf16 entries."""
+    x, wg, wu, wd = make_case(m, d, 200, zeros, seed=7)
+    x[-1] = 0.0  # an all-zero row: no entry at all
+    packed = tt.gate_pack(x, wg)
+    assert packed.tile == ref.DECODE_TILE and packed.slots >= packed.tile
+    out = tt.updown_decode_chunked(x, packed, wu, twell_ops.transpose_down(wd), BD=bd, SPLIT=split)
+    assert_close(out, ref.ffn_reference(x, wg, wu, wd), what=f"chunked m={m} d={d} zeros={zeros}", **FP32)
+    assert torch.equal(out[-1], torch.zeros(d))
+    xb, wgb, wub, wdb = (t.bfloat16() for t in (x, wg, wu, wd))
+    pb = tt.gate_pack(xb, wgb)
+    assert pb.entries == "bf16"
+    got = tt.updown_decode_chunked(xb, pb, wub, twell_ops.transpose_down(wdb), BD=bd, SPLIT=split)
+    want = tt.updown(xb, pb, wgb, wub, twell_ops.transpose_down(wdb))  # the split K2 on the same entries
+    assert_close(got.float(), want.float(), what=f"chunked bf16 m={m}", rtol=2e-2, atol=2e-2 * want.float().abs().max().item())
+
+
+def test_k2_decode_chunked_refuses_tiles_that_can_overflow():
+    x, wg, wu, wd = make_case(2, 40, 300, 0.9, seed=8)
+    packed = tt.gate_pack(x, wg, BLOCK_M=32, T=64, S=8)
+    with pytest.raises(ValueError, match="cannot overflow"):
+        tt.updown_decode_chunked(x, packed, wu, twell_ops.transpose_down(wd))
