@@ -36,8 +36,8 @@ Without CUDA or triton, "auto" and "twell" on CPU tensors run the dense torch pa
 
 from __future__ import annotations
 
-import logging
 import contextlib
+import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -94,12 +94,17 @@ def dense_in_capture():
         _capture_dense = old
 
 
+def _bucket(m: int) -> int:
+    """The power-of-two M bucket a call of m rows is decided in (inlined in _dense_decided, the hot path)."""
+    return 1 << max(0, (m - 1).bit_length())
+
+
 def twell_in_capture(w_gate: torch.Tensor, m: int) -> bool:
     """Whether a call of m rows on this layer (its W_gate), captured into a graph now, would run twell."""
     held = getattr(w_gate, "_twell_auto", None)
     if held is None or held[0] != w_gate._version:
         return False
-    st = held[1].get(1 << max(0, (m - 1).bit_length()))
+    st = held[1].get(_bucket(m))
     return st is not None and st.graph_decision == "twell"
 
 
@@ -345,7 +350,7 @@ def _auto(x2d, w_gate, w_up, w_down, w_down_t) -> torch.Tensor:
     w_down_t may be None: the transposed copy is then made (and cached) only if twell is timed or run."""
     global _last_backend
     m, f = x2d.shape[0], w_gate.shape[0]
-    bucket = 1 << max(0, (m - 1).bit_length())
+    bucket = _bucket(m)
     states = _layer_states(w_gate)
     st = states.get(bucket)
     if st is None:

@@ -225,14 +225,38 @@ class _Graph:
         self.failed = False
 
 
-class _EagerReplay:
-    """cpu_emulation's stand-in for a CUDA graph: replay() runs the forward on the captured inputs."""
+def _restore(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy each (tensor, saved copy) pair back: undoes a warm-up or timed run (cache counters, loop buffers)."""
+    for t, copy in saved:
+        t.copy_(copy)
 
-    def __init__(self, forward, inputs):
-        self.forward, self.inputs, self.output = forward, inputs, None
+
+class _EagerReplay:
+    """cpu_emulation's stand-in for a CUDA graph: replay() calls the captured function again."""
+
+    def __init__(self, fn):
+        self.fn, self.output = fn, None
 
     def replay(self) -> None:
-        self.output = self.forward(**self.inputs)
+        self.output = self.fn()
+
+
+def _capture_call(fn, restore, cuda: bool):
+    """(graph, output) of fn() captured into a CUDA graph, after one run on a side stream (cuBLAS workspaces)
+    that restore() undoes; with cpu_emulation (cuda False) an _EagerReplay of fn stands in for both."""
+    if not cuda:
+        replay = _EagerReplay(fn)
+        return replay, replay
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    restore()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # its own memory pool: graphs of dropped caches free theirs
+        output = fn()
+    return graph, output
 
 
 class FastDecode:
@@ -311,8 +335,7 @@ class FastDecode:
         except torch.cuda.OutOfMemoryError:
             raise  # not a compiler failure: the caller's out-of-memory handling applies
         except Exception as e:  # noqa: BLE001 - dynamo/inductor failures come in many types
-            for t, saved in counters:
-                t.copy_(saved)
+            _restore(counters)
             self.compile, self._compiled = False, None
             self.compile_error = f"{type(e).__name__}: {e}"
             logger.warning("sparsify: torch.compile of the decode step failed (%s); decoding uncompiled",
@@ -382,23 +405,9 @@ class FastDecode:
         inputs = {k: (v if v is cache else _clone_inputs(v)) for k, v in kwargs.items()}
         counters = _cache_counters(cache)
         forward = self.decode_forward()
-        if inputs["input_ids"].is_cuda:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # one run on a side stream before capturing (cuBLAS workspaces)
-                forward(**inputs)
-            torch.cuda.current_stream().wait_stream(stream)
-        else:
-            forward(**inputs)
-        for t, saved in counters:
-            t.copy_(saved)
-        if inputs["input_ids"].is_cuda:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):  # its own memory pool: graphs of dropped caches free theirs
-                output = forward(**inputs)
-        else:  # cpu_emulation
-            graph = output = _EagerReplay(forward, inputs)
-        entry.graph, entry.inputs, entry.output = graph, inputs, output
+        entry.graph, entry.output = _capture_call(lambda: forward(**inputs), lambda: _restore(counters),
+                                                  inputs["input_ids"].is_cuda)
+        entry.inputs = inputs
         self.captures += 1
 
 
@@ -590,20 +599,8 @@ def _time_graphs(graphs: list, restore) -> list[float]:
 
 
 def _capture_step(loop: _Loop, forward, cache_kw: str, cache, restore):
-    """One run on a side stream (cuBLAS workspaces), undone, then the step captured into a CUDA graph (on
-    CPU with cpu_emulation: a plain call stands in for the replay)."""
-    if not loop.token.is_cuda:
-        return _EagerReplay(lambda: loop.run_step(forward, cache_kw, cache), {})
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        loop.run_step(forward, cache_kw, cache)
-    torch.cuda.current_stream().wait_stream(stream)
-    restore()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):  # its own memory pool: graphs of dropped caches free theirs
-        loop.run_step(forward, cache_kw, cache)
-    return graph
+    """The greedy step (loop.run_step) as a graph (_capture_call)."""
+    return _capture_call(lambda: loop.run_step(forward, cache_kw, cache), restore, loop.token.is_cuda)[0]
 
 
 def _capture_loop(loop: _Loop, forward, cache_kw: str, cache, fast: "FastDecode", room: int = 0) -> None:
@@ -612,8 +609,7 @@ def _capture_loop(loop: _Loop, forward, cache_kw: str, cache, fast: "FastDecode"
     saved = _cache_counters(cache) + [(t, t.clone()) for t in (loop.token, loop.step, loop.out)]
 
     def restore() -> None:
-        for t, copy in saved:
-            t.copy_(copy)
+        _restore(saved)
 
     loop.graph = _capture_step(loop, forward, cache_kw, cache, restore)
     fast.captures += 1
