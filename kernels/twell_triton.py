@@ -728,6 +728,11 @@ def k2_config(m: int, d: int) -> dict:
     return dict(E=e, num_warps=warps, SPLIT=split)
 
 
+def _slot_ptrs(packed: TwellPacked) -> tuple[torch.Tensor, torch.Tensor]:
+    """K2's (col_ptr, val_ptr): the packed words and a placeholder, or the split col / val tensors."""
+    return (packed.col, packed.val) if packed.entries == "split" else (packed.ent, packed.cnt)
+
+
 def updown(
     x2d: torch.Tensor, packed: TwellPacked, w_gate: torch.Tensor, w_up: torch.Tensor,
     w_down_t: torch.Tensor, *, compact: bool = False, **overrides,
@@ -751,8 +756,7 @@ def updown(
                      sg_ptr=torch.empty(m, kmax, dtype=torch.float32, device=x2d.device),
                      KMAX=kmax, COMPACT=True)
     _k2_updown[(m, split)](
-        x2d, packed.cnt, packed.ent if packed.entries != "split" else packed.col,
-        packed.val if packed.entries == "split" else packed.cnt, w_gate, w_up, w_down_t, out,
+        x2d, packed.cnt, *_slot_ptrs(packed), w_gate, w_up, w_down_t, out,
         d, f, nt, x2d.stride(0), out.stride(0),
         T=packed.tile, S=packed.slots, NT_PAD=_next_pow2(nt), BLOCK_D=_next_pow2(d),
         E=cfg["E"], SPLIT=split, ENT=ENT_CODES[packed.entries], num_warps=cfg["num_warps"], **extra,
@@ -783,8 +787,7 @@ def updown_decode_chunked(
     hs = torch.empty(m, kmax, dtype=torch.float32, device=x2d.device)  # [M, KMAX] h of each entry
     js = torch.empty(m, kmax, dtype=torch.int32, device=x2d.device)  # [M, KMAX] its neuron
     _k2_dec_chunked[(m, split)](
-        x2d, packed.cnt, packed.ent if packed.entries != "split" else packed.col,
-        packed.val if packed.entries == "split" else packed.cnt, w_up, w_down_t, out, hs, js,
+        x2d, packed.cnt, *_slot_ptrs(packed), w_up, w_down_t, out, hs, js,
         d, nt, kmax, x2d.stride(0), out.stride(0),
         T=packed.tile, S=packed.slots, NT_PAD=_next_pow2(nt), BD=min(BD, _next_pow2(d)), E=E, SPLIT=split,
         ENT=ENT_CODES[packed.entries], num_warps=num_warps,
