@@ -65,16 +65,23 @@ def as_kwargs(c) -> dict:
                 FLATTEN=flat, PACK=pack)
 
 
-def same_packing(a, b) -> str | None:
-    """None if b packs what a packs (counts, columns; values within one 16-bit step), else why not."""
+def same_packing(a, b, x, w_gate) -> str | None:
+    """None if b packs what a packs (counts, columns; values within one bf16 step plus the fp32
+    accumulation-order bound), else why not.
+
+    Both kernels sum d products in fp32 in different orders, so their sums may differ by up to
+    2 (d - 1) 2^-24 sum_k |x_k w_k| before rounding to 16 bits: an absolute error, which a relative
+    tolerance alone misses on small gate values left by cancellation (one CI run drew a 1.2e-4 entry)."""
     if not torch.equal(a.cnt, b.cnt):
         return f"counts differ in {int((a.cnt != b.cnt).sum())} (row, tile)s"
     keep = torch.arange(a.slots, device=a.cnt.device).view(1, 1, -1) < a.cnt.clamp(max=a.slots).unsqueeze(-1)
     if not torch.equal(a.ent[keep] & 0xFFFF, b.ent[keep] & 0xFFFF):
         return "columns differ"
-    va, vb = a.values()[keep], b.values()[keep]
-    bad = int(((va - vb).abs() > 2**-7 * va.abs() + 1e-30).sum())
-    return f"{bad} values differ by more than one bf16 step" if bad else None
+    va, vb = a.values()[keep].float(), b.values()[keep].float()
+    rows = torch.arange(a.cnt.shape[0], device=a.cnt.device).view(-1, 1, 1).expand_as(keep)[keep]
+    abs_dot = (x.float().abs() @ w_gate.float().abs().t())[rows, a.columns()[keep].long()]
+    bad = int(((va - vb).abs() > 2**-7 * va.abs() + x.shape[1] * 2**-23 * abs_dot).sum())
+    return f"{bad} values differ by more than one bf16 step plus the fp32 accumulation bound" if bad else None
 
 
 def run_case(d, f, m, sparsity, configs, clock, tt, ffn_dense, budget_ms, device, dtype) -> dict:
@@ -93,7 +100,7 @@ def run_case(d, f, m, sparsity, configs, clock, tt, ffn_dense, budget_ms, device
                                     {**tt.R6_DEFAULT, **kw})
             if hasattr(kern, "n_spills"):
                 row["regs_spills"][name(c)] = (kern.n_regs, kern.n_spills)
-            why = same_packing(base, got) if kw["PACK"] == 1 else (
+            why = same_packing(base, got, x, w_gate) if kw["PACK"] == 1 else (
                 None if torch.equal(base.cnt, got.cnt) else "counts differ")
         except Exception as e:  # noqa: BLE001 - compile/launch failure of one config
             row["errors"][name(c)] = f"{type(e).__name__}: {e}"[:300]
@@ -150,7 +157,7 @@ def skewed_case(d, f, m, sparsity, device, dtype) -> tuple:
     """x [M, d] (x[:, 0] = 1) and an FFN layer whose gate has `sparsity` zeros, skewed (bench_kernels)."""
     w_gate, w_up, w_down = make_layer(d, f, device, dtype)
     set_sparsity(w_gate, sparsity, "skewed")
-    x = torch.randn(m, d, device=device).to(dtype)
+    x = torch.randn(m, d, device=device, generator=torch.Generator(device=device).manual_seed(1)).to(dtype)
     x[:, 0] = 1
     return x, w_gate, w_up, w_down, w_down.t().contiguous()
 

@@ -546,6 +546,27 @@ def test_k1_sweep_smoke_on_cpu(tmp_path):
     assert {"gate", "k1_r5"} < row["k1_ms"].keys() and row["best_r6"] and "r6c" in row["ffn_ms"]
 
 
+def test_k1_sweep_same_packing_bound():
+    """The sweep's correctness gate allows the fp32 accumulation-order error (absolute: it matters on small
+    gate values left by cancellation) and one 16-bit step, and nothing more: a 1% error is caught."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("k1_sweep", Path(__file__).resolve().parents[1] / "eval" / "k1_sweep.py")
+    ks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ks)
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(16, 64, generator=gen), torch.randn(256, 64, generator=gen) / 8
+    gate = x @ w.t()
+    small = (gate > 0) & (gate < 1e-2)  # values that cancellation left small
+    assert small.any()
+    a = ref.twell_pack(gate, tile=64, slots=64, entries="fp16")
+    reordered = gate + small * 2 * 64 * 2**-24 * (x.abs() @ w.abs().t())  # within the fp32 reordering bound
+    assert ks.same_packing(a, ref.twell_pack(reordered, tile=64, slots=64, entries="fp16"), x, w) is None
+    assert "values differ" in ks.same_packing(a, ref.twell_pack(gate * 1.01, tile=64, slots=64, entries="fp16"), x, w)
+    shifted = gate + small * 1e-2  # an absolute error larger than the bound, on the small values only
+    assert "values differ" in ks.same_packing(a, ref.twell_pack(shifted, tile=64, slots=64, entries="fp16"), x, w)
+
+
 @pytest.mark.slow  # 50-56 s on 2 CPU cores (the interpreter runs every config)
 def test_k2_sweep_smoke_on_cpu(tmp_path):
     """The K2 sweep: every (E, warps) config sums the same entries as the default (to rounding)."""
