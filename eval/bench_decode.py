@@ -30,6 +30,9 @@ bf16. Per case:
   3. measured zeros, the union U of neurons active in some row (what decode_ffn gathers), the bytes each
      side must move (dense 3 F d b, decode F d b + 2 U d b; b = 2) and the implied GB/s.
 --sweep: after the grid, a few decode_ffn block configs on four cases (own budget, --sweep-budget-s).
+--sweep-chunked: updown_decode_chunked's E, d chunk, warps and SPLIT on six cases at 90% zeros, beside dense
+and K1 + K2 ("old"). --no-grid runs only the sweeps:
+  PYTHONPATH=$PWD python eval/bench_decode.py --no-grid --sweep-chunked --out $OUT/chunked
 Writes DIR/decode-bench.json and DIR/decode-bench.md; prints the ratio tables last.
 """
 
@@ -70,6 +73,12 @@ SWEEP = {  # name -> overrides as a function of the case's default config c
     "warps8": lambda c: {"warps_a": 8, "warps_b": 8}, "stages2": lambda c: {"stages_a": 2, "stages_b": 2},
 }
 
+# --sweep-chunked: cases and updown_decode_chunked configs (SPLIT None = its default, ~4 programs per SM)
+CHUNKED_CASES = [(8192, 28672, 1, 0.9), (8192, 28672, 8, 0.9), (4096, 14336, 1, 0.9), (4096, 14336, 8, 0.9),
+                 (2048, 8192, 1, 0.9), (2048, 8192, 8, 0.9)]
+CHUNKED = {"c-default": {}, "c-E8": {"E": 8}, "c-E16": {"E": 16}, "c-BD512": {"BD": 512}, "c-BD2048": {"BD": 2048},
+           "c-w8": {"num_warps": 8}, "c-E8w8": {"E": 8, "num_warps": 8}, "c-E16w8BD512": {"E": 16, "num_warps": 8, "BD": 512},
+           "c-SPLIT64": {"SPLIT": 64}, "c-SPLIT128": {"SPLIT": 128}, "c-SPLIT256": {"SPLIT": 256}, "c-E8SPLIT256": {"E": 8, "SPLIT": 256}}
 
 # ----------------------------------------------------------------------------------------- functions
 def old_path(tt, x, w_gate, w_up, w_down_t):
@@ -196,30 +205,44 @@ def run_case(ctx, layer32, x, layer, w_down_t, zeros) -> dict:
 
 
 # --------------------------------------------------------------------------------------------- sweep
-def run_sweep(ctx, budget_s: float) -> list[dict]:
+def decode_ffn_variants(tt, x, layer, w_down_t) -> dict:
+    """--sweep: decode_ffn over SWEEP's block-config changes to the case's default (decode_config)."""
+    base = tt.decode_config(x.shape[0], x.shape[1], layer[0].shape[0], tt._sm_count(x.device), 2)
+    return {name: (lambda cfg={**base, **change(base)}: tt.decode_ffn(x, layer[0], layer[1], w_down_t, **cfg))
+            for name, change in SWEEP.items()}
+
+
+def chunked_variants(tt, x, layer, w_down_t) -> dict:
+    """--sweep-chunked: K1 (decode tiles) + updown_decode_chunked over CHUNKED's configs, and the routed
+    K1 + K2 split path ("old") beside them."""
+    fns = {"old": lambda: old_path(tt, x, layer[0], layer[1], w_down_t)}
+    for name, cfg in CHUNKED.items():
+        fns[name] = lambda cfg=cfg: tt.updown_decode_chunked(x, tt.gate_pack(x, layer[0]), layer[1], w_down_t, **cfg)
+    return fns
+
+
+def run_sweep(ctx, budget_s: float, cases: list, variants) -> list[dict]:
+    """Each case: dense and variants(tt, x, layer, w_down_t) -> {name: fn}, checked, then timed under graphs."""
     tt, ffn_dense = ctx["tt"], ctx["ffn_dense"]
     rows, deadline = [], time.time() + budget_s
-    for i, (d, f, m, zeros) in enumerate(SWEEP_CASES):
-        layer = make_layer(d, f, "cuda", torch.bfloat16)
+    dev, dt = ("cuda", torch.bfloat16) if ctx["cuda"] else ("cpu", torch.float32)
+    for i, (d, f, m, zeros) in enumerate(cases):
+        layer = make_layer(d, f, dev, dt)
         set_sparsity(layer[0], zeros, "skewed")
         w_down_t = layer[2].t().contiguous()
-        x = torch.randn(m, d, device="cuda").to(torch.bfloat16)
+        x = torch.randn(m, d, device=dev).to(dt)
         x[:, 0] = 1.0
-        base = tt.decode_config(m, d, f, tt._sm_count(x.device), 2)
         ref = ffn_dense(x.float(), layer[0].float(), layer[1].float(), layer[2].float())
-        row = {"d": d, "F": f, "M": m, "zeros": zeros, "base": base, "cfg": {}, "rel_err": {}, "errors": {}}
+        row = {"d": d, "F": f, "M": m, "zeros": zeros, "rel_err": {}, "errors": {}}
         fns = {"dense": lambda: ffn_dense(x, *layer)}
-        for name, change in SWEEP.items():
-            cfg = {**base, **change(base)}
-            row["cfg"][name] = change(base)
-            fn = (lambda cfg=cfg: tt.decode_ffn(x, layer[0], layer[1], w_down_t, **cfg))
+        for name, fn in variants(tt, x, layer, w_down_t).items():
             try:
                 row["rel_err"][name] = (fn().float() - ref).abs().max().item() / ref.abs().max().item()
                 fns[name] = fn
             except Exception as e:  # noqa: BLE001 - a config that does not compile
                 row["errors"][name] = f"{type(e).__name__}: {e}"[:300]
-        left = max(1.0, deadline - time.time()) / (len(SWEEP_CASES) - i)
-        t, _ = time_graphs(fns, 1000 * 0.5 * left, row["errors"])
+        left = max(1.0, deadline - time.time()) / (len(cases) - i)
+        t = time_graphs(fns, 1000 * 0.5 * left, row["errors"])[0] if ctx["cuda"] else time_eager(fns, 1)
         row["ms"] = {k: med(v) for k, v in t.items()}
         row["x"] = {k: paired(t, "dense", k) for k in t if k != "dense"}
         rows.append(row)
@@ -227,7 +250,8 @@ def run_sweep(ctx, budget_s: float) -> list[dict]:
         print(f"sweep {d}x{f} M={m} {zeros:.0%}: " + ", ".join(f"{k} {v:.2f}x" for k, v in row["x"].items() if v)
               + f"; best {best}", flush=True)
         del layer, w_down_t, fns
-        torch.cuda.empty_cache()
+        if ctx["cuda"]:
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -385,7 +409,7 @@ def write(out_dir: Path, rows: list[dict], meta: dict, sweep: list[dict]) -> Non
     tmp.replace(out_dir / "decode-bench.json")
     text = [f"{meta.get('env')}", "", HEADER, *map(row_line, rows), "", *ratio_tables(rows)]
     for s in sweep:
-        text.append(f"sweep {s['d']}x{s['F']} M={s['M']} {s['zeros']:.2f}: " +
+        text.append(f"{s.get('sweep', 'sweep')} {s['d']}x{s['F']} M={s['M']} {s['zeros']:.2f}: " +
                     ", ".join(f"{k} {v:.2f}x" for k, v in s["x"].items() if v))
     (out_dir / "decode-bench.md").write_text("\n".join(text) + "\n")
 
@@ -400,7 +424,10 @@ def parse_args(argv=None):
     p.add_argument("--smoke", action="store_true", help="tiny shape, fp32, Triton interpreter on CPU")
     p.add_argument("--no-old", action="store_true", help="skip the old decode path")
     p.add_argument("--sweep", action="store_true", help="then time decode_ffn block configs on 4 cases")
-    p.add_argument("--sweep-budget-s", type=float, default=60)
+    p.add_argument("--sweep-chunked", action="store_true",
+                   help="then time updown_decode_chunked configs (CHUNKED) beside K1 + K2 on 6 cases")
+    p.add_argument("--sweep-budget-s", type=float, default=60, help="wall time of each sweep")
+    p.add_argument("--no-grid", action="store_true", help="skip the grid (run only the sweeps asked for)")
     p.add_argument("--compile-report", action="store_true", help="only: registers/spills of the sm_90 builds")
     p.add_argument("--shapes", default=",".join(f"{d}x{f}" for d, f in SHAPES))
     p.add_argument("--ms", default=",".join(map(str, MS)))
@@ -427,7 +454,7 @@ def main(argv=None) -> int:
     dev, dt = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     meta = {"env": env_info(), "args": {k: str(v) for k, v in vars(args).items()}, "sections_s": {}}
     print(meta["env"], flush=True)
-    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
+    shapes = [] if args.no_grid else [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
     ms = [int(m) for m in args.ms.split(",")]
     zs = [float(z) for z in args.zeros.split(",")]
     total, done = len(shapes) * len(ms) * len(zs), [0]
@@ -469,10 +496,12 @@ def main(argv=None) -> int:
         if cuda:
             torch.cuda.empty_cache()
     sweep = []
-    if args.sweep and cuda:
-        t0 = time.time()
-        sweep = run_sweep(ctx, args.sweep_budget_s)
-        meta["sections_s"]["sweep"] = round(time.time() - t0, 1)
+    for on, name, cases, variants in ((args.sweep, "sweep", SWEEP_CASES, decode_ffn_variants),
+                                      (args.sweep_chunked, "sweep_chunked", CHUNKED_CASES, chunked_variants)):
+        if on and cuda:
+            t0 = time.time()
+            sweep += [{**r, "sweep": name} for r in run_sweep(ctx, args.sweep_budget_s, cases, variants)]
+            meta["sections_s"][name] = round(time.time() - t0, 1)
     meta["total_s"] = round(time.time() - start, 1)
     write(args.out, rows, meta, sweep)
     print("\n" + HEADER)

@@ -229,9 +229,36 @@ def op_case(d, f, m, zeros, args, ctx) -> dict:
     if "dense_saved_mb" in row and "packed_saved_mb" in row:
         row["saved_reduction"] = 1 - row["packed_saved_mb"] / row["dense_saved_mb"]
     row["check"] = correctness(x, weights, dy, packed, tt)
+    if args.profile and ctx["cuda"]:
+        row["profile"] = {name: kernel_table(fn) for name, fn in fns.items()}
+        for name, table_rows in row["profile"].items():
+            print(f"{d}x{f} {zeros:.0%} {name}: " + "; ".join(f"{k} {us:.0f} us x{n:g}" for k, us, n in table_rows[:12]),
+                  flush=True)
     if errors:
         row["errors"] = errors
     return row
+
+
+def kernel_table(fn, calls: int = 3) -> list:
+    """[(kernel name, GPU us per call, launches per call)] of fn under torch.profiler, largest first, with a
+    "total" row first: where a step's GPU time goes (which kernel the packed path adds)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    us, n = {}, {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            key = e.name[:90]
+            us[key] = us.get(key, 0.0) + e.time_range.elapsed_us() / calls
+            n[key] = n.get(key, 0) + 1 / calls
+    rows = sorted(((k, us[k], n[k]) for k in us), key=lambda r: -r[1])
+    return [("total", sum(us.values()), sum(n.values())), *rows]
 
 
 def correctness(x, weights, dy, packed, tt) -> dict:
@@ -498,6 +525,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=8, help="timed training steps per variant")
     p.add_argument("--warm", type=int, default=3, help="untimed steps first (compile; capacity set after step 1)")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing in the model part")
+    p.add_argument("--profile", action="store_true",
+                   help="op part: also a torch.profiler table of each function's kernels (GPU time per call)")
     args = p.parse_args()
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
