@@ -175,10 +175,12 @@ def test_compiled_decode_gives_the_same_tokens_and_falls_back_when_compiling_fai
         torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("loop", ["greedy", "transformers"])
 @pytest.mark.parametrize("times, kept", [([2.0, 1.0], "dense"), ([1.0, 2.0], "twell"), ([1.0, 1.005], "dense")])
-def test_step_check_keeps_the_faster_of_the_twell_step_and_its_dense_twin(tiny, monkeypatch, times, kept):
-    """A captured greedy step with TwELL layers is captured again all dense; the dense twin is kept unless
-    the TwELL step is >= 1% faster; tokens are the same either way; no check without free cache room."""
+def test_step_check_keeps_the_faster_of_the_twell_step_and_its_dense_twin(tiny, monkeypatch, times, kept, loop):
+    """A captured decode step with TwELL layers (the greedy loop's step, or the forward transformers' loop
+    replays) is captured again all dense; the dense twin is kept unless the TwELL step is >= 1% faster;
+    tokens are the same either way; no check without free cache room for the timed replays."""
     import contextlib
     import sys
 
@@ -192,34 +194,39 @@ def test_step_check_keeps_the_faster_of_the_twell_step_and_its_dense_twin(tiny, 
         yield
         dense_now[0] = False
 
-    real_capture = mod._capture_step
+    real_capture = mod._capture_call
     def capture(*args):
         captured.append(dense_now[0])
         graphs.append(real_capture(*args))
         return graphs[-1]
 
-    monkeypatch.setattr(mod, "_capture_step", capture)
+    monkeypatch.setattr(mod, "_capture_call", capture)
     monkeypatch.setattr(mod, "dense_in_capture", dense_in_capture)
     monkeypatch.setattr(mod, "_twell_in_step", lambda model, batch: True)
     monkeypatch.setattr(mod, "_time_graphs", lambda graphs, restore: (restore(), times)[1])
     for prompt, new, checked in ((6, 10, True), (250, 6, False)):  # 250 + 6 fills a 256-position cache
         ids = torch.randint(3, TINY["vocab_size"], (1, prompt), generator=torch.Generator().manual_seed(5))
         ref = tiny.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
-        fast.cpu_emulation = True
+        fast.cpu_emulation, fast.loop = True, loop == "greedy"
         fast.drop_graphs(), fast.step_checks.clear(), captured.clear(), graphs.clear()
         fast.cache = fast.cache_key = None
         try:
             got = tiny.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
-            checks, loops = list(fast.step_checks), list(fast._loops.values())
+            checks, loops, entries = list(fast.step_checks), list(fast._loops.values()), list(fast._graphs.values())
         finally:
-            fast.cpu_emulation = False
+            fast.cpu_emulation, fast.loop = False, True
             fast.drop_graphs(), fast.step_checks.clear()
         assert torch.equal(ref, got)
         if checked:
             assert captured == [False, True]
-            assert checks == [{"batch": 1, "twell_ms": times[0], "dense_ms": times[1], "kept": kept}]
-            (loop,) = loops  # the step replayed is the graph kept
-            assert loop.graph is graphs[1 if kept == "dense" else 0]
+            assert checks == [{"loop": loop, "batch": 1, "twell_ms": times[0], "dense_ms": times[1], "kept": kept}]
+            want = graphs[1 if kept == "dense" else 0]
+            if loop == "greedy":
+                (step,) = loops  # the step replayed is the graph kept
+                assert step.graph is want[0]
+            else:
+                (entry,) = entries  # the forward replayed, and the logits it returns, are the kept graph's
+                assert (entry.graph, entry.output) == want
         else:
             assert captured == [False] and checks == []
 

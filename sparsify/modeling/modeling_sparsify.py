@@ -405,8 +405,13 @@ class FastDecode:
         inputs = {k: (v if v is cache else _clone_inputs(v)) for k, v in kwargs.items()}
         counters = _cache_counters(cache)
         forward = self.decode_forward()
-        entry.graph, entry.output = _capture_call(lambda: forward(**inputs), lambda: _restore(counters),
-                                                  inputs["input_ids"].is_cuda)
+        ids = inputs["input_ids"]
+
+        def capture():
+            return _capture_call(lambda: forward(**inputs), lambda: _restore(counters), ids.is_cuda)
+
+        entry.graph, entry.output = _step_check(self, capture, lambda: _restore(counters), ids.shape[0], cache,
+                                                capture(), "transformers")
         entry.inputs = inputs
         self.captures += 1
 
@@ -492,7 +497,7 @@ class _Loop:
 def _greedy_generate(model, fast: "FastDecode", plan) -> torch.Tensor:
     """Greedy decoding on the reused static cache: eager prefill, then the captured step replayed."""
     ids, new, min_new, eos, pad = plan
-    batch, prompt = ids.shape
+    batch = ids.shape[0]
     cache = _reused_cache(model, fast, (ids,), {"max_new_tokens": new})
     cache_kw = _cache_kwarg(model)
     forward = fast.forward
@@ -530,8 +535,7 @@ def _greedy_generate(model, fast: "FastDecode", plan) -> torch.Tensor:
                     if fast.compile != key[3]:  # compiling failed: the loop moves to the uncompiled key
                         fast._loops[(*key[:3], fast.compile)] = fast._loops.pop(key)
                     continue
-                _capture_loop(loop, fast.decode_forward(), cache_kw, cache, fast,
-                              room=cache.layers[0].max_cache_len - prompt - i)
+                _capture_loop(loop, fast.decode_forward(), cache_kw, cache, fast)
             loop.graph.replay()
             fast.replays += 1
             if eos and (i + 1) % EOS_CHECK == 0 and _finished(loop.out[:, : i + 1], eos):
@@ -561,9 +565,10 @@ def _finished(tokens: torch.Tensor, eos: list[int]) -> bool:
 
 # The step check: the FFN dispatcher decides per layer from the FFN timed alone, so a whole step with TwELL
 # layers can still come out slower than the same step all dense (measured on the H200: SmolLM2-135M and a
-# 1B at batch 8 under torch.compile, 0.98x). When a captured greedy step runs TwELL in some layer, the same
-# step is captured again with every layer dense, both are replayed in alternating rounds, and the dense one
-# is kept unless TwELL's is at least 1% faster: a step never pays for a layer's wrong call.
+# 1B at batch 8 under torch.compile, 0.98x). When a captured decode step (the greedy loop's, or the forward
+# transformers' loop replays for sampling and the other options) runs TwELL in some layer, the same step is
+# captured again with every layer dense, both are replayed in alternating rounds, and the dense one is kept
+# unless TwELL's is at least 1% faster: a step never pays for a layer's wrong call.
 STEP_CHECK_ROUNDS = 5  # timed batches per graph (median)
 STEP_CHECK_REPLAYS = 4  # replays per batch: they write the captured step's position and the next 3
 STEP_CHECK_MARGIN = 0.99
@@ -598,33 +603,49 @@ def _time_graphs(graphs: list, restore) -> list[float]:
     return [sorted(t)[len(t) // 2] for t in times]
 
 
-def _capture_step(loop: _Loop, forward, cache_kw: str, cache, restore):
-    """The greedy step (loop.run_step) as a graph (_capture_call)."""
-    return _capture_call(lambda: loop.run_step(forward, cache_kw, cache), restore, loop.token.is_cuda)[0]
+def _free_positions(cache) -> int:
+    """Cache positions past the one the next decode step writes (0 when the cache does not say): the step
+    check's timed replays write that many positions ahead, which must stay inside the cache."""
+    layer = cache.layers[0]
+    length, written = getattr(layer, "max_cache_len", None), getattr(layer, "cumulative_length", None)
+    if length is None or written is None:
+        return 0
+    return int(length) - int(written) - 1
 
 
-def _capture_loop(loop: _Loop, forward, cache_kw: str, cache, fast: "FastDecode", room: int = 0) -> None:
-    """Capture loop.run_step; with TwELL layers in the step and `room` free cache positions past the one it
-    writes, keep the faster of it and its all-dense twin."""
+def _step_check(fast: "FastDecode", capture, restore, batch: int, cache, first: tuple, loop: str) -> tuple:
+    """The (graph, output) to replay for a decode step: `first` = capture(), or, when that step runs TwELL
+    in some layer and the cache has room for the timed replays, the faster of it and capture() again with
+    every layer dense (the dense one unless TwELL's is >= 1% faster). restore() undoes a replay's writes."""
+    if not fast.check_step or not _twell_in_step(fast.model, batch) or _free_positions(cache) <= STEP_CHECK_REPLAYS:
+        return first
+    with dense_in_capture():
+        dense = capture()
+    twell_ms, dense_ms = _time_graphs([first[0], dense[0]], restore)
+    kept = "twell" if twell_ms <= STEP_CHECK_MARGIN * dense_ms else "dense"
+    fast.step_checks.append({"loop": loop, "batch": batch, "twell_ms": twell_ms, "dense_ms": dense_ms, "kept": kept})
+    logger.info("sparsify: decode step at batch %d (%s loop): TwELL layers %.3f ms, all dense %.3f ms: kept %s",
+                batch, loop, twell_ms, dense_ms, kept)
+    return first if kept == "twell" else dense
+
+
+def _capture_step(loop: _Loop, forward, cache_kw: str, cache, restore) -> tuple:
+    """The greedy step (loop.run_step) as (graph, output) (_capture_call)."""
+    return _capture_call(lambda: loop.run_step(forward, cache_kw, cache), restore, loop.token.is_cuda)
+
+
+def _capture_loop(loop: _Loop, forward, cache_kw: str, cache, fast: "FastDecode") -> None:
+    """Capture loop.run_step (checked against its all-dense twin: _step_check)."""
     saved = _cache_counters(cache) + [(t, t.clone()) for t in (loop.token, loop.step, loop.out)]
 
     def restore() -> None:
         _restore(saved)
 
-    loop.graph = _capture_step(loop, forward, cache_kw, cache, restore)
+    def capture():
+        return _capture_step(loop, forward, cache_kw, cache, restore)
+
+    loop.graph = _step_check(fast, capture, restore, loop.token.shape[0], cache, capture(), "greedy")[0]
     fast.captures += 1
-    batch = loop.token.shape[0]
-    if not fast.check_step or room <= STEP_CHECK_REPLAYS or not _twell_in_step(fast.model, batch):
-        return
-    with dense_in_capture():
-        dense = _capture_step(loop, forward, cache_kw, cache, restore)
-    twell_ms, dense_ms = _time_graphs([loop.graph, dense], restore)
-    kept = "twell" if twell_ms <= STEP_CHECK_MARGIN * dense_ms else "dense"
-    if kept == "dense":
-        loop.graph = dense
-    fast.step_checks.append({"batch": batch, "twell_ms": twell_ms, "dense_ms": dense_ms, "kept": kept})
-    logger.info("sparsify: decode step at batch %d: TwELL layers %.3f ms, all dense %.3f ms: kept %s",
-                batch, twell_ms, dense_ms, kept)
 
 
 def _no_sliding_window(config) -> bool:
