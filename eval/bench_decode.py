@@ -24,7 +24,8 @@ bf16. Per case:
        decode_cg       decode_ffn(gate="cublas") (the gate GEMV by cuBLAS, phase A reads only W_up)
        old             the path decode_ffn replaces: gate_pack + updown as twell_ffn_triton ran them
                        (r5 K1 with 32-column tiles + K2 split over programs up to M = 16; r6 K1 +
-                       compacted K2 above)
+                       compacted K2 above), with the split _k2_updown at every d (twell_ffn_triton now
+                       takes the chunked K2 from d = 8192 on)
        chunked         K1 (32-column decode tiles) + updown_decode_chunked (K2 with d in chunks: no
                        d-length registers; the candidate fix for d = 8192), M <= 16 only
   3. measured zeros, the union U of neurons active in some row (what decode_ffn gathers), the bytes each
@@ -82,9 +83,10 @@ CHUNKED = {"c-default": {}, "c-E8": {"E": 8}, "c-E16": {"E": 16}, "c-BD512": {"B
 
 # ----------------------------------------------------------------------------------------- functions
 def old_path(tt, x, w_gate, w_up, w_down_t):
-    """twell_ffn_triton before decode_ffn (variant r6c): K1 + K2; r6 K1 falls back to r5 at M <= 16."""
+    """twell_ffn_triton before decode_ffn (variant r6c): K1 + K2; r6 K1 falls back to r5 at M <= 16; K2 the
+    split _k2_updown at every d (chunked=False: what ran before updown routed d >= 8192 to the chunked K2)."""
     packed = tt.gate_pack(x, w_gate, variant="r6")
-    return tt.updown(x, packed, w_gate, w_up, w_down_t, compact=True)
+    return tt.updown(x, packed, w_gate, w_up, w_down_t, compact=True, chunked=False)
 
 
 def case_fns(tt, ffn_dense, x, w_gate, w_up, w_down, w_down_t, old: bool = True) -> dict:

@@ -10,9 +10,11 @@ Backends:
 - "twell": K1 (gate GEMM + ReLU + TwELL pack) then K2 (fused up/down) from twell_triton.py.
 - "auto": per layer (state kept on the W_gate tensor) and per power-of-two bucket of M, the first eager
   call measures the density, then times both paths (CUDA events, like an autotuner) and keeps the
-  faster one. Both sides are timed through the code that then runs: twell_ffn(backend="auto") itself
-  with the layer's decision forced to "dense" (the fast path) or "twell" (checks, dispatcher, W_down^T
-  lookup and the periodic refresh included), re-timing held off meanwhile; dense and twell alternate in
+  faster one (first checking that twell's output agrees with dense's: a layer whose kernels give a
+  wrong result on this GPU stays dense, logged as an error). Both sides are timed through the code that
+  then runs: twell_ffn(backend="auto") itself with the layer's decision forced to "dense" (the fast
+  path) or "twell" (checks, dispatcher, W_down^T lookup and the periodic refresh included), re-timing
+  held off meanwhile; dense and twell alternate in
   rounds (order swapped every round) and twell is chosen only if the median of the per-round ratios
   t_twell / t_dense is below MARGIN (3% faster), so auto is never measurably slower than dense. For
   M <= GRAPH_TIMED_M it also times both paths replayed from CUDA graphs: eager decode is bound by
@@ -63,6 +65,7 @@ MAX_RETUNE = 8  # re-timings per (layer, M bucket)
 # ("r5c" / "r6c": K1 of r5 / r6, then K2 on compacted lists)
 K1_VARIANT, COMPACT = split_variant(DEFAULT_VARIANT)
 MARGIN = 0.97  # twell must be at least 3% faster than dense at calibration (median paired ratio)
+AGREE_TOL = 0.25  # before timing, twell's output must be within this fraction of max |dense output| (_fault)
 GRAPH_TIMED_M = 256  # up to this M, also time both paths inside CUDA graphs (decode is CPU-bound eagerly)
 # Prefill (M > GRAPH_TIMED_M) runs twell only where the layer's density is at most this (99% zeros): in
 # every H200 prefill measurement below it twell lost to cuBLAS (r6c at M = 16384: 0.97x at 99% zeros,
@@ -283,6 +286,23 @@ def _graph_rounds(st: _LayerState, x2d, w_gate, w_up, w_down, w_down_t) -> dict[
     return out
 
 
+def _fault(y_twell: torch.Tensor, y_dense: torch.Tensor) -> str | None:
+    """Why twell's output cannot be the dense FFN's up to rounding (a kernel fault on this GPU or Triton
+    build), else None. Rounding differences are a few % of max |y| at most; a fault (lost or garbled rows,
+    a wrong weight row, NaN) is of the output's own size. Nothing is judged when dense is not finite."""
+    ref = y_dense.float()
+    scale = float(ref.abs().max()) if ref.numel() else 0.0
+    if not math.isfinite(scale):
+        return None
+    got = y_twell.float()
+    if not bool(torch.isfinite(got).all()):
+        return "non-finite values where dense is finite"
+    err = float((got - ref).abs().max()) if got.numel() else 0.0
+    if err > AGREE_TOL * scale:
+        return f"max |twell - dense| = {err:.3g} against max |dense| = {scale:.3g}"
+    return None
+
+
 def _calibrate(st: _LayerState, x2d, w_gate, w_up, w_down, w_down_t) -> None:
     """Set st.decision (and st.graph_decision for M <= GRAPH_TIMED_M) from paired timings; prefill
     buckets denser than PREFILL_MAX_DENSITY go dense untimed.
@@ -294,6 +314,15 @@ def _calibrate(st: _LayerState, x2d, w_gate, w_up, w_down, w_down_t) -> None:
         st.decision = st.graph_decision = "dense"
         st.times = {"density": st.density, "rule": f"prefill density > {PREFILL_MAX_DENSITY}"}
         st.density0 = st.density
+        return
+    fault = _fault(_run_twell(st, x2d, w_gate, w_up, w_down, w_down_t), ffn_dense(x2d, w_gate, w_up, w_down))
+    if fault is not None:  # never time (or choose) a path whose output is wrong
+        st.decision = st.graph_decision = "dense"
+        st.times = {"density": st.density, "rule": f"twell output disagrees with dense ({fault})"}
+        st.density0 = st.density
+        log.error("twell_ffn %s: the TwELL kernels' output disagrees with dense (%s) on %s; this layer keeps the "
+                  "dense FFN. Please report it with your GPU, torch and triton versions.",
+                  (tuple(w_gate.shape), x2d.dtype, _bucket(x2d.shape[0])), fault, x2d.device)
         return
     call = lambda: twell_ffn(x2d, w_gate, w_up, w_down, backend="auto", w_down_t=w_down_t)  # noqa: E731
 

@@ -754,6 +754,25 @@ def test_gpu_decode_ffn_matches_oracle(dtype, m, d, f):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 8, 16])
+def test_gpu_decode_k2_chunked_at_8192_matches_oracle(dtype, m):
+    """The decode path twell_ffn_triton takes at d = 8192 (K1 decode tiles + the chunked K2) within the
+    low-precision rule, skewed 90% zeros, every 3rd row with every neuron active; also under a CUDA graph."""
+    x, wg, wu, wd = make_case(m, 8192, 28672, 0.9, seed=47, dtype=dtype, device="cuda")
+    x[::3, 0] = -30.0
+    wdt = twell_ops.transpose_down(wd)
+    got = tt.twell_ffn_triton(x, wg, wu, wdt)
+    bf16_rule(got, x, wg, wu, wd, f"gpu chunked {dtype} m={m}")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tt.twell_ffn_triton(x, wg, wu, wdt)
+    graph.replay()
+    torch.cuda.synchronize()
+    bf16_rule(out, x, wg, wu, wd, f"gpu chunked graph {dtype} m={m}")
+
+
+@pytest.mark.gpu
 def test_gpu_decode_ffn_fp32_graph_and_determinism():
     """fp32 (ieee dots) against the oracle; replayed from a CUDA graph it equals the eager call bit for bit."""
     x, wg, wu, wd = make_case(3, 2048, 8192, 0.9, seed=46, device="cuda")
@@ -967,9 +986,9 @@ def test_auto_calibration_decides_on_paired_ratios(monkeypatch, dense, twell, wa
     assert st.decision == want and st.graph_decision == want and not st.timing, st.times
     assert order == ["dense", "twell", "twell", "dense"] * 2 + ["dense", "twell"], order
     assert st.times["ratio"] == pytest.approx(sorted(t / d for t, d in zip(twell, dense))[2])
-    # the twell side ran the same function as the hot path does afterwards (one warm-up call, one
-    # estimate and 5 timed loops of one fake call), the dense side never did
-    assert len(ran) == 7 + (want == "twell") and not any(ran), ran
+    # the twell side ran the same function as the hot path does afterwards (the output check, one warm-up
+    # call, one estimate and 5 timed loops of one fake call), the dense side never did
+    assert len(ran) == 8 + (want == "twell") and not any(ran), ran
     assert torch.equal(out, ref.ffn_dense(x, wg, wu, wd))
 
 
@@ -983,6 +1002,40 @@ def test_auto_decide_spread_rule_for_launch_bound_twell():
     steady = [0.8, 0.79, 0.81, 0.8, 0.8]  # a 24% win, 2.5% spread: still twell when launch-bound
     assert twell_ops._decide(dense, steady, graph_twell=[0.3] * 5)[0] == "twell"
     assert twell_ops._decide([1.0] * 5, [0.975] * 5)[0] == "dense"  # 2.5% is inside MARGIN
+
+
+@pytest.mark.parametrize("wrong, fault", [
+    (lambda y: y * 1.01, None),  # rounding-sized differences: timed as usual
+    (lambda y: torch.zeros_like(y), "max |twell - dense|"),  # lost output
+    (lambda y: torch.cat([y[:-1], -y[-1:]]), "max |twell - dense|"),  # one garbled row
+    (lambda y: torch.where(torch.arange(y.numel()).view_as(y) == 3, float("nan"), y), "non-finite"),
+])
+def test_auto_calibration_checks_twell_output_before_timing(monkeypatch, caplog, wrong, fault):
+    """A twell path whose output is not the dense FFN's (a kernel fault on some GPU / Triton build) is never
+    timed or chosen: the layer stays dense and an error names the layer and the fault."""
+    x, wg, wu, wd, ran = calibration_case(monkeypatch, seed=33)
+    y = ref.ffn_dense(x, wg, wu, wd)
+    y[-1] = y[-1] + y.abs().max()  # the garbled row is as large as the output itself
+    monkeypatch.setattr(twell_ops, "_run_twell", lambda st, x2d, *a, refresh=False: ran.append(refresh) or wrong(
+        ref.ffn_dense(x2d, *a[:3]) if fault is None else y))
+    order = scripted_timer(monkeypatch, {"dense": [1.0] * 5, "twell": [0.5] * 5})
+    with caplog.at_level("ERROR", logger="sparsify.kernels"):
+        out = twell_ops.twell_ffn(x, wg, wu, wd)
+    st = wg._twell_auto[1][32]
+    if fault is None:
+        assert st.decision == "twell" and len(order) == 10 and not caplog.records
+    else:
+        assert st.decision == st.graph_decision == "dense" and order == [] and len(ran) == 1
+        assert fault in st.times["rule"] and "disagrees with dense" in caplog.text and "(64, 16)" in caplog.text
+        assert torch.equal(out, ref.ffn_dense(x, wg, wu, wd))
+
+
+def test_auto_fault_check_scale():
+    y = torch.tensor([[1.0, -2.0], [0.5, 0.0]])
+    assert twell_ops._fault(y + 0.1, y) is None  # 5% of max |y|: rounding-sized
+    assert "max |twell" in twell_ops._fault(y + 1.0, y)
+    assert twell_ops._fault(y, torch.full_like(y, float("inf"))) is None  # dense not finite: nothing judged
+    assert twell_ops._fault(torch.zeros(0, 2), torch.zeros(0, 2)) is None
 
 
 def test_auto_calibration_failure_keeps_no_forced_decision(monkeypatch):
@@ -1101,6 +1154,27 @@ def test_k2_decode_chunked_matches_reference(m, d, bd, split, zeros):
     got = tt.updown_decode_chunked(xb, pb, wub, twell_ops.transpose_down(wdb), BD=bd, SPLIT=split)
     want = tt.updown(xb, pb, wgb, wub, twell_ops.transpose_down(wdb))  # the split K2 on the same entries
     assert_close(got.float(), want.float(), what=f"chunked bf16 m={m}", rtol=2e-2, atol=2e-2 * want.float().abs().max().item())
+
+
+def test_decode_k2_routes_to_chunked_from_its_d(monkeypatch):
+    """twell_ffn_triton's decode K2 (split, M <= 16) runs the chunked K2 from DECODE_CHUNKED_MIN_D on (made
+    64 here), the split _k2_updown below it, with chunked=False or with block overrides; same output."""
+    calls = []
+    real = tt.updown_decode_chunked
+    monkeypatch.setattr(tt, "updown_decode_chunked", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    monkeypatch.setattr(tt, "DECODE_CHUNKED_MIN_D", 64)
+    for m, d, chunked in ((1, 64, True), (5, 72, True), (3, 48, False), (20, 64, False)):  # M = 20: prefill K2
+        x, wg, wu, wd = make_case(m, d, 150, 0.9, seed=9)
+        calls.clear()
+        out = tt.twell_ffn_triton(x, wg, wu, twell_ops.transpose_down(wd))
+        assert calls == ([(m, d)] if chunked else []), (m, d, calls)
+        assert_close(out, ref.ffn_reference(x, wg, wu, wd), what=f"routed m={m} d={d}", **FP32)
+    x, wg, wu, wd = make_case(2, 64, 150, 0.9, seed=10)
+    packed, wdt = tt.gate_pack(x, wg), twell_ops.transpose_down(wd)
+    calls.clear()
+    tt.updown(x, packed, wg, wu, wdt, chunked=False)
+    tt.updown(x, packed, wg, wu, wdt, E=4)  # block overrides are _k2_updown's: no route
+    assert calls == []
 
 
 def test_k2_decode_chunked_refuses_tiles_that_can_overflow():
