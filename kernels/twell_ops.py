@@ -303,6 +303,11 @@ def _fault(y_twell: torch.Tensor, y_dense: torch.Tensor) -> str | None:
     return None
 
 
+def _output_fault(st: _LayerState, x2d, w_gate, w_up, w_down, w_down_t) -> str | None:
+    """_fault of one call of auto's twell path against the dense FFN on the same input."""
+    return _fault(_run_twell(st, x2d, w_gate, w_up, w_down, w_down_t), ffn_dense(x2d, w_gate, w_up, w_down))
+
+
 def _calibrate(st: _LayerState, x2d, w_gate, w_up, w_down, w_down_t) -> None:
     """Set st.decision (and st.graph_decision for M <= GRAPH_TIMED_M) from paired timings; prefill
     buckets denser than PREFILL_MAX_DENSITY go dense untimed.
@@ -315,7 +320,7 @@ def _calibrate(st: _LayerState, x2d, w_gate, w_up, w_down, w_down_t) -> None:
         st.times = {"density": st.density, "rule": f"prefill density > {PREFILL_MAX_DENSITY}"}
         st.density0 = st.density
         return
-    fault = _fault(_run_twell(st, x2d, w_gate, w_up, w_down, w_down_t), ffn_dense(x2d, w_gate, w_up, w_down))
+    fault = _output_fault(st, x2d, w_gate, w_up, w_down, w_down_t)
     if fault is not None:  # never time (or choose) a path whose output is wrong
         st.decision = st.graph_decision = "dense"
         st.times = {"density": st.density, "rule": f"twell output disagrees with dense ({fault})"}

@@ -48,6 +48,7 @@ def test_fast_decode_equals_eager_dynamic_cache_and_reuses_its_graph(tiny, loop)
         assert fast.captures - captures == 1 and fast.replays - replays == 22 + 23
         other = tiny.generate(ids[:1], max_new_tokens=24, min_new_tokens=24, do_sample=False)  # another batch: another cache
         assert fast.captures - captures == 2
+        torch.manual_seed(0)
         sampled = tiny.generate(ids, max_new_tokens=8, do_sample=True, top_k=5)  # transformers' loop
         assert sampled.shape == (2, 15)
     finally:
@@ -55,15 +56,30 @@ def test_fast_decode_equals_eager_dynamic_cache_and_reuses_its_graph(tiny, loop)
     assert torch.equal(ref, got) and torch.equal(ref, again) and torch.equal(ref[:1], other)
 
 
+def top2_gap(scores) -> float:
+    """Smallest gap between the two best logits over the steps and rows of a greedy run (finite ones): the
+    static-cache and dynamic-cache paths sum in different orders (~2e-8 apart here), so token equality
+    is a fair test only well above that."""
+    gaps = []
+    for s in scores:
+        top = s.topk(2, dim=-1).values
+        ok = torch.isfinite(top[:, 1])
+        gaps += (top[:, 0] - top[:, 1])[ok].tolist()
+    return min(gaps)
+
+
 def test_greedy_loop_stops_and_pads_like_transformers(tiny):
-    ids = torch.randint(3, TINY["vocab_size"], (3, 5), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(3, TINY["vocab_size"], (3, 5), generator=torch.Generator().manual_seed(3))
     fast = tiny._fast_decode
     plain = tiny.generate(ids, max_new_tokens=80, do_sample=False)
     eos = int(plain[0, 5 + 3])  # a token row 0 emits early: an end-of-sequence id for this test
     # no eos, then eos ids (the graph of the first call must not be replayed without the eos mask), then others
     for kwargs in ({"eos_token_id": None, "pad_token_id": 1}, {"eos_token_id": eos, "pad_token_id": 1, "min_new_tokens": 9},
                    {"eos_token_id": [eos, 7], "min_new_tokens": 30}):
-        ref = tiny.generate(ids, max_new_tokens=80, do_sample=False, **kwargs)
+        out = tiny.generate(ids, max_new_tokens=80, do_sample=False, output_scores=True, return_dict_in_generate=True,
+                            **kwargs)
+        assert top2_gap(out.scores) > 1e-5, "a near-tie between logits: choose another prompt seed"
+        ref = out.sequences
         fast.cpu_emulation = True
         loops = fast.loops
         try:
@@ -100,6 +116,7 @@ def test_prefill_above_one_percent_density_goes_dense_untimed(monkeypatch):
     monkeypatch.setattr(twell_ops, "_paired_rounds", lambda fns, x2d, per_call=1: timed.append(x2d.shape[0]) or {
         "dense": [1.0] * 5, "twell": [2.0] * 5})
     monkeypatch.setattr(twell_ops, "_graph_rounds", lambda *a: {"dense": [1.0] * 5, "twell": [0.5] * 5})
+    monkeypatch.setattr(twell_ops, "_output_fault", lambda *a: None)  # (tests/test_kernels.py checks it)
     x = torch.randn(twell_ops.GRAPH_TIMED_M + 1, 8)
     st = twell_ops._LayerState(density=0.05)
     twell_ops._calibrate(st, x, None, None, None, None)

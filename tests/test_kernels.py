@@ -296,10 +296,12 @@ def test_torch_fallback_without_triton():
         from sparsify.kernels import twell_ffn, last_backend, ffn_reference
         from sparsify.kernels.twell_triton import HAS_TRITON
         assert not HAS_TRITON
-        x, wg, wu, wd = torch.randn(3, 8), torch.randn(20, 8), torch.randn(20, 8), torch.randn(8, 20)
+        gen = torch.Generator().manual_seed(0)
+        x, wg, wu, wd = (torch.randn(*s, generator=gen) for s in ((3, 8), (20, 8), (20, 8), (8, 20)))
         y = twell_ffn(x, wg, wu, wd, backend="twell")
         assert last_backend() == "dense", last_backend()
-        assert (y - ffn_reference(x, wg, wu, wd)).abs().max() < 1e-4
+        want = ffn_reference(x, wg, wu, wd)
+        assert (y - want).abs().max() <= 1e-5 * want.abs().max(), (y - want).abs().max()
         print("ok")
         """
     )
@@ -387,9 +389,14 @@ def test_k1_autotune_configs_are_valid():
     x, wg, _, _ = make_case(40, 24, 200, 0.9, seed=17)
     for bm, bk, warps, stages in tt.K1_TUNE:
         packed = tt.gate_pack(x, wg, BLOCK_M=bm, BLOCK_K=bk, num_warps=warps, num_stages=stages, entries="bf16")
-        want = ref.twell_pack(x @ wg.t(), packed.tile, packed.slots, entries="bf16")
+        gate = x @ wg.t()
+        want = ref.twell_pack(gate, packed.tile, packed.slots, entries="bf16")
         kept = torch.arange(packed.slots) < packed.cnt.clamp(max=packed.slots).unsqueeze(-1)
-        assert torch.equal(packed.cnt, want.cnt) and torch.equal(packed.ent[kept], want.ent[kept]), (bm, bk)
+        # counts and columns exactly (the case's signs are far from 0); values within the rounding bound: a
+        # bf16 word may flip where K1's accumulation order and torch's land on either side of a tie
+        assert torch.equal(packed.cnt, want.cnt), (bm, bk)
+        assert torch.equal(packed.ent[kept] & 0xFFFF, want.ent[kept] & 0xFFFF), (bm, bk)
+        check_packed_values(packed, x, wg, gate, f"autotune config {(bm, bk, warps, stages)}")
 
 
 def test_k1_autotuned_launch_in_interpreter(monkeypatch):
@@ -899,6 +906,7 @@ def test_auto_dispatcher_logic_on_cpu(monkeypatch, caplog):
     x, wg, wu, wd = make_case(20, 16, 64, 0.9, seed=14)  # M > 16: prefill config, cheap in the interpreter
     wdt = twell_ops.transpose_down(wd)
     timed, counted = [], []
+    monkeypatch.setattr(twell_ops, "_logged", {})  # log-once memory is global: count this test's lines only
 
     def fake_calibrate(st, *args):
         timed.append(st.density)

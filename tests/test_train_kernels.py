@@ -176,7 +176,7 @@ def test_activation_checkpointing_and_compile():
 
     case = make_case(33, 16, 48, 0.9, rows="d", seed=11)
     x, w_gate, w_up, w_down = case
-    dy = torch.randn(33, 16)
+    dy = torch.randn(33, 16, generator=torch.Generator().manual_seed(12))
     want = run(tt.ffn_train_reference, x, w_gate, w_up, w_down, dy, 0.5)
 
     def ffn(*a):
@@ -194,7 +194,7 @@ def test_autocast_bf16_matches_dense_autocast():
     """Under autocast the op casts like F.linear (fp32 master weights, bf16 compute); the torch backend in bf16
     on CPU against dense autograd under the same autocast: bf16 rounding only."""
     x, w_gate, w_up, w_down = make_case(33, 40, 100, 0.9, rows="d")
-    dy = torch.randn(33, 40)
+    dy = torch.randn(33, 40, generator=torch.Generator().manual_seed(13))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         want = run(tt.ffn_train_reference, x, w_gate, w_up, w_down, dy, 0.5)
         got = run(tt.sparse_ffn_train, x, w_gate, w_up, w_down, dy, 0.5, capacity=8, spill_rows=2)
