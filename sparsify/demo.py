@@ -44,7 +44,7 @@ def demo(out: str | Path = "sparsify-demo", *, steps: int = 20, limit: int = 20,
     """
     from .convert import convert
     from .evaluate import evaluate
-    from .finetune import finetune, resumable_recipe
+    from .finetune import RunStopped, finetune, resumable_recipe
     from .recipe import dump_recipe, load_recipe
 
     say = (lambda *a: None) if quiet else print
@@ -64,10 +64,14 @@ def demo(out: str | Path = "sparsify-demo", *, steps: int = 20, limit: int = 20,
     if convert_again or not (done.is_file() and done.read_text() == wanted):
         say(f"[2/3] finetune {steps} steps (L1 3e-2, seq 128 x batch 4) on {TRAIN_TEXT.name} -> {ft_dir}")
         resume = not convert_again and resumable_recipe(ft_dir) == wanted  # an interrupted run of these settings
-        finetune(recipe, resume=resume, progress=progress, verbose=not quiet)
-        shutil.rmtree(ft_dir / "checkpoints", ignore_errors=True)  # finished: nothing left to resume
+        try:
+            finetune(recipe, resume=resume, progress=progress, verbose=not quiet)
+        except RunStopped as stopped:  # finetune's own advice (--resume) is not how the demo continues
+            raise RunStopped(f"{str(stopped).split(';')[0]}; run the same `sparsify demo` command again to continue "
+                             "from there.", stopped.exit_code - 128) from None
     else:
         say(f"[2/3] finetune: reusing {ft_dir / 'model'} ({steps} steps, same settings)")
+    shutil.rmtree(ft_dir / "checkpoints", ignore_errors=True)  # finished: nothing left to resume
     tasks = [str(REPO_TASKS)] if REPO_TASKS.is_dir() else []
     say(f"[3/3] eval original / bare ReLU swap / fine-tuned -> {report_dir}"
         + ("" if tasks else " (no eval/tasks/ folder here: accuracy skipped)"))

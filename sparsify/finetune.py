@@ -849,7 +849,11 @@ def finetune(recipe: Recipe, *, resume: bool = False, progress: bool = True, ver
             log.close()
         if dist.main and recipe.output.plots:
             plot(out, history)
-        return export(run, model_dir, out, tokenizer, history)
+        folder = export(run, model_dir, out, tokenizer, history)
+        if stop.signum:  # caught during the last step or the final evaluation: the run is done, but the caller stops
+            raise RunStopped(f"stopped by {signal.Signals(stop.signum).name} at the end of training (step "
+                             f"{run.state.step}); the fine-tuned model was exported to {folder}.", stop.signum)
+        return folder
 
 
 def _check_output(out: Path, recipe: Recipe, resume: bool, dist: Dist) -> Path | None:

@@ -41,3 +41,38 @@ def test_demo_runs_whole_pipeline_quietly_and_reuses_only_stages_with_the_same_s
     assert "[1/3] convert: reusing" in longer.stdout and "[2/3] finetune 3 steps" in longer.stdout
     assert json.loads((model / "config.json").read_text())["sparsify"]["steps"] == 3
     assert not (out / "ft" / "checkpoints").exists()
+
+
+def test_a_stopped_finetune_stops_the_demo_with_its_exit_code_and_how_to_continue(tmp_path, monkeypatch):
+    """A Ctrl-C / SIGTERM that finetune honours ends the demo there (no eval of a half-trained model, exit 128 + the
+    signal), with the demo's way to continue rather than finetune's --resume."""
+    import importlib
+    import signal
+
+    from sparsify import cli
+    from sparsify.sources import SMOLLM2_ALIAS
+
+    def fake_convert(source, out, **kw):
+        out.mkdir(parents=True)
+        (out / "config.json").write_text(json.dumps({"model_type": "llama", "sparsify": {"source": SMOLLM2_ALIAS}}))
+
+    def stopped(recipe, **kw):
+        raise finetune.RunStopped("stopped by SIGTERM after step 7 (3,584 tokens); checkpoint X. Continue with the "
+                                  "same command and --resume.", signal.SIGTERM)
+
+    def no_eval(*a, **kw):
+        raise AssertionError("the demo went on to evaluate after the stop")
+
+    convert, finetune, evaluate = (importlib.import_module(f"sparsify.{m}") for m in ("convert", "finetune", "evaluate"))
+
+    monkeypatch.setattr(convert, "convert", fake_convert)
+    monkeypatch.setattr(finetune, "finetune", stopped)
+    monkeypatch.setattr(evaluate, "evaluate", no_eval)
+    with pytest.raises(finetune.RunStopped) as caught:
+        from sparsify.demo import demo as run_demo
+
+        run_demo(tmp_path / "d", quiet=True)
+    assert "after step 7" in str(caught.value) and "--resume" not in str(caught.value)
+    assert "sparsify demo" in str(caught.value)
+    monkeypatch.setattr(sys, "argv", ["sparsify"])
+    assert cli.main(["demo", "-o", str(tmp_path / "d"), "-q"]) == 128 + signal.SIGTERM

@@ -178,6 +178,30 @@ def test_sigterm_checkpoints_the_step_it_stops_at_and_resume_matches_uninterrupt
     assert got[-1]["step"] == STEPS and got[-1]["val_loss"] == ref[-1]["val_loss"]
 
 
+def test_a_stop_during_the_last_step_exports_and_still_stops_the_caller(tiny_silu, tmp_path, monkeypatch):
+    """A signal caught in the last step finishes the run (export included) and then raises RunStopped, so a
+    caller such as `sparsify demo` stops too instead of swallowing the user's Ctrl-C / SIGTERM."""
+    from sparsify import finetune as ft
+    from sparsify.recipe import load_recipe
+
+    real = ft.train_step
+
+    def step(run):
+        sums = real(run)
+        if run.state.step == 2:
+            signal.raise_signal(signal.SIGTERM)  # the StopRequest handler catches it (main thread)
+        return sums
+
+    monkeypatch.setattr(ft, "train_step", step)
+    before = signal.getsignal(signal.SIGTERM)
+    recipe = load_recipe(recipe_dict(tiny_silu, tmp_path / "run", max_steps=2, save_every=1))
+    with pytest.raises(ft.RunStopped, match="at the end of training") as stopped:
+        ft.finetune(recipe, progress=False, verbose=False)
+    assert stopped.value.exit_code == 128 + signal.SIGTERM
+    assert (tmp_path / "run" / "model" / "config.json").is_file()
+    assert signal.getsignal(signal.SIGTERM) == before  # the handler is put back
+
+
 def test_resume_without_checkpoint_and_fresh_run_over_old_one_are_refused(tiny_silu, tmp_path):
     from sparsify.errors import SparsifyError
     from sparsify.finetune import finetune
