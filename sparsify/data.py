@@ -476,6 +476,12 @@ def source_problems(cfg: DataSection) -> list[str]:
                 problems.append(f"{key}: {entry!r} {_no_file(entry, fetch)}")
                 fetch = ""  # the command once, with the first missing entry
                 continue
+            empty = [] if entry.startswith("hub:") else [f for f in _match_files(entry) if os.path.getsize(f) == 0]
+            if empty and len(empty) == len(_match_files(entry)):
+                shown = ", ".join(empty[:3]) + (f" and {len(empty) - 3} more" if len(empty) > 3 else "")
+                problems.append(f"{key}: {entry!r} matches only empty files (0 bytes): {shown}. Give files with "
+                                "text in them, or remove the entry.")
+                continue
             try:
                 resolve_source(entry)
             except SparsifyError as err:
@@ -555,7 +561,13 @@ def _load(src: Source, cfg: DataSection) -> Any:
                                 f"{cfg.hub_split!r}): {e}. Check the name, data.hub_split, network access "
                                 "(HF_DATASETS_OFFLINE), or use local files.") from None
     kwargs = {"sample_by": "paragraph"} if src.builder == "text" else {}
-    ds = datasets.load_dataset(src.builder, data_files=src.files, split="train", **kwargs)
+    try:
+        ds = datasets.load_dataset(src.builder, data_files=src.files, split="train", **kwargs)
+    except datasets.exceptions.DatasetGenerationError as e:  # its message alone names neither file nor cause
+        shown = ", ".join(src.files[:3]) + (f" and {len(src.files) - 3} more" if len(src.files) > 3 else "")
+        raise SparsifyError(f"cannot read {shown} as {src.builder}: {e.__cause__ or e}. Fix or remove the file(s); "
+                            "text files are read as UTF-8 paragraphs, .jsonl / .json as one JSON object per line or "
+                            "record.") from None
     if src.builder == "text" and cfg.text_field != "text":
         ds = ds.rename_column("text", cfg.text_field)
     return ds

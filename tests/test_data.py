@@ -136,6 +136,24 @@ def test_source_problems_found_without_reading_text(prepared, tmp_path, monkeypa
     assert source_problems(DataSection(train=[str(folder)])) == []
 
 
+def test_empty_and_unreadable_files_are_named_with_the_fix(tokenizer, tmp_path):
+    """An entry of empty files is a recipe problem found before any work; a file the reader cannot parse stops
+    tokenisation with its name and the parser's reason (datasets' own message names neither)."""
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "e2.txt").write_text("")
+    (tmp_path / "text.txt").write_text("some text\n")
+    problems = source_problems(DataSection(train=[str(tmp_path / "e*.txt"), str(tmp_path / "*.txt")]))
+    assert len(problems) == 1 and problems[0].startswith(f"data.train: '{tmp_path / 'e*.txt'}' matches only empty "
+                                                         "files (0 bytes)"), problems
+    assert str(tmp_path / "e2.txt") in problems[0] and str(tmp_path / "empty.txt") in problems[0]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": "cut\n')
+    with pytest.raises(SparsifyError, match=f"cannot read {bad} as json: .*JSON"):
+        prepare_data(DataSection(train=[str(bad)], validation_fraction=0.5, num_proc=1), tokenizer,
+                     tmp_path / "data", progress=False)
+    assert not (tmp_path / "data").exists()  # nothing half-written
+
+
 def test_short_validation_text_is_used_whole_not_refused(tmp_path):
     """A held-out stream with fewer sequences than one batch (or fewer tokens than one window) is evaluated on
     what it holds, and the note says so; nothing to validate on at all is still an error."""
