@@ -28,6 +28,16 @@ MODELING_FILE = "modeling_sparsify.py"
 ACT_FIELDS = ("hidden_act", "hidden_activation")
 
 
+def check_output(out: str | os.PathLike, overwrite: bool = False) -> None:
+    """Refuses an output path that exists (unless `overwrite`) or is not a folder: call it before long work."""
+    out = Path(out).absolute()
+    if out.exists() and not overwrite:
+        raise SparsifyError(f"output folder {out} already exists; pass --overwrite to replace it, "
+                            "or choose another -o/--output.")
+    if out.exists() and not out.is_dir():
+        raise SparsifyError(f"output path {out} exists and is not a folder; choose another -o/--output.")
+
+
 @contextlib.contextmanager
 def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
     """Yield a fresh temporary folder beside `out`; on success it replaces `out`, on any failure
@@ -36,11 +46,7 @@ def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path
     Leftovers of a run killed with SIGKILL (`.NAME.tmp-*`, `.NAME.old-*` beside `out`) are removed on entry.
     """
     out = Path(out).absolute()
-    if out.exists() and not overwrite:
-        raise SparsifyError(f"output folder {out} already exists; pass --overwrite to replace it, "
-                            "or choose another -o/--output.")
-    if out.exists() and not out.is_dir():
-        raise SparsifyError(f"output path {out} exists and is not a folder; choose another -o/--output.")
+    check_output(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     for stale in [*out.parent.glob(f".{out.name}.tmp-*"), *out.parent.glob(f".{out.name}.old-*")]:
         if _is_dead_leftover(stale):

@@ -42,11 +42,11 @@ def load_config(src: str | Path) -> tuple[dict[str, Any], Path | None, str]:
     path = Path(src)
     if path.is_file():
         name = path.parent.name if path.name == "config.json" else path.stem
-        return json.loads(path.read_text()), None, name  # (a file's neighbours may belong to another model)
+        return _read_json(path), None, name  # (a file's neighbours may belong to another model)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise SparsifyError(f"{src} is a folder without config.json; pass a config.json file or a model folder.")
-        return json.loads((path / "config.json").read_text()), path, path.name
+        return _read_json(path / "config.json"), path, path.name
     if str(src).count("/") != 1 or str(src).startswith((".", "/")):
         raise SparsifyError(f"{src} is neither a config.json file, a model folder, nor a Hub id (owner/name).")
     try:
@@ -115,6 +115,18 @@ def _hold_channel_constant(model, c: int) -> None:
     head = model.get_output_embeddings()
     if head is not None and head.weight is not emb:
         head.weight[:, c] = 0
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        raw = json.loads(path.read_text())
+    except (UnicodeDecodeError, ValueError) as e:
+        raise SparsifyError(f"{path} is not a JSON model config ({e}); pass a model's config.json, the folder "
+                            "holding one, or a Hub id.") from None
+    if not isinstance(raw, dict):
+        raise SparsifyError(f"{path} holds JSON but not a config object ({type(raw).__name__}); pass a model's "
+                            "config.json.")
+    return raw
 
 
 def calibrate(model, zeros: float | list[float], *, skew: float, tokens: Any, generator) -> None:
@@ -189,7 +201,7 @@ def synth(config: str | Path, out: str | Path, *, zeros: float = 0.9, layers: in
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .folder import save_model_folder
+    from .folder import check_output, save_model_folder
 
     if not 0.0 < zeros < 1.0:
         raise SparsifyError(f"--zeros {zeros} must be a fraction strictly between 0 and 1 (e.g. 0.9 for 90% zeros).")
@@ -197,6 +209,16 @@ def synth(config: str | Path, out: str | Path, *, zeros: float = 0.9, layers: in
         raise SparsifyError(f"--dtype {dtype!r} is not one of {sorted(DTYPES)}.")
     if layers is not None and layers < 1:
         raise SparsifyError(f"--layers {layers} must be at least 1.")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise SparsifyError(f"--device {device!r} is not a device; use auto, cpu or cuda (cuda:N).") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SparsifyError(f"--device {device}: this machine has no CUDA GPU that torch can use; use --device cpu "
+                            "(a small config or --layers keeps it quick) or auto.")
+    check_output(out, overwrite)  # before the minutes of building and calibrating
     if not progress:
         from transformers.utils import logging as hf_logging
 
@@ -212,8 +234,6 @@ def synth(config: str | Path, out: str | Path, *, zeros: float = 0.9, layers: in
             raw["layer_types"] = raw["layer_types"][:layers]
     raw["architectures"] = [family.causal_lm]
     cfg = AutoConfig.for_model(**raw)
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                       ("cpu" if device == "auto" else device))
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     if progress:
@@ -227,6 +247,9 @@ def synth(config: str | Path, out: str | Path, *, zeros: float = 0.9, layers: in
     with torch.no_grad():
         _hold_channel_constant(model, CHANNEL)
     model.to(getattr(torch, DTYPES[dtype]))  # calibrated in the saved dtype: thresholds see its rounding
+    if progress:
+        print(f"synth: calibrating {len(mlp_modules(model))} layers to {zeros:.1%} zeros on {calib.numel():,} random "
+              "tokens, then measuring on as many fresh ones ...")
     calibrate(model, zeros, skew=skew, tokens=calib, generator=gen)
     measured = measure_zeros(model, check)
     record = {"zeros_requested": zeros, "zeros_per_layer": [round(z, 4) for z in measured], "skew": skew,
@@ -258,8 +281,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="saved weight dtype (default bf16)")
     parser.add_argument("--device", default="auto", help="auto (CUDA if present), cpu or cuda")
     parser.add_argument("--skew", type=float, default=1.0,
-                        help="spread of per-neuron firing rates (log-normal sigma; 0 = uniform)")
-    parser.add_argument("--seed", type=int, default=0)
+                        help="spread of per-neuron firing rates (log-normal sigma; 0 = uniform; default 1.0)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of weights, rates and tokens (default 0)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress output")
 

@@ -61,3 +61,30 @@ def test_synth_keeps_layers_and_refuses_bad_input(tmp_path, capsys):
     assert not (tmp_path / "bad").exists()
     assert cli(["synth", str(tmp_path), "-o", str(tmp_path / "two"), "--zeros", "0.8"]) == 2  # exists: refused
     assert "already exists" in capsys.readouterr().err
+
+
+def test_synth_refuses_before_building(tmp_path, monkeypatch):
+    """An existing output, a config that is not JSON and a CUDA device without CUDA are refused with the fix, before
+    any model is built (the build and calibration take minutes at real sizes)."""
+    import sparsify.synth as synth_module
+
+    def no_build(*a, **kw):
+        raise AssertionError("built a model before refusing")
+
+    monkeypatch.setattr(synth_module, "calibrate", no_build)
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(SparsifyError, match="already exists; pass --overwrite"):
+        synth(tmp_path, tmp_path / "taken", progress=False)
+    (tmp_path / "notjson.json").write_text("model_type: llama\n")
+    with pytest.raises(SparsifyError, match="notjson.json is not a JSON model config"):
+        synth(tmp_path / "notjson.json", tmp_path / "bad", progress=False)
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(SparsifyError, match="holds JSON but not a config object"):
+        synth(tmp_path / "list.json", tmp_path / "bad", progress=False)
+    with pytest.raises(SparsifyError, match="'nope' is not a device"):
+        synth(tmp_path, tmp_path / "bad", device="nope", progress=False)
+    if not torch.cuda.is_available():
+        with pytest.raises(SparsifyError, match="no CUDA GPU"):
+            synth(tmp_path, tmp_path / "bad", device="cuda", progress=False)
+    assert not (tmp_path / "bad").exists()
