@@ -25,7 +25,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The `sparsify` parser and its subcommand parsers (only the chosen one has its arguments)."""
     parser = argparse.ArgumentParser(
         prog="sparsify",
         description="Make existing SiLU-gated LLMs activation-sparse and fast. "
@@ -39,13 +40,26 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         if name == chosen:  # import only the module that will run
             importlib.import_module(module).add_arguments(p)
             p.set_defaults(_module=module)
-    return parser
+    return parser, sub.choices
+
+
+def parse(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """Options may come before, between or after a command's positionals (`finetune r.yaml --resume
+    train.max_steps=3`): the command's own parser parses intermixed; top-level options go before the command."""
+    parser, commands = build_parser(argv)
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    if chosen not in commands:
+        return parser, parser.parse_args(argv)  # no command, or argparse's "invalid choice" with the list
+    at = argv.index(chosen)
+    parser.parse_args(argv[:at])  # --version, --help
+    args = commands[chosen].parse_intermixed_args(argv[at + 1:])
+    args.command = chosen
+    return parser, args
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser(argv)
-    args = parser.parse_args(argv)
+    parser, args = parse(argv)
     if not getattr(args, "_module", None):
         parser.print_help()
         return 2

@@ -1073,12 +1073,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = format_help()
     p.add_argument("recipe", help="recipe YAML file (see recipes/); every key is listed below")
     p.add_argument("overrides", nargs="*", metavar="SECTION.KEY=VALUE",
-                   help="recipe overrides, e.g. train.lr=3e-4 sparsity.l1=2e-2 output.dir=runs/x (put the --options "
-                        "before RECIPE or after the last override)")
+                   help="recipe overrides, e.g. train.lr=3e-4 sparsity.l1=2e-2 output.dir=runs/x")
     p.add_argument("--resume", action="store_true", help="continue the run in output.dir from its newest checkpoint (after a crash, "
                    "or after SIGTERM / Ctrl-C, which checkpoint the step they stop at)")
     p.add_argument("--print-recipe", action="store_true", help="print the resolved recipe as YAML and exit")
     p.add_argument("--no-progress", action="store_true", help="no progress bars (logs still go to metrics.jsonl)")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress bars and no validation or step lines: only errors and the final folder "
+                        "(metrics.jsonl still gets everything)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -1086,7 +1088,8 @@ def main(args: argparse.Namespace) -> int:
     if args.print_recipe:
         print(dump_recipe(recipe), end="")
         return 0
-    folder = finetune(recipe, resume=args.resume, progress=not args.no_progress)
+    folder = finetune(recipe, resume=args.resume, progress=not (args.no_progress or args.quiet),
+                      verbose=not args.quiet)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"fine-tuned model: {folder}")
     if torch.distributed.is_initialized():

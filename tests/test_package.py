@@ -48,6 +48,23 @@ def test_cli_help_lists_every_stage():
     assert out.returncode == 0 and "--overwrite" in out.stdout and "--dtype" in out.stdout
 
 
+def test_cli_options_may_come_between_and_after_positionals(capsys):
+    """`finetune r.yaml --resume train.max_steps=3 -q` is one command line (argparse alone stops the overrides at
+    the first option); eval's models around its options too; a bad command still lists the good ones."""
+    import pytest
+
+    from sparsify.cli import parse
+
+    _, args = parse(["finetune", "r.yaml", "--resume", "train.max_steps=3", "-q", "train.lr=1e-4"])
+    assert (args.command, args.recipe, args.overrides, args.resume, args.quiet) == \
+        ("finetune", "r.yaml", ["train.max_steps=3", "train.lr=1e-4"], True, True)
+    _, args = parse(["eval", "a", "--limit", "5", "b"])
+    assert (args.models, args.limit) == (["a", "b"], 5)
+    with pytest.raises(SystemExit):
+        parse(["finetun", "r.yaml"])
+    assert "invalid choice: 'finetun'" in capsys.readouterr().err
+
+
 def test_sparsify_convert_is_the_function(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
