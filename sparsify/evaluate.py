@@ -337,6 +337,9 @@ def evaluate(models: list[str | Path], *, tasks: list[str] | None = None, texts:
     bundled = texts is None
     texts = [HELDOUT_TEXT] if bundled else texts
     settings = EvalSettings(tasks=tasks, texts=[str(t) for t in texts], limit=limit, speed=speed, **options)
+    problems = settings_problems(settings)
+    if problems:
+        raise SparsifyError(" ".join(problems))
     torch_dtype(settings.dtype, "cpu")  # an unknown --dtype fails before any model is loaded
     specs = parse_models(list(models))
     text_paths = check_texts(settings.texts)
@@ -355,6 +358,16 @@ def evaluate(models: list[str | Path], *, tasks: list[str] | None = None, texts:
 
         write_report(report, Path(out))
     return report
+
+
+def settings_problems(settings: EvalSettings) -> list[str]:
+    """Numbers out of range, named as the command line spells them (before any model is loaded)."""
+    checks = [("--limit", settings.limit, 1, "a positive number of examples per task"),
+              ("--batch-size", settings.batch_size, 1, "a positive number of sequences per lm-eval batch"),
+              ("--window", settings.window, 2, "at least 2 tokens (one of context, one scored)"),
+              ("--text-tokens", settings.text_tokens, 1, "a positive number of tokens per text file (0: all)")]
+    return [f"{flag} {value}: must be {what}." for flag, value, least, what in checks
+            if value is not None and value < least]
 
 
 @contextlib.contextmanager
@@ -446,12 +459,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text", nargs="+", action="extend", default=[], metavar="FILE",
                         help="text files for perplexity, bits per byte and the sparsity profile (default: the "
                              f"held-out text bundled with sparsify, {HELDOUT_TEXT.name}; 'none' skips them)")
-    parser.add_argument("--limit", type=int, default=None, help="at most N examples per task (quick runs)")
+    parser.add_argument("--limit", type=int, default=None,
+                        help="at most N examples per task, for quick runs (default: all)")
     parser.add_argument("--speed", action="store_true", help="time prefill/decode, TwELL vs dense (CUDA only)")
     parser.add_argument("--out", default="eval-report", help="output folder (default: %(default)s)")
     parser.add_argument("--batch-size", type=int, default=8, help="lm-eval batch size (default: %(default)s)")
     parser.add_argument("--window", type=int, default=1024,
-                        help="perplexity window in tokens; each token is scored with >= window/2 context")
+                        help="perplexity window in tokens; each token is scored with >= window/2 context "
+                             "(default: %(default)s, or the model's context if shorter)")
     parser.add_argument("--text-tokens", type=int, default=16384,
                         help="at most N tokens per text file (default: %(default)s; 0 = all)")
     parser.add_argument("--device", default=None, help="cuda, cuda:1 or cpu (default: cuda if available)")
@@ -462,15 +477,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "trust). Without it that code never runs: folders written by sparsify load with the "
                              "modeling code installed with sparsify (never the folder's copy), models transformers "
                              "knows load as its built-in classes, others are refused")
-    parser.add_argument("--speed-batches", type=_ints, default=SpeedGrid.batches, help="prefill batch sizes, e.g. 1,8,32")
-    parser.add_argument("--speed-seqs", type=_ints, default=SpeedGrid.seqs, help="prefill sequence lengths, e.g. 512,2048")
-    parser.add_argument("--decode-batches", type=_ints, default=SpeedGrid.decode_batches, help="decode batch sizes")
+    parser.add_argument("--speed-batches", type=_ints, default=SpeedGrid.batches, help="prefill batch sizes, e.g. 1,8,32 (default: "
+                        f"{','.join(map(str, SpeedGrid.batches))})")
+    parser.add_argument("--speed-seqs", type=_ints, default=SpeedGrid.seqs, help="prefill sequence lengths, e.g. 512,2048 "
+                        f"(default: {','.join(map(str, SpeedGrid.seqs))})")
+    parser.add_argument("--decode-batches", type=_ints, default=SpeedGrid.decode_batches, help="decode batch sizes (default: "
+                        f"{','.join(map(str, SpeedGrid.decode_batches))})")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars (errors and warnings still show)")
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.limit is not None and args.limit < 1:
-        raise SparsifyError(f"--limit {args.limit}: must be a positive number of examples.")
     tasks = None if args.tasks is None else [t.strip() for t in args.tasks.split(",") if t.strip()]
     grid = SpeedGrid(batches=args.speed_batches, seqs=args.speed_seqs, decode_batches=args.decode_batches)
     texts = None if not args.text else [] if [t.lower() for t in args.text] == ["none"] else args.text
@@ -480,7 +496,7 @@ def main(args: argparse.Namespace) -> int:
               "FILE for your own, or --text none to skip them.", file=sys.stderr)
     report = evaluate(args.models, tasks=tasks, texts=texts, limit=args.limit, speed=args.speed,
                       out=args.out, batch_size=args.batch_size, window=args.window,
-                      text_tokens=args.text_tokens or None, device=args.device, dtype=args.dtype,
+                      text_tokens=None if args.text_tokens == 0 else args.text_tokens, device=args.device, dtype=args.dtype,
                       trust_remote_code=args.trust_remote_code, grid=grid, progress=not args.quiet)
     from .report import summary
 

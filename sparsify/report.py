@@ -16,11 +16,19 @@ PLOTS = ("sparsity_per_layer.png", "speed_vs_batch.png", "accuracy.png")
 
 
 def write_report(report: dict, out: Path) -> Path:
-    """Write report.md, the plots, then report.json (last: its presence means the set is complete)."""
+    """Write report.md, the plots, then report.json (last: its presence means the set is complete). Over an
+    earlier report, its plots that this one does not draw are removed (they would show the old models)."""
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        old = json.loads((out / "report.json").read_text()).get("plots", [])
+    except (OSError, ValueError, AttributeError):
+        old = []
     report["plots"] = _write_plots(report, out)
     _atomic_write(out / "report.md", render_markdown(report).encode())
     _atomic_write(out / "report.json", json.dumps(report, indent=2, default=str).encode())
+    for name in set(old if isinstance(old, list) else []) - set(report["plots"]):
+        if isinstance(name, str) and Path(name).name == name and name.endswith(".png"):
+            (out / name).unlink(missing_ok=True)
     return out
 
 

@@ -194,6 +194,11 @@ def test_unknown_task_and_bad_inputs_are_clear_errors(tmp_path, tiny_folders, ca
     assert "not a Hub id" in capsys.readouterr().err
     assert cli.main(["eval", str(tiny_folders[0]), "--tasks", "none", "--text", str(tmp_path / "x.txt")]) == 2
     assert "no such file" in capsys.readouterr().err
+    # numbers out of range: named with the fix before any model loads (was a traceback, or a silent change)
+    assert cli.main(["eval", str(tmp_path / "nope"), "--batch-size", "0", "--window", "1", "--limit", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--batch-size 0: must be a positive number" in err and "--window 1: must be at least 2 tokens" in err
+    assert "--limit 0: must be a positive" in err and "not a Hub id" not in err
 
 
 def test_corrupt_gguf_and_tokenizerless_folder_are_clear_errors(tmp_path, capsys):
@@ -646,6 +651,10 @@ def test_report_with_speed_rows_draws_speed_plot_and_tables(tmp_path):
     assert report["plots"] == ["speed_vs_batch.png"]
     md = (tmp_path / "report.md").read_text()
     assert "| prefill b8 s512 | 1.300 | - | 0.025 |" in md and "dense (again)" in md and "| dense | 8 | 512 | 0.400 |" in md
+    (tmp_path / "mine.png").write_bytes(b"kept")  # not the report's: never touched
+    rp.write_report({"provenance": ev.provenance("cpu"), "models": [{"name": "m", "source": "x"}]}, tmp_path)
+    assert not (tmp_path / "speed_vs_batch.png").exists(), "a plot of the earlier report was left beside this one"
+    assert (tmp_path / "mine.png").read_bytes() == b"kept"
 
 
 def test_local_task_with_function_helper_and_relative_data_runs(tmp_path, tiny_folders, monkeypatch, capfd):
