@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import threading
 
 from . import __version__
 from .errors import SparsifyError
@@ -63,14 +65,36 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "_module", None):
         parser.print_help()
         return 2
+    previous = _terminate_like_ctrl_c()
     try:
         return int(importlib.import_module(args._module).main(args) or 0)
     except SparsifyError as e:
         print(f"sparsify {args.command}: error: {e}", file=sys.stderr)
         return getattr(e, "exit_code", 2)
-    except KeyboardInterrupt:
-        print(f"sparsify {args.command}: interrupted; nothing was left half-written.", file=sys.stderr)
-        return 130
+    except (KeyboardInterrupt, Terminated) as e:
+        how = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+        print(f"sparsify {args.command}: {how}; nothing was left half-written.", file=sys.stderr)
+        return 128 + (signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised where the program is, so output being written is cleaned up as after Ctrl-C."""
+
+
+def _terminate_like_ctrl_c():
+    """SIGTERM raises Terminated (default: the process dies at once, leaving temporary folders behind); returns
+    the handler to put back, None when handlers cannot be set (not the main thread). finetune's training loop
+    sets its own handler, which stops at a step boundary with a checkpoint."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def raise_terminated(signum, frame):
+        raise Terminated
+
+    return signal.signal(signal.SIGTERM, raise_terminated)
 
 
 if __name__ == "__main__":

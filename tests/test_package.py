@@ -65,6 +65,32 @@ def test_cli_options_may_come_between_and_after_positionals(capsys):
     assert "invalid choice: 'finetun'" in capsys.readouterr().err
 
 
+def test_sigterm_cleans_up_like_ctrl_c_and_exits_143(tmp_path, monkeypatch, capsys):
+    """SIGTERM (a scheduler's stop, `kill`) mid-write leaves no temporary folder beside the output; the exit code
+    says which signal; the previous handler is put back."""
+    import importlib
+    import os
+    import signal
+    import time
+
+    from sparsify.cli import main
+    from sparsify.folder import atomic_dir
+
+    def writing(args):
+        with atomic_dir(tmp_path / "out") as tmp:
+            (tmp / "half.bin").write_bytes(b"x")
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(10)  # the handler raises in here
+        return 0
+
+    monkeypatch.setattr(importlib.import_module("sparsify.convert"), "main", writing)
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["convert", "src", "-o", str(tmp_path / "out")]) == 128 + signal.SIGTERM
+    assert "terminated (SIGTERM); nothing was left half-written" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
 def test_sparsify_convert_is_the_function(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
