@@ -561,9 +561,16 @@ def load_recipe(source: str | Path | dict | None = None, overrides: list[str] | 
         if not path.is_file():
             raise SparsifyError(f"{where}: no such file; pass a YAML recipe such as recipes/smollm2-135m.yaml")
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
+            loader = yaml.SafeLoader(path.read_text(encoding="utf-8"))
+            loader.name = str(path)  # YAML's messages name the file (not "<unicode string>") and keep the snippet
+            try:
+                raw = loader.get_single_data() or {}
+            finally:
+                loader.dispose()
         except yaml.YAMLError as err:
-            raise SparsifyError(f"{where}: not valid YAML ({err}); fix the syntax at the line shown") from err
+            raise SparsifyError(f"{where}: not valid YAML ({err}); fix the syntax at the line shown") from None
+        except UnicodeDecodeError as err:
+            raise SparsifyError(f"{where}: not UTF-8 text ({err}); a recipe is a YAML file") from None
     if not isinstance(raw, dict):
         raise SparsifyError(f"{where}: expected a mapping of sections ({', '.join(SECTIONS)}), got {type(raw).__name__}")
     raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}  # overrides must not touch the caller's dict

@@ -72,8 +72,12 @@ def test_missing_and_malformed_files(tmp_path):
     with pytest.raises(SparsifyError, match="no such file"):
         load_recipe(tmp_path / "nope.yaml")
     (tmp_path / "broken.yaml").write_text("train: [unclosed\n")
-    with pytest.raises(SparsifyError, match="not valid YAML"):
+    with pytest.raises(SparsifyError, match="not valid YAML") as err:
         load_recipe(tmp_path / "broken.yaml")
+    assert f'in "{tmp_path / "broken.yaml"}", line 2' in str(err.value) and "<unicode string>" not in str(err.value)
+    (tmp_path / "binary.yaml").write_bytes(b"train: \xff\xfe\n")
+    with pytest.raises(SparsifyError, match="binary.yaml: not UTF-8 text"):
+        load_recipe(tmp_path / "binary.yaml")
 
 
 def test_help_documents_every_field(capsys):
