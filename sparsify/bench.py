@@ -294,6 +294,8 @@ def bench(models: list[str], *, batches=(1, 8, 32), prompts=(128, 512, 2048), ne
         raise SparsifyError("sparsify bench needs a CUDA GPU: CPU timings say nothing about the TwELL kernels.")
     if new_tokens < 2:
         raise SparsifyError("--new-tokens must be at least 2 (decode speed is measured after the first token).")
+    if repeats < 1:
+        raise SparsifyError(f"--repeats {repeats}: must be at least 1 timed call per variant and case.")
     bad = [r for r in regimes if r not in REGIMES]
     if bad:
         raise SparsifyError(f"--regimes {','.join(bad)}: choose from {','.join(REGIMES)}.")
