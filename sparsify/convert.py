@@ -24,7 +24,7 @@ from . import __version__
 from .architectures import FAMILIES, activation_of, family_for, supported_list
 from .errors import SparsifyError
 from .folder import atomic_dir, finalize_folder
-from .sources import resolve_source, source_problem
+from .sources import hub_unreachable, resolve_source, source_problem
 
 DTYPES = {"auto": None, "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
           "fp32": "float32", "float32": "float32"}
@@ -96,9 +96,11 @@ def _download(repo_id: str, revision: str | None) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub import errors as hf_errors
 
+    offline = hub_unreachable()  # the cache only, at once (huggingface_hub would retry for ~24 s)
     try:
-        weights = _hub_weight_files(repo_id, revision)
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_META_PATTERNS + weights))
+        weights = ["*.safetensors"] if offline else _hub_weight_files(repo_id, revision)
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_META_PATTERNS + weights,
+                                      local_files_only=offline))
     except hf_errors.GatedRepoError:
         raise SparsifyError(f"{repo_id} is gated on the Hugging Face Hub: accept its licence on the model page "
                             "and log in (`hf auth login` or HF_TOKEN), then run again.") from None

@@ -36,7 +36,7 @@ from .convert import load_gguf
 from .errors import SparsifyError
 from .folder import MODELING_FILE
 from .perplexity import HELDOUT_TEXT, check_texts, model_window, texts_section
-from .sources import SMOLLM2_ALIAS, is_alias, is_hub_id, smollm2_gguf
+from .sources import SMOLLM2_ALIAS, hub_unreachable, is_alias, is_hub_id, smollm2_gguf
 from .speed import SpeedGrid, speed_section, speed_tokens
 
 logger = logging.getLogger("sparsify")
@@ -138,7 +138,7 @@ def read_config(spec: ModelSpec) -> dict | None:
         else:
             from transformers import PretrainedConfig
 
-            cfg, _ = PretrainedConfig.get_config_dict(spec.source)
+            cfg, _ = PretrainedConfig.get_config_dict(spec.source, local_files_only=hub_unreachable())
     except Exception:  # unreadable, not JSON, Hub unreachable: from_pretrained says it better
         return None
     return cfg if isinstance(cfg, dict) else None
@@ -219,18 +219,19 @@ def load_model(spec: ModelSpec, device: str, dtype: str, trust_remote_code: bool
     cfg = read_config(spec)
     spec.code = modeling_code(spec, cfg, trust_remote_code)  # refuses before anything is loaded
     remote = spec.code == "remote"
+    cached = {"local_files_only": True} if hub_unreachable() else {}  # no 24 s of retries per file offline
     try:
         if spec.gguf_file:  # dequantised like `sparsify convert` does it, same errors
             model, tok = load_gguf(Path(spec.source) / spec.gguf_file, str(dt).removeprefix("torch."))
         elif spec.code == "installed":
             from .architectures import family_for
 
-            tok = AutoTokenizer.from_pretrained(spec.source, trust_remote_code=False)
+            tok = AutoTokenizer.from_pretrained(spec.source, trust_remote_code=False, **cached)
             cls = getattr(installed_modeling(), f"Sparse{family_for(cfg).causal_lm}")
-            model = cls.from_pretrained(spec.source, dtype=dt)
+            model = cls.from_pretrained(spec.source, dtype=dt, **cached)
         else:
-            tok = AutoTokenizer.from_pretrained(spec.source, trust_remote_code=remote)
-            model = AutoModelForCausalLM.from_pretrained(spec.source, trust_remote_code=remote, dtype=dt)
+            tok = AutoTokenizer.from_pretrained(spec.source, trust_remote_code=remote, **cached)
+            model = AutoModelForCausalLM.from_pretrained(spec.source, trust_remote_code=remote, dtype=dt, **cached)
     except SparsifyError as e:
         raise SparsifyError(f"model {spec.name} ({where}) could not be loaded: {e}") from None
     except Exception as e:  # corrupt .gguf (struct.error), config without tokenizer (ValueError), no Hub (OSError)...

