@@ -36,7 +36,7 @@ from .convert import load_gguf
 from .errors import SparsifyError
 from .folder import MODELING_FILE
 from .perplexity import HELDOUT_TEXT, check_texts, model_window, texts_section
-from .sources import SMOLLM2_ALIAS, hub_unreachable, is_alias, is_hub_id, smollm2_gguf
+from .sources import SMOLLM2_ALIAS, cache_only, is_alias, is_hub_id, smollm2_gguf
 from .speed import SpeedGrid, speed_section, speed_tokens
 
 logger = logging.getLogger("sparsify")
@@ -138,7 +138,7 @@ def read_config(spec: ModelSpec) -> dict | None:
         else:
             from transformers import PretrainedConfig
 
-            cfg, _ = PretrainedConfig.get_config_dict(spec.source, local_files_only=hub_unreachable())
+            cfg, _ = PretrainedConfig.get_config_dict(spec.source, local_files_only=cache_only(spec.source))
     except Exception:  # unreadable, not JSON, Hub unreachable: from_pretrained says it better
         return None
     return cfg if isinstance(cfg, dict) else None
@@ -219,7 +219,7 @@ def load_model(spec: ModelSpec, device: str, dtype: str, trust_remote_code: bool
     cfg = read_config(spec)
     spec.code = modeling_code(spec, cfg, trust_remote_code)  # refuses before anything is loaded
     remote = spec.code == "remote"
-    cached = {"local_files_only": True} if hub_unreachable() else {}  # no 24 s of retries per file offline
+    cached = {"local_files_only": True} if not spec.gguf_file and cache_only(spec.source) else {}  # (no retries)
     try:
         if spec.gguf_file:  # dequantised like `sparsify convert` does it, same errors
             model, tok = load_gguf(Path(spec.source) / spec.gguf_file, str(dt).removeprefix("torch."))
@@ -366,7 +366,8 @@ def settings_problems(settings: EvalSettings) -> list[str]:
     checks = [("--limit", settings.limit, 1, "a positive number of examples per task"),
               ("--batch-size", settings.batch_size, 1, "a positive number of sequences per lm-eval batch"),
               ("--window", settings.window, 2, "at least 2 tokens (one of context, one scored)"),
-              ("--text-tokens", settings.text_tokens, 1, "a positive number of tokens per text file (0: all)")]
+              ("--text-tokens", settings.text_tokens, 1,
+               "a positive number of tokens per text file (all: 0 on the command line, None in Python)")]
     return [f"{flag} {value}: must be {what}." for flag, value, least, what in checks
             if value is not None and value < least]
 

@@ -12,12 +12,12 @@ errors), so each stage resolves the alias the same way:
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import json
 import os
 import re
 import socket
+import time
 from pathlib import Path
 
 from .errors import SparsifyError
@@ -60,12 +60,19 @@ def resolve_source(source: str | os.PathLike) -> str | Path:
     return smollm2_gguf() if is_alias(source) else source
 
 
-@functools.cache
+_UNREACHABLE: list[float] = []  # when hub_unreachable last found the Hub's name not resolving
+UNREACHABLE_TTL_S = 60.0
+
+
 def hub_unreachable() -> bool:
     """True when the Hub's host name does not resolve and no proxy is set: no download can work, and
     huggingface_hub would retry for about 24 s per file before saying so. Callers then read only the local
-    cache (local_files_only), which serves a cached model at once and reports a missing one at once."""
-    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+    cache (local_files_only), which serves a cached model at once and reports a missing one at once. A failed
+    lookup is remembered for a minute (one eval loads a model in several calls), a good one not at all."""
+    if _UNREACHABLE and time.monotonic() - _UNREACHABLE[-1] < UNREACHABLE_TTL_S:
+        return True
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY",
+                                       "all_proxy")):
         return False  # the proxy resolves names; ours may not
     from urllib.parse import urlparse
 
@@ -73,10 +80,18 @@ def hub_unreachable() -> bool:
     try:
         socket.getaddrinfo(host, 443)
     except socket.gaierror:
+        _UNREACHABLE[:] = [time.monotonic()]
         return True
     except OSError:
         return False
     return False
+
+
+def cache_only(source: str | os.PathLike) -> bool:
+    """Load `source` from the local cache only: it is a Hub id (no local path of that name) and the Hub cannot
+    be reached (hub_unreachable). Local folders and files never trigger the lookup."""
+    text = str(source)
+    return is_hub_id(text) and not Path(text).expanduser().exists() and hub_unreachable()
 
 
 def is_hub_id(text: str) -> bool:

@@ -291,36 +291,39 @@ def test_hub_download_fetches_only_the_weights_transformers_loads(files, expecte
 
 def test_an_unresolvable_hub_reads_the_cache_at_once(tmp_path, monkeypatch):
     """No DNS for the Hub (and no proxy): convert asks only the local cache, so a missing model is reported at
-    once, not after huggingface_hub's ~24 s of retries; with a proxy set, or a name that resolves, nothing
-    changes."""
+    once, not after huggingface_hub's ~24 s of retries; a local folder never triggers the lookup; the failed
+    lookup is remembered for a while, a proxy means nothing changes."""
     import socket
 
     import huggingface_hub
 
     from sparsify import sources
 
+    lookups = []
+
     def no_dns(*a, **kw):
+        lookups.append(a)
         raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
 
-    for var in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+    for var in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(socket, "getaddrinfo", no_dns)
-    sources.hub_unreachable.cache_clear()
-    try:
-        assert sources.hub_unreachable()
-        calls = []
+    monkeypatch.setattr(sources, "_UNREACHABLE", [])
+    (tmp_path / "org" / "local").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert not sources.cache_only("org/local") and not lookups  # a local folder shaped like a Hub id
+    assert sources.cache_only("someone/model") and sources.hub_unreachable() and len(lookups) == 1
+    calls = []
 
-        def snapshot(repo_id, **kw):
-            calls.append(kw)
-            raise huggingface_hub.errors.LocalEntryNotFoundError("not cached")
+    def snapshot(repo_id, **kw):
+        calls.append(kw)
+        raise huggingface_hub.errors.LocalEntryNotFoundError("not cached")
 
-        monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot)
-        monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", lambda *a, **kw: pytest.fail("asked the Hub"))
-        with pytest.raises(SparsifyError, match="not reachable .* not in the local cache"):
-            convert("someone/model", tmp_path / "out")
-        assert calls and calls[0]["local_files_only"] is True
-        sources.hub_unreachable.cache_clear()
-        monkeypatch.setenv("HTTPS_PROXY", "http://proxy:3128")
-        assert not sources.hub_unreachable()
-    finally:
-        sources.hub_unreachable.cache_clear()
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot)
+    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", lambda *a, **kw: pytest.fail("asked the Hub"))
+    with pytest.raises(SparsifyError, match="not reachable .* not in the local cache"):
+        convert("someone/model", tmp_path / "out")
+    assert calls and calls[0]["local_files_only"] is True
+    monkeypatch.setattr(sources, "_UNREACHABLE", [])
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy:3128")
+    assert not sources.hub_unreachable()

@@ -1042,6 +1042,12 @@ def test_auto_fault_check_scale():
     y = torch.tensor([[1.0, -2.0], [0.5, 0.0]])
     assert twell_ops._fault(y + 0.1, y) is None  # 5% of max |y|: rounding-sized
     assert "max |twell" in twell_ops._fault(y + 1.0, y)
+    big = torch.tensor([[10.0, -3.0], [1.0, 0.5], [0.001, 0.0]])
+    lost = big.clone()
+    lost[1] = 0  # a small row lost: 10% of the largest row, its own size off
+    assert twell_ops._fault(lost, big).startswith("row 1: max |twell - dense| = 1 ")
+    assert twell_ops._fault(big + torch.tensor([[0.2], [0.02], [0.05]]), big) is None  # rounding-sized; row 2 floored
+    assert twell_ops._fault(big.reshape(1, 3, 2), big.reshape(1, 3, 2)) is None  # [B, L, d] as well
     assert twell_ops._fault(y, torch.full_like(y, float("inf"))) is None  # dense not finite: nothing judged
     assert twell_ops._fault(torch.zeros(0, 2), torch.zeros(0, 2)) is None
 
