@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import signal
 import sys
 import threading
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "_module", None):
         parser.print_help()
         return 2
-    previous = _terminate_like_ctrl_c()
+    installed, previous = _terminate_like_ctrl_c()
     try:
         return int(importlib.import_module(args._module).main(args) or 0)
     except SparsifyError as e:
@@ -76,25 +77,39 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sparsify {args.command}: {how}; nothing was left half-written.", file=sys.stderr)
         return 128 + (signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT)
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        if installed:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 class Terminated(BaseException):
     """SIGTERM, raised where the program is, so output being written is cleaned up as after Ctrl-C."""
 
 
-def _terminate_like_ctrl_c():
+def _raise_terminated(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second SIGTERM (Slurm and torchrun both send one)
+    raise Terminated                                # must not cut the cleanup short; SIGKILL still ends it
+
+
+def _child_default() -> None:
+    """A forked child (a worker pool) dies on SIGTERM as usual, instead of raising Terminated in the worker."""
+    if signal.getsignal(signal.SIGTERM) is _raise_terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+os.register_at_fork(after_in_child=_child_default)
+
+
+def _terminate_like_ctrl_c() -> tuple[bool, object]:
     """SIGTERM raises Terminated (default: the process dies at once, leaving temporary folders behind); returns
-    the handler to put back, None when handlers cannot be set (not the main thread). finetune's training loop
-    sets its own handler, which stops at a step boundary with a checkpoint."""
+    (installed, the handler to put back). Not installed off the main thread (handlers cannot be set there) or
+    where SIGTERM is ignored (the parent asked for that). finetune's training loop sets its own handler, which
+    stops at a step boundary with a checkpoint. A process blocked in C (an NCCL collective) runs the handler
+    only when it returns to Python: torchrun's agent SIGKILLs its workers 30 s after SIGTERM."""
     if threading.current_thread() is not threading.main_thread():
-        return None
-
-    def raise_terminated(signum, frame):
-        raise Terminated
-
-    return signal.signal(signal.SIGTERM, raise_terminated)
+        return False, None
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
+        return False, None
+    return True, signal.signal(signal.SIGTERM, _raise_terminated)
 
 
 if __name__ == "__main__":

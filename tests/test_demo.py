@@ -64,6 +64,7 @@ def test_a_stopped_finetune_stops_the_demo_with_its_exit_code_and_how_to_continu
         raise AssertionError("the demo went on to evaluate after the stop")
 
     convert, finetune, evaluate = (importlib.import_module(f"sparsify.{m}") for m in ("convert", "finetune", "evaluate"))
+    monkeypatch.setattr(importlib.import_module("sparsify.demo"), "smollm2_gguf", lambda: tmp_path / "m.gguf")
 
     monkeypatch.setattr(convert, "convert", fake_convert)
     monkeypatch.setattr(finetune, "finetune", stopped)

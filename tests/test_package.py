@@ -89,6 +89,13 @@ def test_sigterm_cleans_up_like_ctrl_c_and_exits_143(tmp_path, monkeypatch, caps
     assert "terminated (SIGTERM); nothing was left half-written" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
     assert signal.getsignal(signal.SIGTERM) == before
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a parent that asked for SIGTERM to be ignored keeps that
+    try:
+        monkeypatch.setattr(importlib.import_module("sparsify.convert"), "main", lambda args: 0)
+        assert main(["convert", "src", "-o", str(tmp_path / "out")]) == 0
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def test_sparsify_convert_is_the_function(tmp_path):
@@ -103,3 +110,28 @@ def test_sparsify_convert_is_the_function(tmp_path):
     assert callable(sparsify.convert) and callable(check_safetensors)
     out = sparsify.convert(tmp_path / "src", tmp_path / "out", progress=False)
     assert (out / "modeling_sparsify.py").is_file()
+
+
+def test_sigterm_handler_is_one_shot_and_not_inherited_by_forked_workers():
+    import os
+    import signal
+    import time
+
+    import pytest
+
+    from sparsify import cli
+
+    before = signal.getsignal(signal.SIGTERM)
+    installed, previous = cli._terminate_like_ctrl_c()
+    try:
+        assert installed and signal.getsignal(signal.SIGTERM) is cli._raise_terminated
+        pid = os.fork()
+        if pid == 0:  # a pool worker: SIGTERM must end it the default way, not raise in it
+            os._exit(0 if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL else 1)
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+        with pytest.raises(cli.Terminated):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(10)  # the handler raises in here
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN  # a second one cannot cut the cleanup short
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else before)
