@@ -5,10 +5,12 @@
 #   bash eval/h200_generate.sh tests                 GPU tests of the fast decode path and the kernels
 #   bash eval/h200_generate.sh synth NAME CONFIG ZEROS [bench args...]
 #        e.g. synth llama-1b eval/configs/llama-3.2-1b.json 0.9 --batch 1,8,32 --prompt 128,512,2048
-#   bash eval/h200_generate.sh pending               one call (< 10 min) of what the last CPU-only session built
-#        and could not time: GPU tests of the chunked decode K2 (routed from d = 8192) and the fast decode
-#        path, the chunked K2's config sweep, a kernel profile of the packed training FFN, the 1B at batch
-#        1 and 8 and a SmolLM2-135M-shaped synth at 95.8% zeros (the default recipe's) with the step check
+#   bash eval/h200_generate.sh pending               one call (< 10 min) of what this session built and has not timed:
+#        GPU tests of the packed training kernels on both grids and of the chunked decode K2 (now also at M = 1),
+#        the training FFN op bench with its grid/block sweep, the SmolLM2-shaped finetune step (dense vs packed)
+#        and the decode FFN grid at 90% zeros (M = 1, 8, 32 on the three target shapes)
+#   bash eval/h200_generate.sh e2e                   end to end: synth Llama-3.1-8B at batch 1 and a SmolLM2-135M-
+#        shaped synth at 95.8% zeros (the default recipe's) with the step check, compiled regime
 #   results go to $OUT (the device tool's folder) or eval/results/generate-h200/ (RESULTS=...)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,16 +35,23 @@ synth() {
 }
 
 pending() {
-  timeout 150 python3 -m pytest -q -m gpu tests/test_modeling_gpu.py \
-    tests/test_kernels.py -k "chunked or modeling or fast or compiled" > "$RESULTS/gpu-tests-pending.log" 2>&1
-  echo "gpu tests rc $?"; tail -3 "$RESULTS/gpu-tests-pending.log"
-  timeout 140 python3 eval/bench_decode.py --no-grid --sweep-chunked --sweep-budget-s 90 --out "$RESULTS/chunked" \
-    > "$RESULTS/chunked.log" 2>&1; echo "chunked sweep rc $?"
-  timeout 90 python3 eval/bench_train_ffn.py --part op --no-sweep --zeros 0.9 --profile --rounds 5 \
-    --out "$RESULTS/train-ffn-profile.json" > "$RESULTS/train-ffn-profile.log" 2>&1; echo "train profile rc $?"
-  timeout 130 bash "$0" synth llama-1b eval/configs/llama-3.2-1b.json 0.9 --batch 1,8 --prompt 512 --regimes compiled
-  timeout 60 bash "$0" synth smollm2 eval/configs/smollm2-135m.json 0.958 --batch 1 --prompt 512 --regimes compiled
-  grep "^sweep" "$RESULTS/chunked.log"
+  timeout 110 python3 -m pytest -q -m gpu tests/test_train_kernels.py tests/test_kernels.py \
+    -k "never_syncs or chunked" > "$RESULTS/gpu-tests-pending.log" 2>&1
+  echo "gpu tests rc $?"; tail -2 "$RESULTS/gpu-tests-pending.log"
+  timeout 170 python3 eval/bench_train_ffn.py --part op --zeros 0.9,0.99 --rounds 7 \
+    --out "$RESULTS/train-ffn-op.json" > "$RESULTS/train-ffn-op.log" 2>&1; echo "train op rc $?"
+  grep -A6 "^TABLE" "$RESULTS/train-ffn-op.log"; grep "^sweep" "$RESULTS/train-ffn-op.log"
+  timeout 190 python3 eval/bench_train_ffn.py --part model --steps 6 \
+    --out "$RESULTS/train-ffn-model.json" > "$RESULTS/train-ffn-model.log" 2>&1; echo "train model rc $?"
+  grep -A4 "^TABLE" "$RESULTS/train-ffn-model.log"
+  timeout 100 python3 eval/bench_decode.py --shapes 8192x28672,4096x14336,2048x8192 --ms 1,8,32 --zeros 0.9 \
+    --budget-s 75 --out "$RESULTS/decode-grid" > "$RESULTS/decode-grid.log" 2>&1; echo "decode grid rc $?"
+  grep "^| [0-9]" "$RESULTS/decode-grid/decode-bench.md" | cut -c1-160
+}
+
+e2e() {
+  timeout 330 bash "$0" synth llama-8b eval/configs/llama-3.1-8b.json 0.9 --batch 1 --prompt 512 --regimes compiled
+  timeout 150 bash "$0" synth smollm2 eval/configs/smollm2-135m.json 0.958 --batch 1 --prompt 512 --regimes compiled
 }
 
 cmd=${1:-}
@@ -51,5 +60,6 @@ case "$cmd" in
   tests) tests ;;
   synth) synth "$@" ;;
   pending) pending ;;
-  *) echo "usage: $0 tests | synth NAME CONFIG ZEROS [bench args] | pending" >&2; exit 2 ;;
+  e2e) e2e ;;
+  *) echo "usage: $0 tests | synth NAME CONFIG ZEROS [bench args] | pending | e2e" >&2; exit 2 ;;
 esac

@@ -19,7 +19,7 @@ NT = ceil(F / T), E = gathered rows per chunk in K2. Layout and overflow rules: 
   recomputed densely from W_gate (lossless). SPLIT > 1 (decode) spreads a row's entries over programs
   that add into an fp32 output with atomics.
 - Decode (M <= 16): K1 with 32-column tiles and K2 split across programs (above), what twell_ffn_triton
-  and auto run; from d = DECODE_CHUNKED_MIN_D = 8192 on, K2 is `_k2_dec_chunked` (d in chunks through an
+  and auto run; at M = 1, and from d = DECODE_CHUNKED_MIN_D = 8192 on, K2 is `_k2_dec_chunked` (d in chunks through an
   [M, K] scratch: no d-length registers, so no spills). `decode_ffn` (M <= DECODE_MAX_M = 32, routed only up to DECODE_ROUTE_M = 0: it measured
   0.71-0.97x of dense on the H200, kernels/NOTES.md): phase A `_dec_gate_up`
   (gate for all M rows at once, W_up rows of neurons active in any row), phase B `_dec_down` (W_down^T
@@ -742,15 +742,15 @@ def updown(
 
     compact=True (variants r6c / r5c; ignored when K2 splits rows, M <= 16): per-row compacted entry
     lists before the gather loop. chunked: when K2 splits rows, run updown_decode_chunked (True), the
-    split _k2_updown (False), or choose by d (None: chunked from DECODE_CHUNKED_MIN_D on, unless block
-    overrides are given)."""
+    split _k2_updown (False), or choose by M and d (None: chunked at M <= DECODE_CHUNKED_MAX_M, and at
+    any decode M from d = DECODE_CHUNKED_MIN_D on, unless block overrides are given)."""
     _require_triton()
     m, d = x2d.shape
     f = w_up.shape[0]
     cfg = {**k2_config(m, d), **overrides}
     split = cfg["SPLIT"]
     if chunked is None:
-        chunked = split > 1 and d >= DECODE_CHUNKED_MIN_D and not overrides
+        chunked = split > 1 and (m <= DECODE_CHUNKED_MAX_M or d >= DECODE_CHUNKED_MIN_D) and not overrides
     if chunked and split > 1 and _chunked_ok(x2d, packed, w_up, w_down_t):
         return updown_decode_chunked(x2d, packed, w_up, w_down_t)  # (DECODE_CHUNKED_MIN_D says why)
     nt = packed.n_tiles
@@ -780,11 +780,11 @@ def _chunked_ok(x2d: torch.Tensor, packed: TwellPacked, w_up: torch.Tensor, w_do
 
 def updown_decode_chunked(
     x2d: torch.Tensor, packed: TwellPacked, w_up: torch.Tensor, w_down_t: torch.Tensor, *,
-    E: int = 4, BD: int = 1024, SPLIT: int | None = None, num_warps: int = 4,
+    E: int = 8, BD: int = 1024, SPLIT: int | None = None, num_warps: int = 4,
 ) -> torch.Tensor:
     """K2 for decode without the d-length registers of `updown`'s split path (_k2_dec_chunked), which
-    spills at d = 8192 (kernels/NOTES.md): -> [M, d] in x2d's dtype. `updown` routes decode K2 here from
-    d = DECODE_CHUNKED_MIN_D on (not yet timed on a GPU: `eval/bench_decode.py --sweep-chunked` times it).
+    spills at d = 8192 (kernels/NOTES.md): -> [M, d] in x2d's dtype. `updown` routes decode K2 here at
+    M = 1 and from d = DECODE_CHUNKED_MIN_D on (DECODE_CHUNKED_MAX_M says why; E = 8 from the same sweep).
     SPLIT (programs per row) defaults to about four programs per SM over the M rows, at most 512. packed
     must hold every entry (decode tiles: S >= T)."""
     _require_triton()
@@ -838,13 +838,18 @@ DECODE_MAX_M = 32
 # 0.71-0.97x of dense at every shape, M = 1..32 and 85-99% zeros, where the K1 + K2 decode path (32-column
 # tiles, split K2) had measured 1.6-2.1x at M = 1 on 2048x8192 and 4096x14336: the older path stays.
 DECODE_ROUTE_M = 0
-# From this d on, a decode K2 (updown's split path, M <= 16) runs updown_decode_chunked instead of
-# _k2_updown. _k2_updown holds the x row and an fp32 output row of length d in registers: its sm_90 build
-# spills at d = 8192 (255 registers, 1052 B of spill stores), where it ran 0.42x of dense on the H200, and
-# does not at d = 4096 (238 registers), where it ran 1.6-1.9x. The chunked K2 keeps nothing of length d in
-# registers (56, no spills at 8192 x 28672; eval/results/decode-compile-sm90/). Chosen from those builds,
-# not yet timed on a GPU: "auto" times the whole twell path against dense per layer and keeps dense where
-# twell loses, and checks its output against dense first (twell_ops._calibrate).
+# Where a decode K2 (updown's split path, M <= 16) runs updown_decode_chunked instead of _k2_updown: at
+# M <= DECODE_CHUNKED_MAX_M at every d, and at every decode M from d = DECODE_CHUNKED_MIN_D on.
+# _k2_updown holds the x row and an fp32 output row of length d in registers: its sm_90 build spills at
+# d = 8192 (255 registers, 1052 B of spill stores), where it ran 0.42x of dense on the H200 (M = 1, 90%
+# zeros), 0.12x at M = 8. The chunked K2 keeps nothing of length d in registers (56, no spills at
+# 8192 x 28672; eval/results/decode-compile-sm90/). Timed on the H200 (eval/results/generate-h200/chunked/,
+# 90% zeros, skewed, CUDA graphs), K1 + chunked K2 with E = 8 over dense, against K1 + the split K2:
+#   M = 1:  8192 x 28672 1.72x vs 0.42x, 4096 x 14336 1.78x vs 1.65x, 2048 x 8192 1.82x vs 1.65x;
+#   M = 8:  8192 x 28672 0.90x vs 0.12x, 4096 x 14336 1.15x vs 1.19x, 2048 x 8192 1.10x vs 1.11x.
+# So chunked wherever the split K2 spills, and at M = 1; at M = 8 below d = 8192 the two tie and the split
+# K2 stays. "auto" times the whole twell path against dense per layer anyway (dense where twell loses).
+DECODE_CHUNKED_MAX_M = 1
 DECODE_CHUNKED_MIN_D = 8192
 _SMS: dict[int, int] = {}
 

@@ -1171,13 +1171,14 @@ def test_k2_decode_chunked_matches_reference(m, d, bd, split, zeros):
 
 
 def test_decode_k2_routes_to_chunked_from_its_d(monkeypatch):
-    """twell_ffn_triton's decode K2 (split, M <= 16) runs the chunked K2 from DECODE_CHUNKED_MIN_D on (made
-    64 here), the split _k2_updown below it, with chunked=False or with block overrides; same output."""
+    """twell_ffn_triton's decode K2 (split, M <= 16) runs the chunked K2 at M = 1 at every d and at every
+    decode M from DECODE_CHUNKED_MIN_D on (made 64 here), the split _k2_updown otherwise, with chunked=False
+    or with block overrides; same output."""
     calls = []
     real = tt.updown_decode_chunked
     monkeypatch.setattr(tt, "updown_decode_chunked", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     monkeypatch.setattr(tt, "DECODE_CHUNKED_MIN_D", 64)
-    for m, d, chunked in ((1, 64, True), (5, 72, True), (3, 48, False), (20, 64, False)):  # M = 20: prefill K2
+    for m, d, chunked in ((1, 64, True), (5, 72, True), (1, 48, True), (3, 48, False), (20, 64, False)):  # M = 20: prefill
         x, wg, wu, wd = make_case(m, d, 150, 0.9, seed=9)
         calls.clear()
         out = tt.twell_ffn_triton(x, wg, wu, twell_ops.transpose_down(wd))
