@@ -95,13 +95,15 @@ WORD = 32  # mask bits per int32 word
 # any row needs the recompute path, for 2 M F e / 32 bytes (6% of one dense [M, F] tensor).
 SPILL_DIV = 32
 SPILL_MIN = 16
-# Kernel grids and blocks. GRID "rows": a program per BM rows walks F in BF-column steps (the rank of each
-# active slot runs along the row); "2d": a program per [BM, BF] tile, the ranks from per-tile counts (a
-# first pass) and an exclusive cumsum. Memory-bound streaming kernels: BF must be a multiple of 32 (whole
-# mask words). On the H200 the rows kernels ran 4x under the bandwidth (pack 934 us, unpack 997 us at
-# 2048 x 8192, M = 16384, for ~0.9 and ~1.2 GB moved); eval/bench_train_ffn.py --sweep times both grids.
-FWD_CONFIG = {"GRID": "2d", "BM": 16, "BF": 128, "num_warps": 4}
-BWD_CONFIG = {"GRID": "2d", "BM": 16, "BF": 128, "num_warps": 4}
+# Kernel blocks (rows x columns per step of the sweep); BF must be a multiple of 32 (whole mask words). The
+# fastest of eval/bench_train_ffn.py's sweep on the H200 at 2048 x 8192, M = 16384, 90% zeros, twice
+# (2026-11-30 and 2026-12-01; configs within ~0.3 ms of each other on a ~7.8 ms forward + backward).
+# Both kernels run about 4x under the bandwidth (pack 0.93 ms for ~0.9 GB, unpack 1.0 ms for ~1.2 GB) and
+# are not bound by the serial walk along F: a 2D-grid version (a program per tile, ranks from per-tile
+# counts, 33% more bytes) timed the same (eval/results/train-ffn-h200/README.md); the per-element work
+# (rank scan, mask-word and fired reductions, scattered stores of the packed values) is what costs.
+FWD_CONFIG = {"BM": 32, "BF": 128, "num_warps": 4}
+BWD_CONFIG = {"BM": 32, "BF": 64, "num_warps": 4}
 # The recompute GEMM of rows beyond the side buffer (rare: a correctness path, not tuned)
 RECOMPUTE_CONFIG = {"BM": 16, "BF": 64, "BK": 64, "num_warps": 4}
 INTERPRET_CONFIG = {"BM": 16, "BF": 64, "BK": 16, "num_warps": 4}  # the CPU interpreter: small programs
@@ -143,8 +145,7 @@ def _use_triton(x: torch.Tensor, backend: str) -> bool:
 
 
 def _config(x: torch.Tensor, base: dict) -> dict:
-    """base on CUDA; on the CPU interpreter its small blocks, with base's GRID (both grids are tested there)."""
-    return dict(INTERPRET_CONFIG, GRID=base.get("GRID", "rows")) if x.device.type == "cpu" else dict(base)
+    return dict(INTERPRET_CONFIG) if x.device.type == "cpu" else dict(base)
 
 
 # ------------------------------------------------------------------------------------------------ kernels
@@ -318,151 +319,6 @@ if HAS_TRITON:
             tl.store(h_ptr + off, h, mask=m2)
 
 
-    # The same two sweeps on a 2D grid (GRID "2d"): one program per [BM, BF] tile, so no program walks a
-    # row's F serially. A row's running rank at a column block comes from its per-block counts of active
-    # slots, taken by a first pass (forward: _fwd_mask, which writes the mask words too; backward:
-    # _mask_counts over the saved words) and an exclusive cumsum in torch ([M, F / BF] int32, small).
-    @triton.jit
-    def _fwd_mask(
-        g_ptr, mask_ptr, cnt_ptr, M, F, NW, NB,
-        BM: tl.constexpr, BF: tl.constexpr,
-    ):
-        """Tile (pid 0, pid 1) of g [M, F]: the mask words of its columns and its per-row count of g > 0
-        -> cnt [M, NB]."""
-        rows = tl.program_id(0) * BM + tl.arange(0, BM)
-        b = tl.program_id(1)
-        row_ok = rows < M
-        r64 = rows.to(tl.int64)
-        cols0 = tl.arange(0, BF)
-        cols = b * BF + cols0
-        g = tl.load(g_ptr + r64[:, None] * F + cols[None, :], mask=row_ok[:, None] & (cols < F)[None, :], other=0.0)
-        a = (g > 0).to(tl.int32)
-        words = tl.sum(tl.reshape(a << (cols0 % 32)[None, :], (BM, BF // 32, 32)), 2)  # [BM, BF/32]
-        w_col = b * (BF // 32) + tl.arange(0, BF // 32)
-        tl.store(mask_ptr + r64[:, None] * NW + w_col[None, :], words.to(tl.int32),
-                 mask=row_ok[:, None] & (w_col < NW)[None, :])
-        tl.store(cnt_ptr + r64 * NB + b, tl.sum(a, 1), mask=row_ok)
-
-    @triton.jit
-    def _fwd_pack2d(
-        g_ptr, u_ptr, h_ptr, vals_ptr, base_ptr, act_ptr, nzp_ptr, l1p_ptr, fired_ptr, side_ptr, slot_ptr, ctr_ptr,
-        M, F, C, R, NB, UP_OFF,
-        BM: tl.constexpr, BF: tl.constexpr,
-    ):
-        """Tile (pid 0, pid 1) of g, u [M, F]: h -> h_ptr, the tile's active (g, u) pairs at ranks base + their
-        rank in the tile (those below C) -> vals, per-row partial count of h != 0 and sum |h| -> nzp, l1p
-        [M, NB], fired as in _fwd_pack. The programs of column block 0 also give their rows' slots: an
-        overflowing row (act_ptr count > C) takes one from ctr_ptr, and the first R copy g | u to side."""
-        rows = tl.program_id(0) * BM + tl.arange(0, BM)
-        b = tl.program_id(1)
-        row_ok = rows < M
-        r64 = rows.to(tl.int64)
-        cols0 = tl.arange(0, BF)
-        cols = b * BF + cols0
-        col_ok = cols < F
-        m2 = row_ok[:, None] & col_ok[None, :]
-        off = r64[:, None] * F + cols[None, :]
-        g = tl.load(g_ptr + off, mask=m2, other=0.0)
-        u = tl.load(u_ptr + off, mask=m2, other=0.0)
-        act = g > 0
-        h = tl.where(act, g.to(tl.float32) * u.to(tl.float32), 0.0).to(h_ptr.dtype.element_ty)  # one rounding
-        tl.store(h_ptr + off, h, mask=m2)
-        hnz = h != 0
-        tl.store(nzp_ptr + r64 * NB + b, tl.sum(hnz.to(tl.int32), 1), mask=row_ok)
-        tl.store(l1p_ptr + r64 * NB + b, tl.sum(tl.abs(h.to(tl.float32)), 1), mask=row_ok)
-        fired = tl.max(hnz.to(tl.int32), 0)  # [BF]
-        tl.store(fired_ptr + cols, fired.to(fired_ptr.dtype.element_ty), mask=col_ok & (fired > 0))
-        base = tl.load(base_ptr + r64 * NB + b, mask=row_ok, other=0)  # [BM] rank of the tile's first active slot
-        pos = base[:, None] + tl.cumsum(act.to(tl.int32), 1) - 1
-        keep = act & (pos < C)
-        voff = r64[:, None] * C + pos
-        tl.store(vals_ptr + voff, g, mask=keep)
-        tl.store(vals_ptr + UP_OFF + voff, u, mask=keep)
-        if b == 0:
-            run = tl.load(act_ptr + rows, mask=row_ok, other=0)
-            over = (run > C) & row_ok
-            oi = over.to(tl.int32)
-            n_over = tl.sum(oi, 0)
-            slot = tl.full([BM], -1, tl.int32)
-            if n_over > 0:  # rare: one atomic per row block with overflowing rows
-                base_slot = tl.atomic_add(ctr_ptr, n_over)
-                slot = tl.where(over, base_slot + tl.cumsum(oi, 0) - 1, -1)
-                spill = over & (slot < R)
-                if tl.sum(spill.to(tl.int32), 0) > 0:  # a sweep over the spilled rows only
-                    s64 = tl.maximum(slot, 0).to(tl.int64)
-                    for c0 in range(0, F, BF):
-                        cs = c0 + cols0
-                        ms = spill[:, None] & (cs < F)[None, :]
-                        o = r64[:, None] * F + cs[None, :]
-                        so = s64[:, None] * (2 * F) + cs[None, :]
-                        tl.store(side_ptr + so, tl.load(g_ptr + o, mask=ms, other=0.0), mask=ms)
-                        tl.store(side_ptr + so + F, tl.load(u_ptr + o, mask=ms, other=0.0), mask=ms)
-            tl.store(slot_ptr + rows, slot, mask=row_ok)
-
-    @triton.jit
-    def _mask_counts(mask_ptr, cnt_ptr, M, NW, NB, BM: tl.constexpr, WB: tl.constexpr):
-        """cnt [M, NB]: set bits of mask words [b WB, (b + 1) WB) of each row (active slots per BF = 32 WB
-        columns)."""
-        rows = tl.program_id(0) * BM + tl.arange(0, BM)
-        b = tl.program_id(1)
-        row_ok = rows < M
-        r64 = rows.to(tl.int64)
-        w_col = b * WB + tl.arange(0, WB)
-        words = tl.load(mask_ptr + r64[:, None] * NW + w_col[None, :], mask=row_ok[:, None] & (w_col < NW)[None, :],
-                        other=0)
-        bits = (words[:, :, None] >> tl.arange(0, 32)[None, None, :]) & 1
-        tl.store(cnt_ptr + r64 * NB + b, tl.sum(tl.sum(bits, 2), 1), mask=row_ok)
-
-    @triton.jit
-    def _bwd_unpack2d(
-        dh_ptr, du_ptr, h_ptr, mask_ptr, vals_ptr, side_ptr, slot_ptr, coef_ptr, base_ptr,
-        M, F, C, R, NW, NB, UP_OFF,
-        BM: tl.constexpr, BF: tl.constexpr,
-    ):
-        """_bwd_unpack for tile (pid 0, pid 1), the row's running rank at the tile read from base [M, NB]."""
-        rows = tl.program_id(0) * BM + tl.arange(0, BM)
-        b = tl.program_id(1)
-        row_ok = rows < M
-        r64 = rows.to(tl.int64)
-        cols = b * BF + tl.arange(0, BF)
-        col_ok = cols < F
-        m2 = row_ok[:, None] & col_ok[None, :]
-        dt = h_ptr.dtype.element_ty
-        slot = tl.load(slot_ptr + rows, mask=row_ok, other=-1)  # [BM]
-        packed = slot < 0
-        spill = (slot >= 0) & (slot < R)
-        rec = slot >= R
-        s64 = tl.maximum(slot, 0).to(tl.int64)
-        coef = tl.load(coef_ptr)  # fp32 scalar
-        w_col = b * (BF // 32) + tl.arange(0, BF // 32)
-        words = tl.load(mask_ptr + r64[:, None] * NW + w_col[None, :],
-                        mask=row_ok[:, None] & (w_col < NW)[None, :], other=0)  # [BM, BF/32]
-        a = tl.reshape((words[:, :, None] >> tl.arange(0, 32)[None, None, :]) & 1, (BM, BF))  # [BM, BF] 0/1
-        act = a != 0
-        base = tl.load(base_ptr + r64 * NB + b, mask=row_ok, other=0)
-        pos = base[:, None] + tl.cumsum(a, 1) - 1
-        pk = act & packed[:, None]
-        voff = r64[:, None] * C + pos
-        g = tl.load(vals_ptr + voff, mask=pk, other=0.0).to(tl.float32)
-        u = tl.load(vals_ptr + UP_OFF + voff, mask=pk, other=0.0).to(tl.float32)
-        sp = act & spill[:, None]
-        soff = s64[:, None] * (2 * F) + cols[None, :]
-        g = tl.where(sp, tl.load(side_ptr + soff, mask=sp, other=0.0).to(tl.float32), g)
-        u = tl.where(sp, tl.load(side_ptr + soff + F, mask=sp, other=0.0).to(tl.float32), u)
-        off = r64[:, None] * F + cols[None, :]
-        rr = act & rec[:, None]
-        g = tl.where(rr, tl.maximum(tl.load(du_ptr + off, mask=rr, other=0.0).to(tl.float32), 0.0), g)
-        u = tl.where(rr, tl.load(h_ptr + off, mask=rr, other=0.0).to(tl.float32), u)
-        dh = tl.load(dh_ptr + off, mask=m2, other=0.0).to(tl.float32)
-        h = (g * u).to(dt)
-        hf = h.to(tl.float32)
-        sgn = tl.where(hf > 0, 1.0, tl.where(hf < 0, -1.0, 0.0))
-        dht = (dh + (coef * sgn).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        tl.store(dh_ptr + off, tl.where(act, dht * u, 0.0).to(dt), mask=m2)
-        tl.store(du_ptr + off, tl.where(act, dht * g, 0.0).to(dt), mask=m2)
-        tl.store(h_ptr + off, h, mask=m2)
-
-
 # ------------------------------------------------------------------------------------------------ torch path
 def pack_mask(act: torch.Tensor) -> torch.Tensor:
     """[M, F] bool -> [M, NW] int32 words (bit b of word w = column 32 w + b)."""
@@ -560,28 +416,15 @@ def _fwd_triton(x, w_gate, w_up, w_down, capacity: int, spill_rows: int, normali
     side = torch.empty(max(spill_rows, 1), 2 * f, dtype=dt, device=dev)
     slot = torch.empty(m, dtype=torch.int32, device=dev)
     ctr = torch.zeros(1, dtype=torch.int32, device=dev)
+    nnz_rows = torch.empty(m, dtype=torch.int32, device=dev)
+    act_rows = torch.empty(m, dtype=torch.int32, device=dev)
+    l1_rows = torch.empty(m, dtype=torch.float32, device=dev)
     fired = torch.zeros(f, dtype=torch.uint8, device=dev)
     cfg = _config(x, FWD_CONFIG)
-    bm, bf, warps = cfg["BM"], cfg["BF"], cfg["num_warps"]
-    if cfg.get("GRID") == "2d":
-        nb = triton.cdiv(f, bf)
-        grid = (triton.cdiv(m, bm), nb)
-        cnt = torch.empty(m, nb, dtype=torch.int32, device=dev)
-        _fwd_mask[grid](g, mask, cnt, m, f, nw, nb, BM=bm, BF=bf, num_warps=warps)
-        act_rows = cnt.sum(1, dtype=torch.int32)
-        base = cnt.cumsum(1, dtype=torch.int32).sub_(cnt)  # exclusive: rank of each block's first active slot
-        nzp = torch.empty(m, nb, dtype=torch.int32, device=dev)
-        l1p = torch.empty(m, nb, dtype=torch.float32, device=dev)
-        _fwd_pack2d[grid](g, u, h, vals, base, act_rows, nzp, l1p, fired, side, slot, ctr,
-                          m, f, capacity, spill_rows, nb, vals.stride(0), BM=bm, BF=bf, num_warps=warps)
-        nnz_rows, l1_rows = nzp.sum(1, dtype=torch.int32), l1p.sum(1)
-    else:
-        nnz_rows = torch.empty(m, dtype=torch.int32, device=dev)
-        act_rows = torch.empty(m, dtype=torch.int32, device=dev)
-        l1_rows = torch.empty(m, dtype=torch.float32, device=dev)
-        _fwd_pack[(triton.cdiv(m, bm),)](g, u, h, mask, vals, side, slot, ctr, nnz_rows, act_rows, l1_rows, fired,
-                                         m, f, capacity, spill_rows, nw, vals.stride(0), BM=bm, BF=bf,
-                                         num_warps=warps)
+    grid = (triton.cdiv(m, cfg["BM"]),)
+    _fwd_pack[grid](g, u, h, mask, vals, side, slot, ctr, nnz_rows, act_rows, l1_rows, fired,
+                    m, f, capacity, spill_rows, nw, vals.stride(0), BM=cfg["BM"], BF=cfg["BF"],
+                    num_warps=cfg["num_warps"])
     del g, u
     y = F.linear(h, w_down)  # [M, d]
     l1 = l1_rows.sum() / _denominator(m, f, normalization)
@@ -598,19 +441,9 @@ def _bwd_triton(dy, coef, x, w_gate, w_up, w_down, mask, vals, side, slot, spill
     _bwd_recompute[(triton.cdiv(m, rcfg["BM"]),)](
         dup, h, slot, x, w_gate, w_up, m, f, d, spill_rows, x.stride(0), w_gate.stride(0),
         BM=rcfg["BM"], BF=rcfg["BF"], BK=rcfg["BK"], IEEE=x.dtype == torch.float32, num_warps=rcfg["num_warps"])
-    bm, bf, nw = cfg["BM"], cfg["BF"], mask.shape[1]
-    if cfg.get("GRID") == "2d":
-        nb = triton.cdiv(f, bf)
-        grid = (triton.cdiv(m, bm), nb)
-        cnt = torch.empty(m, nb, dtype=torch.int32, device=x.device)
-        _mask_counts[grid](mask, cnt, m, nw, nb, BM=bm, WB=bf // WORD)
-        base = cnt.cumsum(1, dtype=torch.int32).sub_(cnt)
-        _bwd_unpack2d[grid](dh, dup, h, mask, vals, side, slot, coef, base, m, f, vals.shape[-1], spill_rows, nw, nb,
-                            vals.stride(0), BM=bm, BF=bf, num_warps=cfg["num_warps"])
-    else:
-        _bwd_unpack[(triton.cdiv(m, bm),)](
-            dh, dup, h, mask, vals, side, slot, coef, m, f, vals.shape[-1], spill_rows, nw, vals.stride(0),
-            BM=bm, BF=bf, num_warps=cfg["num_warps"])
+    _bwd_unpack[(triton.cdiv(m, cfg["BM"]),)](
+        dh, dup, h, mask, vals, side, slot, coef, m, f, vals.shape[-1], spill_rows, mask.shape[1], vals.stride(0),
+        BM=cfg["BM"], BF=cfg["BF"], num_warps=cfg["num_warps"])
     return _bwd_gemms(dy, x, w_gate, w_up, dh, dup, h)
 
 

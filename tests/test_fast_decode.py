@@ -248,6 +248,43 @@ def test_step_check_keeps_the_faster_of_the_twell_step_and_its_dense_twin(tiny, 
             assert captured == [False] and checks == []
 
 
+def test_dense_twin_of_a_compiled_step_traces_the_torch_modules(tiny, monkeypatch):
+    """The step check's all-dense twin (dense_in_capture) takes each auto MLP's plain torch path, and a
+    compiled forward traced before it is traced again (dynamo guards on the flag): the twin then runs the
+    nn.Linear modules that inductor fuses as in the dense model, not the opaque op's dense branch."""
+    import sys
+
+    mod = sys.modules[type(tiny._fast_decode).__module__]
+    ops = sys.modules[mod.twell_ffn.__module__]
+    mlps = [m for m in tiny.modules() if isinstance(m, mod.SparseMLP)]
+    x = torch.randn(1, 3, TINY["hidden_size"])
+    monkeypatch.setattr(mod, "_KERNELS_MISSING", "")
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(mlps[0], backend=record)
+        with torch.no_grad():
+            outside = compiled(x)
+            assert mlps[0]._kernel_reason(x) == "input is not on a CUDA device" and len(graphs) == 1
+            with ops.dense_in_capture():
+                assert [m._kernel_reason(x) for m in mlps] == [mod.TWIN] * len(mlps)
+                twin = compiled(x)
+            mlps[0].ffn_backend = "twell"  # a forced backend is not the dispatcher's to override
+            with ops.dense_in_capture():
+                assert mlps[0]._kernel_reason(x) != mod.TWIN
+    finally:
+        mlps[0].ffn_backend = "auto"
+        torch._dynamo.reset()
+    assert len(graphs) == 2, "the twin reused the graph traced outside dense_in_capture"
+    assert not any("sparsify" in t for t in graphs[1]) and any("linear" in t for t in graphs[1])
+    assert torch.equal(outside, twin)
+
+
 def test_compiled_step_through_the_twell_op_is_one_graph(tiny, monkeypatch):
     """On the kernel path (faked here on CPU: the op's auto backend runs dense on CPU), with the dispatcher's
     per-layer state already set by an eager prefill, dynamo traces the whole decode step as one graph: no

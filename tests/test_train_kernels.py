@@ -9,7 +9,6 @@ makes every gate negative with x != 0.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 import subprocess
@@ -82,26 +81,8 @@ def assert_close(got, want, what, rtol=2e-5, atol=1e-5):
                              f"{got[idx].item():.6g}, want {want[idx].item():.6g}; {int((err > bound).sum())} off)")
 
 
-@contextlib.contextmanager
-def kernel_grid(grid: str):
-    """Both Triton kernels on one grid ("rows": a program per row block walks F; "2d": a program per tile)."""
-    saved = dict(tt.FWD_CONFIG), dict(tt.BWD_CONFIG)
-    tt.FWD_CONFIG["GRID"] = tt.BWD_CONFIG["GRID"] = grid
-    try:
-        yield
-    finally:
-        for cfg, old in zip((tt.FWD_CONFIG, tt.BWD_CONFIG), saved):
-            cfg.clear()
-            cfg.update(old)
-
-
 def check_against_dense(case, *, backend, capacity=None, spill_rows=None, normalization="sum_hidden", coef=0.7,
                         shape=None):
-    """backend "triton-2d": the Triton backend with both kernels on the 2D grid."""
-    if backend == "triton-2d":
-        with kernel_grid("2d"):
-            return check_against_dense(case, backend="triton", capacity=capacity, spill_rows=spill_rows,
-                                       normalization=normalization, coef=coef, shape=shape)
     x, w_gate, w_up, w_down = case
     if shape is not None:
         x = x.reshape(*shape, x.shape[-1])
@@ -118,7 +99,7 @@ def check_against_dense(case, *, backend, capacity=None, spill_rows=None, normal
     return got
 
 
-BACKENDS = ["torch", pytest.param("triton", marks=needs_triton), pytest.param("triton-2d", marks=needs_triton)]
+BACKENDS = ["torch", pytest.param("triton", marks=needs_triton)]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -155,12 +136,10 @@ def test_l1_term_and_leading_dims(backend, normalization):
 
 
 @needs_triton
-@pytest.mark.parametrize("grid", ["rows", "2d"])
-def test_triton_and_torch_save_the_same_packed_state(grid):
+def test_triton_and_torch_save_the_same_packed_state():
     x, w_gate, w_up, w_down = make_case(33, 40, 100, 0.85, rows="dz", seed=7)
-    with kernel_grid(grid):
-        outs = {b: tt._fwd_op(x.detach(), w_gate.detach(), w_up.detach(), w_down.detach(), 8, 4, "sum_hidden", b)
-                for b in ("torch", "triton")}
+    outs = {b: tt._fwd_op(x.detach(), w_gate.detach(), w_up.detach(), w_down.detach(), 8, 4, "sum_hidden", b)
+            for b in ("torch", "triton")}
     (y0, l10, nnz0, act0, fired0, mask0, vals0, side0, slot0) = outs["torch"]
     (y1, l11, nnz1, act1, fired1, mask1, vals1, side1, slot1) = outs["triton"]
     assert torch.equal(mask0, mask1) and torch.equal(act0, act1) and torch.equal(nnz0, nnz1)
@@ -230,8 +209,7 @@ def test_autocast_bf16_matches_dense_autocast():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("capacity,spill_rows", [(None, None), (16, 4)])
-@pytest.mark.parametrize("grid", ["rows", "2d"])
-def test_gpu_matches_dense_within_its_rounding_and_never_syncs(dtype, capacity, spill_rows, grid):
+def test_gpu_matches_dense_within_its_rounding_and_never_syncs(dtype, capacity, spill_rows):
     """CUDA: packed vs the fp32 oracle at most ~2x the error of dense autograd in the same dtype (KERNELS.md's
     bf16 rule); capacity 16 overflows most rows (side buffer + recompute); no host sync in forward + backward."""
     x, w_gate, w_up, w_down = make_case(1000, 256, 1000, 0.9, rows="dzn" * 3, device="cuda", margin=False)
@@ -243,8 +221,7 @@ def test_gpu_matches_dense_within_its_rounding_and_never_syncs(dtype, capacity, 
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        with kernel_grid(grid):
-            got = run(tt.sparse_ffn_train, *low, dy.to(dtype), 0.5, capacity=capacity, spill_rows=spill_rows)
+        got = run(tt.sparse_ffn_train, *low, dy.to(dtype), 0.5, capacity=capacity, spill_rows=spill_rows)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert got[2].item() == dense[2].item() and torch.equal(got[3], dense[3])

@@ -25,16 +25,17 @@ import torch.nn as nn
 import transformers
 
 try:  # twell_ops imports without triton (its kernels then report unavailable): only a missing file lands here
-    from .twell_ops import dense_in_capture, last_backend, twell_ffn, twell_in_capture
+    from .twell_ops import dense_capture_active, dense_in_capture, last_backend, twell_ffn, twell_in_capture
     from .twell_triton import HAS_TRITON
 
     _KERNELS_MISSING = "" if HAS_TRITON else "triton is not installed"
 except ImportError as e:  # an older folder without the kernel files: dense torch path, reason logged
-    twell_ffn = twell_in_capture = dense_in_capture = None
+    twell_ffn = twell_in_capture = dense_in_capture = dense_capture_active = None
     _KERNELS_MISSING = f"kernel files not importable: {e}"
 
 logger = logging.getLogger("sparsify")
 BACKENDS = ("auto", "twell", "dense")
+TWIN = "the step check's all-dense twin of a decode step"
 _announced: set[str] = set()
 
 
@@ -74,6 +75,8 @@ class SparseMLP(nn.Module):
         """None when the TwELL path may run; otherwise why the dense torch path runs instead."""
         if _KERNELS_MISSING:
             return _KERNELS_MISSING
+        if self.ffn_backend == "auto" and dense_capture_active():
+            return TWIN  # the step check's all-dense twin (under torch.compile: fusable torch ops, not the op)
         if not x.is_cuda:
             return "input is not on a CUDA device"
         if self.ffn_backend == "dense":
@@ -105,7 +108,8 @@ class SparseMLP(nn.Module):
             return y
         if not torch.compiler.is_compiling():
             self.last_path = "torch"
-            _announce("torch", reason)
+            if reason != TWIN:  # (the twin is a check inside a capture, not the path the model runs)
+                _announce("torch", reason)
         if self.fused:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
             return self.down_proj(up * torch.relu(gate))
