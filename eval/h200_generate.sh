@@ -6,8 +6,8 @@
 #   bash eval/h200_generate.sh synth NAME CONFIG ZEROS [bench args...]
 #        e.g. synth llama-1b eval/configs/llama-3.2-1b.json 0.9 --batch 1,8,32 --prompt 128,512,2048
 #   bash eval/h200_generate.sh pending               one call (< 10 min) of what this session built and has not timed:
-#        GPU tests of the packed training kernels on both grids and of the chunked decode K2 (now also at M = 1),
-#        the training FFN op bench with its grid/block sweep, the SmolLM2-shaped finetune step (dense vs packed)
+#        GPU tests of the packed training kernels and of the chunked decode K2 (now also at M = 1),
+#        the training FFN op bench with its block sweep, the SmolLM2-shaped finetune step (dense vs packed)
 #        and the decode FFN grid at 90% zeros (M = 1, 8, 32 on the three target shapes)
 #   bash eval/h200_generate.sh e2e                   end to end: synth Llama-3.1-8B at batch 1 and a SmolLM2-135M-
 #        shaped synth at 95.8% zeros (the default recipe's) with the step check, compiled regime
