@@ -47,8 +47,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .twell_reference import ffn_dense
-from .twell_triton import (DECODE_ROUTE_M, DEFAULT_VARIANT, HAS_TRITON, decode_ffn, gate_pack, split_variant,
-                           twell_ffn_triton, updown)
+from .twell_triton import (DECODE_ROUTE_M, DEFAULT_VARIANT, HAS_TRITON, decode_ffn, gate_pack, k2_spills,
+                           split_variant, twell_ffn_triton, updown)
 
 log = logging.getLogger("sparsify.kernels")
 
@@ -326,23 +326,28 @@ def _output_fault(st: _LayerState, x2d, w_gate, w_up, w_down, w_down_t) -> str |
     return _fault(_run_twell(st, x2d, w_gate, w_up, w_down, w_down_t), ffn_dense(x2d, w_gate, w_up, w_down))
 
 
+def _dense_by_rule(st: _LayerState, rule: str) -> None:
+    """Both regimes of this bucket dense, untimed, for the reason `rule` (kept in st.times)."""
+    st.decision = st.graph_decision = "dense"
+    st.times = {"density": st.density, "rule": rule}
+    st.density0 = st.density
+
+
 def _calibrate(st: _LayerState, x2d, w_gate, w_up, w_down, w_down_t) -> None:
     """Set st.decision (and st.graph_decision for M <= GRAPH_TIMED_M) from paired timings; prefill
-    buckets denser than PREFILL_MAX_DENSITY go dense untimed.
+    buckets denser than PREFILL_MAX_DENSITY, and buckets whose K2 would spill (k2_spills), go dense
+    untimed.
 
     Both sides run twell_ffn(backend="auto") with this bucket's decision forced, i.e. exactly what a
     later call runs: dense = the fast path, twell = checks + dispatcher + W_down^T lookup + K1/K2 (+ a
     refresh whenever the call count reaches one). st.timing holds off re-timings meanwhile."""
     if x2d.shape[0] > GRAPH_TIMED_M and st.density > PREFILL_MAX_DENSITY:  # measured sparsity decides
-        st.decision = st.graph_decision = "dense"
-        st.times = {"density": st.density, "rule": f"prefill density > {PREFILL_MAX_DENSITY}"}
-        st.density0 = st.density
-        return
+        return _dense_by_rule(st, f"prefill density > {PREFILL_MAX_DENSITY}")
+    if x2d.shape[0] > DECODE_ROUTE_M and k2_spills(*x2d.shape):  # hundreds of times slower: not worth a timing
+        return _dense_by_rule(st, f"K2 spills at M = {x2d.shape[0]}, d = {x2d.shape[1]}")
     fault = _output_fault(st, x2d, w_gate, w_up, w_down, w_down_t)
     if fault is not None:  # never time (or choose) a path whose output is wrong
-        st.decision = st.graph_decision = "dense"
-        st.times = {"density": st.density, "rule": f"twell output disagrees with dense ({fault})"}
-        st.density0 = st.density
+        _dense_by_rule(st, f"twell output disagrees with dense ({fault})")
         log.error("twell_ffn %s: the TwELL kernels' output disagrees with dense (%s) on %s; this layer keeps the "
                   "dense FFN. Please report it with your GPU, torch and triton versions.",
                   (tuple(w_gate.shape), x2d.dtype, _bucket(x2d.shape[0])), fault, x2d.device)

@@ -724,7 +724,7 @@ def k2_config(m: int, d: int) -> dict:
     e = 8 if bd <= 1024 else 4
     warps = 4
     split = 1
-    if m <= 16:  # decode: spread each row's entries over programs so more SMs pull rows
+    if m <= K2_SPLIT_MAX_M:  # decode: spread each row's entries over programs so more SMs pull rows
         split = max(2, min(64, 256 // max(m, 1)))
     return dict(E=e, num_warps=warps, SPLIT=split)
 
@@ -851,6 +851,14 @@ DECODE_ROUTE_M = 0
 # K2 stays. "auto" times the whole twell path against dense per layer anyway (dense where twell loses).
 DECODE_CHUNKED_MAX_M = 1
 DECODE_CHUNKED_MIN_D = 8192
+K2_SPLIT_MAX_M = 16  # up to this M, K2 splits each row over programs (k2_config) and may run chunked
+
+
+def k2_spills(m: int, d: int) -> bool:
+    """Whether K2 at this M and d is the one-program-per-row _k2_updown at a d where it spills (the chunked
+    K2 serves decode M only): on the H200 it took 79.5 ms against dense's 0.35 ms at 8192 x 28672, M = 32,
+    90% zeros (eval/results/generate-h200/chunked/grid/). "auto" gives such buckets to dense untimed."""
+    return m > K2_SPLIT_MAX_M and d >= DECODE_CHUNKED_MIN_D
 _SMS: dict[int, int] = {}
 
 

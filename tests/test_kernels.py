@@ -1038,6 +1038,25 @@ def test_auto_calibration_checks_twell_output_before_timing(monkeypatch, caplog,
         assert torch.equal(out, ref.ffn_dense(x, wg, wu, wd))
 
 
+def test_auto_gives_buckets_whose_k2_spills_to_dense_untimed(monkeypatch):
+    """M > 16 at d >= DECODE_CHUNKED_MIN_D (made 16 here) would run the one-program-per-row K2 that spills
+    (79.5 ms against dense's 0.35 ms on the H200): dense for both regimes, the twell path never run, not
+    even for the output check; a smaller d or a decode M is timed as usual."""
+    x, wg, wu, wd, ran = calibration_case(monkeypatch, seed=35)  # M = 20, d = 16
+    monkeypatch.setattr(tt, "DECODE_CHUNKED_MIN_D", 16)
+    order = scripted_timer(monkeypatch, {"dense": [1.0] * 5, "twell": [0.5] * 5})
+    out = twell_ops.twell_ffn(x, wg, wu, wd)
+    st = wg._twell_auto[1][32]
+    assert st.decision == st.graph_decision == "dense" and st.times["rule"] == "K2 spills at M = 20, d = 16"
+    assert ran == [] and order == []
+    assert torch.equal(out, ref.ffn_dense(x, wg, wu, wd))
+    assert tt.k2_spills(20, 16) and not tt.k2_spills(16, 16) and not tt.k2_spills(20, 8)
+    monkeypatch.setattr(tt, "DECODE_CHUNKED_MIN_D", 32)  # below that d: timed, and twell wins here
+    x, wg, wu, wd = make_case(20, 16, 64, 0.9, seed=36)
+    twell_ops.twell_ffn(x, wg, wu, wd)
+    assert wg._twell_auto[1][32].decision == "twell" and ran
+
+
 def test_auto_fault_check_scale():
     y = torch.tensor([[1.0, -2.0], [0.5, 0.0]])
     assert twell_ops._fault(y + 0.1, y) is None  # 5% of max |y|: rounding-sized
