@@ -100,7 +100,7 @@ SPILL_MIN = 16
 # (2026-11-30 and 2026-12-01; configs within ~0.3 ms of each other on a ~7.8 ms forward + backward).
 # Both kernels run about 4x under the bandwidth (pack 0.93 ms for ~0.9 GB, unpack 1.0 ms for ~1.2 GB) and
 # are not bound by the serial walk along F: a 2D-grid version (a program per tile, ranks from per-tile
-# counts, 33% more bytes) timed the same (eval/results/train-ffn-h200/README.md); the per-element work
+# counts, 33% more bytes) timed the same (eval/results/train-ffn-h200/r2/); the per-element work
 # (rank scan, mask-word and fired reductions, scattered stores of the packed values) is what costs.
 FWD_CONFIG = {"BM": 32, "BF": 128, "num_warps": 4}
 BWD_CONFIG = {"BM": 32, "BF": 64, "num_warps": 4}

@@ -859,6 +859,8 @@ def k2_spills(m: int, d: int) -> bool:
     K2 serves decode M only): on the H200 it took 79.5 ms against dense's 0.35 ms at 8192 x 28672, M = 32,
     90% zeros (eval/results/generate-h200/chunked/grid/). "auto" gives such buckets to dense untimed."""
     return m > K2_SPLIT_MAX_M and d >= DECODE_CHUNKED_MIN_D
+
+
 _SMS: dict[int, int] = {}
 
 
