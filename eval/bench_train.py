@@ -101,7 +101,7 @@ def conditions() -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=Path, required=True, help="token folder (sparsify.data.prepare_data output)")
+    p.add_argument("--tokens", type=Path, required=True, help="token folder (sparsify.train.data.prepare_data output)")
     p.add_argument("--tokenizer", type=Path, required=True, help="folder with the SmolLM2 tokenizer files")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--steps", type=int, default=50)

@@ -9,7 +9,7 @@ CPU dry run of every code path (Triton interpreter, fp32, tiny shapes):
   python eval/bench_train_ffn.py --smoke --out /tmp/b.json
 
 Part "op": one FFN layer, d x F in {576x1536, 2048x8192}, M = 16384 tokens, bf16 (x and weights bf16 leaves),
-zeros in --zeros with a skewed pattern: per-neuron firing rates log-normal (sparsify.synth.neuron_rates, sigma
+zeros in --zeros with a skewed pattern: per-neuron firing rates log-normal (sparsify.folder.synth.neuron_rates, sigma
 --skew), made by the GEMM itself (x[:, 0] = 1, W_gate[:, 0] = -b_j with b_j = |W_gate[j, 1:]| ndtri(1 - p_j),
 x Gaussian: neuron j fires with probability p_j). Functions, forward + backward of loss = <y, dy> + c l1:
   dense           the dense expression under autograd with the L1 term and SparsityProbe's stats (nnz,
@@ -17,7 +17,7 @@ x Gaussian: neuron j fires with probability p_j). Functions, forward + backward 
   dense_compiled  the same under torch.compile (finetune's train.compile=true)
   dense_ffn       y only (no L1, no stats), eager: the floor of what dense autograd must do
   packed          sparse_ffn_train (Triton kernels + cuBLAS GEMMs), capacity = the rule of
-                  sparsify.train_kernels (1.25 x per-row p99 of active slots, on its grid)
+                  sparsify.train.packed_ffn (1.25 x per-row p99 of active slots, on its grid)
 Timed in interleaved rounds (rotating order; CUDA events around a loop of n calls; medians; ratios are medians
 of per-round paired ratios). Saved bytes through saved_tensors_hooks (each storage once), excluding and
 including x and the weights; peak memory above the inputs for one forward + backward.
@@ -25,7 +25,7 @@ including x and the weights; peak memory above the inputs for one forward + back
 fastest for the rest of the run (reported).
 
 Part "model": a SmolLM2-135M-shaped Llama (30 layers, d 576, F 1536, 9 heads / 3 kv heads, vocab 49152; random
-weights made sparse by sparsify.synth at --model-zeros, or --model FOLDER) trained --steps steps (after
+weights made sparse by sparsify.folder.synth at --model-zeros, or --model FOLDER) trained --steps steps (after
 --warm steps: compile, capacity update) with and without install_packed_ffn(mode="twell"), bf16 autocast, the
 same torch.compile setting, AdamW, CE + 1e-4 x L1 through SparsityProbe, random tokens [--batch, --seq]:
 tokens/s (median step time) and peak memory (torch.cuda.max_memory_allocated over the timed steps).
@@ -141,7 +141,7 @@ def env_info() -> dict:
 # --------------------------------------------------------------------------------------------------- op part
 def make_layer(m: int, d: int, f: int, zeros: float, skew: float, device, dtype, seed: int = 0):
     """x [M, d] and weights (leaves requiring grad) with skewed honest sparsity (module docstring)."""
-    from sparsify.synth import neuron_rates
+    from sparsify.folder.synth import neuron_rates
 
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(m, d, generator=gen)
@@ -187,8 +187,8 @@ def layer_stats(x, w_gate, capacity_rule) -> dict:
 
 
 def op_case(d, f, m, zeros, args, ctx) -> dict:
-    from sparsify.kernels import twell_train as tt
-    from sparsify.train_kernels import capacity_grid, dense_saved_bytes, saved_bytes
+    from sparsify.kernels.train import twell_train as tt
+    from sparsify.train.packed_ffn import capacity_grid, dense_saved_bytes, saved_bytes
 
     device, dtype, clock = ctx["device"], ctx["dtype"], ctx["clock"]
     x, w_gate, w_up, w_down = make_layer(m, d, f, zeros, args.skew, device, dtype)
@@ -278,8 +278,8 @@ def correctness(x, weights, dy, packed, tt) -> dict:
 def sweep(args, ctx) -> dict:
     """Time `packed` at 2048 x 8192 (smoke: the first shape) / 90% zeros over block configs of each kernel
     (the other kernel at its default); keep the fastest of each."""
-    from sparsify.kernels import twell_train as tt
-    from sparsify.train_kernels import capacity_grid
+    from sparsify.kernels.train import twell_train as tt
+    from sparsify.train.packed_ffn import capacity_grid
 
     d, f = (2048, 8192) if ctx["cuda"] else parse_shapes(args.shapes)[0]
     x, w_gate, w_up, w_down = make_layer(args.m, d, f, 0.9, args.skew, ctx["device"], ctx["dtype"])
@@ -315,7 +315,7 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 
 
 def op_part(args, ctx, report) -> None:
-    from sparsify.kernels import twell_train as tt
+    from sparsify.kernels.train import twell_train as tt
 
     if args.sweep:
         report["sweep"] = sweep(args, ctx)
@@ -336,10 +336,10 @@ def op_part(args, ctx, report) -> None:
 
 # --------------------------------------------------------------------------------------------------- model part
 def build_model_folder(args, ctx) -> Path:
-    """A sparse random SmolLM2-135M-shaped ReLU folder made by sparsify.synth (fp32 weights), or --model."""
+    """A sparse random SmolLM2-135M-shaped ReLU folder made by sparsify.folder.synth (fp32 weights), or --model."""
     if args.model:
         return Path(args.model)
-    from sparsify.synth import synth
+    from sparsify.folder.synth import synth
 
     folder = Path(args.workdir) / f"synth-{'tiny' if args.smoke else 'smollm2-135m'}-z{args.model_zeros}"
     if not (folder / "config.json").is_file():
@@ -354,13 +354,13 @@ def build_model_folder(args, ctx) -> Path:
 def train_variant(folder: Path, mode: str, args, ctx) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from sparsify.sparsity import SparsityProbe
-    from sparsify.train_kernels import install_packed_ffn
+    from sparsify.train.objective import SparsityProbe
+    from sparsify.train.packed_ffn import install_packed_ffn
 
     device, clock, cuda = ctx["device"], ctx["clock"], ctx["cuda"]
     torch.manual_seed(0)
     try:  # finetune's attention choice (causal SDPA without a mask) when this version has it
-        from sparsify.finetune import training_attention
+        from sparsify.train.finetune import training_attention
 
         attn = training_attention(AutoConfig.from_pretrained(folder), args.seq)
     except ImportError:

@@ -18,7 +18,7 @@
 # If lm_eval still fails to import there (e.g. the image's pyarrow is older than datasets' >= 24), the run
 # falls back to --tasks none; then measure accuracy on the CPU box and merge:
 #   sparsify eval orig=ORIG relu=RELU ft=FT --tasks eval/tasks/ --out eval/results/eval-smollm2-cpu-acc
-#   python -m sparsify.report eval/results/eval-smollm2-cpu-acc eval/results/eval-smollm2-h200 \
+#   python -m sparsify.evaluation.report eval/results/eval-smollm2-cpu-acc eval/results/eval-smollm2-h200 \
 #       --out eval/results/eval-smollm2
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -43,7 +43,7 @@ run() {
   local tasks=eval/tasks/
   if ! "$PY" -c "import lm_eval.evaluator, datasets" 2>/tmp/lm_eval_import.log; then
     echo "lm_eval/datasets do not import here ($(tail -1 /tmp/lm_eval_import.log)): accuracy skipped;" \
-         "measure it on the CPU box and merge with python -m sparsify.report (see the header)."
+         "measure it on the CPU box and merge with python -m sparsify.evaluation.report (see the header)."
     tasks=none
   fi
   # the GPU tests of the eval stage first: every backend measured, ratios formed, auto restored

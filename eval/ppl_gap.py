@@ -29,10 +29,10 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from sparsify import evaluate as ev  # noqa: E402
-from sparsify.data import EvalStream, tokenizer_fingerprint  # noqa: E402
-from sparsify.perplexity import _tokenize, model_window, text_pass  # noqa: E402
-from sparsify.speed import set_ffn_backend  # noqa: E402
+from sparsify.evaluation import evaluate as ev  # noqa: E402
+from sparsify.train.data import EvalStream, tokenizer_fingerprint  # noqa: E402
+from sparsify.evaluation.perplexity import _tokenize, model_window, text_pass  # noqa: E402
+from sparsify.evaluation.speed import set_ffn_backend  # noqa: E402
 
 EDGES = (0, 128, 512, 1024, 2048)  # per-position buckets inside a window: [0,128), [128,512), ...
 

@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sparsify.evaluate import installed_modeling, load_model, parse_models  # noqa: E402
+from sparsify.evaluation.evaluate import installed_modeling, load_model, parse_models  # noqa: E402
 
 
 def main() -> None:

@@ -6,9 +6,9 @@ Stages, each a folder in and a folder out:
 
 __version__ = "0.1.0"
 
-# `sparsify.convert` is the function (the one the CLI calls). Importing it here, eagerly, rebinds the
-# package attribute from the submodule to the function; `from sparsify.convert import x` still finds the
+# `sparsify.folder.convert` is the function (the one the CLI calls). Importing it here, eagerly, rebinds the
+# package attribute from the submodule to the function; `from sparsify.folder.convert import x` still finds the
 # module in sys.modules. The module imports no torch/transformers at import time, so this stays cheap.
-from .convert import convert  # noqa: E402
+from sparsify.folder.convert import convert  # noqa: E402
 
 __all__ = ["__version__", "convert"]

@@ -13,7 +13,7 @@ import math
 import shutil
 from pathlib import Path
 
-from .sources import GGUF_WHEEL, SMOLLM2_ALIAS, smollm2_gguf
+from sparsify.sources import GGUF_WHEEL, SMOLLM2_ALIAS, smollm2_gguf
 
 DATA_DIR = Path(__file__).parent / "corpus"
 TRAIN_TEXT = DATA_DIR / "python-tutorial.txt"
@@ -42,10 +42,10 @@ def demo(out: str | Path = "sparsify-demo", *, steps: int = 20, limit: int = 20,
     interrupted demo continues where it stopped and a changed one redoes what changed. `quiet` prints only
     the final summary. Returns the eval report (also OUT/report/report.json).
     """
-    from .convert import convert
-    from .evaluate import evaluate
-    from .finetune import RunStopped, finetune, resumable_recipe
-    from .recipe import dump_recipe, load_recipe
+    from sparsify.folder.convert import convert
+    from sparsify.evaluation.evaluate import evaluate
+    from sparsify.train.finetune import RunStopped, finetune, resumable_recipe
+    from sparsify.train.config import dump_recipe, load_recipe
 
     say = (lambda *a: None) if quiet else print
     out = Path(out)

@@ -20,7 +20,7 @@ import socket
 import time
 from pathlib import Path
 
-from .errors import SparsifyError
+from sparsify.errors import SparsifyError
 
 SMOLLM2_ALIAS = "smollm2-135m-gguf"
 SMOLLM2_ALIASES = (SMOLLM2_ALIAS, "smollm2-135m")  # matched case-insensitively

@@ -4,7 +4,7 @@ import ast
 import subprocess
 import sys
 
-from sparsify.folder import shipped_code_files
+from sparsify.folder.format import shipped_code_files
 
 ALLOWED = {"torch", "triton", "transformers", "__future__", "math", "os", "typing", "dataclasses", "functools",
            "logging", "warnings", "itertools", "collections", "enum", "contextlib", "json", "time", "re"}
@@ -74,7 +74,7 @@ def test_sigterm_cleans_up_like_ctrl_c_and_exits_143(tmp_path, monkeypatch, caps
     import time
 
     from sparsify.cli import main
-    from sparsify.folder import atomic_dir
+    from sparsify.folder.format import atomic_dir
 
     def writing(args):
         with atomic_dir(tmp_path / "out") as tmp:
@@ -83,7 +83,7 @@ def test_sigterm_cleans_up_like_ctrl_c_and_exits_143(tmp_path, monkeypatch, caps
             time.sleep(10)  # the handler raises in here
         return 0
 
-    monkeypatch.setattr(importlib.import_module("sparsify.convert"), "main", writing)
+    monkeypatch.setattr(importlib.import_module("sparsify.folder.convert"), "main", writing)
     before = signal.getsignal(signal.SIGTERM)
     assert main(["convert", "src", "-o", str(tmp_path / "out")]) == 128 + signal.SIGTERM
     assert "terminated (SIGTERM); nothing was left half-written" in capsys.readouterr().err
@@ -91,7 +91,7 @@ def test_sigterm_cleans_up_like_ctrl_c_and_exits_143(tmp_path, monkeypatch, caps
     assert signal.getsignal(signal.SIGTERM) == before
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a parent that asked for SIGTERM to be ignored keeps that
     try:
-        monkeypatch.setattr(importlib.import_module("sparsify.convert"), "main", lambda args: 0)
+        monkeypatch.setattr(importlib.import_module("sparsify.folder.convert"), "main", lambda args: 0)
         assert main(["convert", "src", "-o", str(tmp_path / "out")]) == 0
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
     finally:
@@ -102,13 +102,13 @@ def test_sparsify_convert_is_the_function(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import sparsify
-    from sparsify.convert import check_safetensors  # the module stays importable
+    from sparsify.folder.convert import check_safetensors  # the module stays importable
 
     LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
                                  num_attention_heads=2, num_key_value_heads=1, bos_token_id=1,
                                  eos_token_id=2)).save_pretrained(tmp_path / "src")
-    assert callable(sparsify.convert) and callable(check_safetensors)
-    out = sparsify.convert(tmp_path / "src", tmp_path / "out", progress=False)
+    assert callable(sparsify.folder.convert) and callable(check_safetensors)
+    out = sparsify.folder.convert(tmp_path / "src", tmp_path / "out", progress=False)
     assert (out / "modeling_sparsify.py").is_file()
 
 

