@@ -34,15 +34,12 @@ from typing import Any
 from sparsify.evaluation.accuracy import PAPER_TASKS, TaskSpec, accuracy, check_tasks, resolve_tasks
 from sparsify.folder.convert import load_gguf
 from sparsify.errors import SparsifyError
-from sparsify.folder.format import MODELING_FILE
+from sparsify.folder.format import DTYPES, MODELING_FILE
 from sparsify.evaluation.perplexity import HELDOUT_TEXT, check_texts, model_window, texts_section
 from sparsify.sources import SMOLLM2_ALIAS, cache_only, is_alias, is_hub_id, smollm2_gguf
 from sparsify.evaluation.speed import SpeedGrid, speed_section, speed_tokens
 
 logger = logging.getLogger("sparsify")
-# Weights dtype names, as `sparsify convert --dtype` accepts them -> torch dtype attribute.
-DTYPES = {"auto": None, "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
-          "fp32": "float32", "float32": "float32"}
 
 
 # ----------------------------------------------------------------------------------------------- inputs

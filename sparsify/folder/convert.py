@@ -23,11 +23,9 @@ from typing import Any
 from sparsify import __version__
 from sparsify.families import FAMILIES, activation_of, family_for, supported_list
 from sparsify.errors import SparsifyError
-from sparsify.folder.format import atomic_dir, finalize_folder
+from sparsify.folder.format import DTYPES, atomic_dir, finalize_folder
 from sparsify.sources import hub_unreachable, resolve_source, source_problem
 
-DTYPES = {"auto": None, "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
-          "fp32": "float32", "float32": "float32"}
 ACTIVATIONS = ("relu",)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
 # What a Hub download fetches besides the weights: config, tokenizer, generation config.

@@ -25,6 +25,9 @@ from sparsify.families import Family, family_for
 from sparsify.errors import SparsifyError
 
 MODELING_FILE = "modeling_sparsify.py"
+# --dtype names a model folder is written or loaded in -> torch dtype attribute (None: as stored)
+DTYPES = {"auto": None, "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+          "fp32": "float32", "float32": "float32"}
 ACT_FIELDS = ("hidden_act", "hidden_activation")
 
 

@@ -33,7 +33,7 @@ CONSTANT = 1.0
 ATTN_SCALE = 0.1
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt")
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+SAVED_DTYPES = ("bf16", "fp16", "fp32")  # a synth folder has a concrete dtype (no "auto")
 
 
 def load_config(src: str | Path) -> tuple[dict[str, Any], Path | None, str]:
@@ -203,12 +203,12 @@ def synth(config: str | Path, out: str | Path, *, zeros: float = 0.9, layers: in
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from sparsify.folder.format import check_output, save_model_folder
+    from sparsify.folder.format import DTYPES, check_output, save_model_folder
 
     if not 0.0 < zeros < 1.0:
         raise SparsifyError(f"--zeros {zeros} must be a fraction strictly between 0 and 1 (e.g. 0.9 for 90% zeros).")
-    if dtype not in DTYPES:
-        raise SparsifyError(f"--dtype {dtype!r} is not one of {sorted(DTYPES)}.")
+    if dtype not in SAVED_DTYPES:
+        raise SparsifyError(f"--dtype {dtype!r} is not one of {sorted(SAVED_DTYPES)}.")
     if layers is not None and layers < 1:
         raise SparsifyError(f"--layers {layers} must be at least 1.")
     if device == "auto":
@@ -280,7 +280,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output", required=True, help="the model folder to create")
     parser.add_argument("--zeros", type=float, default=0.9, help="fraction of zeros per layer (default 0.9)")
     parser.add_argument("--layers", type=int, default=None, help="keep only N decoder layers (big configs)")
-    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="saved weight dtype (default bf16)")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(SAVED_DTYPES), help="saved weight dtype (default bf16)")
     parser.add_argument("--device", default="auto", help="auto (CUDA if present), cpu or cuda")
     parser.add_argument("--skew", type=float, default=1.0,
                         help="spread of per-neuron firing rates (log-normal sigma; 0 = uniform; default 1.0)")
