@@ -24,8 +24,8 @@ Inputs are built the way eval/bench_kernels.py builds its skewed honest-sparsity
 make_layer / set_sparsity are imported): x[:, 0] = 1 and W_gate[:, 0] = -b_j, so the gate GEMM makes the
 zeros.
 
-Usage on the H200 (repo not installed; the symlink makes `sparsify.kernels` importable), ~30-60 s:
-  cd repo && ln -sfn ../kernels sparsify/kernels
+Usage on the H200 (eval/device_env.sh makes `sparsify.kernels` importable), ~30-60 s:
+  cd repo && source eval/device_env.sh
   PYTHONPATH=$PWD PYTHONUNBUFFERED=1 python eval/auto_probe.py --out $OUT/probe
 CPU dry run of every code path (Triton interpreter, tiny shapes; auto runs dense on CPU):
   TRITON_INTERPRET=1 python eval/auto_probe.py --smoke --out /tmp/probe
@@ -35,7 +35,6 @@ Writes DIR/auto-probe.json (or the --out path itself when it ends in .json); pri
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -49,6 +48,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "eval"))
 
+from sparsify.kernels import twell_updown as tu  # noqa: E402  (K2 and twell_ffn_triton)
+
 import bench_kernels as bk  # noqa: E402  (make_layer, set_sparsity, Clock, env_info)
 
 FORCED = ("auto_tw", "auto_tw_norefr", "auto_tw_r16", "auto_tw_wdt")
@@ -58,59 +59,48 @@ API = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize",
        "cudaEventQuery", "cudaStreamIsCapturing", "cudaEventCreateWithFlags", "cudaEventDestroy")
 
 
-@contextlib.contextmanager
-def patched(module, values: dict):
-    """Set module attributes for the duration of a block (a variant's REFRESH), restore them after."""
-    old = {k: getattr(module, k) for k in values}
-    for k, v in values.items():
-        setattr(module, k, v)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            setattr(module, k, v)
-
-
 def variants(x, w_gate, w_up, w_down, w_down_t, ops, tt, ffn_dense) -> dict:
-    """{name: (fn, twell_ops attributes patched during its calls, its own W_gate copy or None)}."""
-    never = {"REFRESH": 10**9, "REFRESH_DENSE": 10**9}
-    own = {k: w_gate.clone() for k in ("auto", *FORCED)}  # separate dispatcher states and call counters
+    """{name: (fn, the dispatcher its calls use or None, its own W_gate copy or None)}. On CUDA each forced
+    variant has its own Dispatcher (its own policy: REFRESH) called as twell_ffn(backend="auto") calls it;
+    on CPU (the smoke run) every auto variant is twell_ffn(backend="auto"), which runs dense there."""
+    from sparsify.kernels.dispatch import Dispatcher, Policy
 
-    def auto(name, **kw):
-        return lambda: ops.twell_ffn(x, own[name], w_up, w_down, backend="auto", **kw)
+    policies = {"auto_tw": Policy(), "auto_tw_norefr": Policy(refresh=10**9, refresh_dense=10**9),
+                "auto_tw_r16": Policy(refresh=16), "auto_tw_wdt": Policy()}
+    own = {k: w_gate.clone() for k in ("auto", *FORCED)}  # separate dispatcher states and call counters
+    disp = {"auto": ops.AUTO, **{k: Dispatcher(policy=p) for k, p in policies.items()}}
+
+    def auto(name, wdt=None):
+        if x.is_cuda and name != "auto":
+            return lambda: disp[name].run(x, own[name], w_up, w_down, wdt)
+        return lambda: ops.twell_ffn(x, own[name], w_up, w_down, backend="auto", w_down_t=wdt)
 
     return {
-        "dense": (lambda: ffn_dense(x, w_gate, w_up, w_down), {}, None),
-        "twell_triton": (lambda: tt.twell_ffn_triton(x, w_gate, w_up, w_down_t), {}, None),
-        "twell": (lambda: ops.twell_ffn(x, w_gate, w_up, w_down, backend="twell"), {}, None),
-        "auto": (auto("auto"), {}, own["auto"]),
-        "auto_tw": (auto("auto_tw"), {}, own["auto_tw"]),
-        "auto_tw_norefr": (auto("auto_tw_norefr"), never, own["auto_tw_norefr"]),
-        "auto_tw_r16": (auto("auto_tw_r16"), {"REFRESH": 16}, own["auto_tw_r16"]),
-        "auto_tw_wdt": (auto("auto_tw_wdt", w_down_t=w_down_t), {}, own["auto_tw_wdt"]),
+        "dense": (lambda: ffn_dense(x, w_gate, w_up, w_down), None, None),
+        "twell_triton": (lambda: tu.twell_ffn_triton(x, w_gate, w_up, w_down_t), None, None),
+        "twell": (lambda: ops.twell_ffn(x, w_gate, w_up, w_down, backend="twell"), None, None),
+        **{k: (auto(k, w_down_t if k == "auto_tw_wdt" else None), disp[k], own[k]) for k in ("auto", *FORCED)},
     }
 
 
-def states(w_gate) -> dict:
+def states(disp, w_gate) -> dict:
     """The dispatcher's per-bucket states of one W_gate copy ({} when auto never reached it, e.g. CPU)."""
-    held = getattr(w_gate, "_twell_auto", None)
-    return held[1] if held is not None else {}
+    return (disp.store.get("states", w_gate) if disp is not None else None) or {}
 
 
 def warm(fns: dict, ops, clock) -> dict:
     """First call of every variant (compiles; an auto copy calibrates: its wall ms is the per-layer
     cost), then force the auto_tw* copies to twell. Returns {name: {calib_ms, decision, times}}."""
     info = {}
-    for name, (fn, patch, wg) in fns.items():
+    for name, (fn, disp, wg) in fns.items():
         clock.sync()
         t0 = time.perf_counter()
-        with patched(ops, patch):
-            fn()
+        fn()
         clock.sync()
         ms = (time.perf_counter() - t0) * 1e3
         if wg is None:
             continue
-        st = next(iter(states(wg).values()), None)
+        st = next(iter(states(disp, wg).values()), None)
         info[name] = {"calib_ms": ms, "decision": st and st.decision, "graph_decision": st and st.graph_decision,
                       "times": dict(st.times) if st else {}}
         if name in FORCED and st is not None:
@@ -126,9 +116,7 @@ def interleaved(fns: dict, ops, clock, calls: int, rounds: int) -> dict[str, lis
     for r in range(rounds):
         for i in range(len(names)):
             k = names[(i + r) % len(names)]
-            fn, patch, _ = fns[k]
-            with patched(ops, patch):
-                out[k].append(clock.loop_ms(fn, calls))
+            out[k].append(clock.loop_ms(fns[k][0], calls))
     return out
 
 
@@ -141,25 +129,24 @@ def summarize(t: dict[str, list[float]]) -> dict:
     return row
 
 
-def profile(fn, patch: dict, ops, clock, calls: int) -> dict:
+def profile(fn, clock, calls: int) -> dict:
     """CUDA API call counts and host ms per call over `calls` calls (plus the same loop unprofiled)."""
     from torch.profiler import ProfilerActivity
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if clock.cuda else [])
-    with patched(ops, patch):
+    fn()
+    clock.sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
         fn()
-        clock.sync()
+    plain = (time.perf_counter() - t0) * 1e3 / calls
+    clock.sync()
+    with torch.profiler.profile(activities=acts) as prof:
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
-        plain = (time.perf_counter() - t0) * 1e3 / calls
+        profiled = (time.perf_counter() - t0) * 1e3 / calls
         clock.sync()
-        with torch.profiler.profile(activities=acts) as prof:
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            profiled = (time.perf_counter() - t0) * 1e3 / calls
-            clock.sync()
     events = {e.key: {"count": e.count, "cpu_us": e.cpu_time_total} for e in prof.key_averages()}
     api = {k: v["count"] for k, v in events.items() if k.startswith("cu")}
     top = sorted(events.items(), key=lambda kv: -kv[1]["count"])[:20]
@@ -179,7 +166,8 @@ def run_case(d, f, m, sparsity, pattern, args, ctx) -> dict:
     zeros = 1.0 - float((torch.nn.functional.linear(x, w_gate) > 0).float().mean())
     fns = variants(x, w_gate, w_up, w_down, w_down_t, ops, tt, ffn_dense)
     row = {"d": d, "F": f, "M": m, "sparsity": sparsity, "pattern": pattern, "dtype": str(dt),
-           "measured_zeros": zeros, "REFRESH": ops.REFRESH, "REFRESH_DENSE": ops.REFRESH_DENSE}
+           "measured_zeros": zeros, "REFRESH": ops.AUTO.policy.refresh,
+           "REFRESH_DENSE": ops.AUTO.policy.refresh_dense}
     row["auto_state"] = warm(fns, ops, clock)
     t = interleaved(fns, ops, clock, args.calls, args.rounds)
     row["timing"] = summarize(t)
@@ -187,7 +175,7 @@ def run_case(d, f, m, sparsity, pattern, args, ctx) -> dict:
     row["profile"] = {}
     for name in PROFILED:
         try:
-            row["profile"][name] = profile(fns[name][0], fns[name][1], ops, clock, args.profile_calls)
+            row["profile"][name] = profile(fns[name][0], clock, args.profile_calls)
         except Exception as e:  # noqa: BLE001 - a profiler failure must not lose the timings
             row["profile"][name] = {"error": f"{type(e).__name__}: {e}"[:300]}
     return row
@@ -236,6 +224,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     start = time.time()
     from sparsify.kernels import twell_ops as ops, twell_triton as tt
+    from sparsify.kernels.dispatch import loop_ms
     from sparsify.kernels.twell_reference import ffn_dense
 
     cuda = torch.cuda.is_available()
@@ -243,7 +232,7 @@ def main(argv=None) -> int:
         print("no CUDA GPU: set TRITON_INTERPRET=1 (with --smoke) for a CPU dry run", file=sys.stderr)
         return 2
     dev, dt = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    ctx = (ops, tt, ffn_dense, bk.Clock(cuda, ops.loop_ms), dev, dt)
+    ctx = (ops, tt, ffn_dense, bk.Clock(cuda, loop_ms), dev, dt)
     meta = {"env": bk.env_info(), "args": {k: str(v) for k, v in vars(args).items()}}
     print(meta["env"], flush=True)
     d, f = map(int, args.shape.split("x"))

@@ -1,10 +1,10 @@
-"""Decode FFN benchmark (M = 1..32 rows): decode_ffn against the dense cuBLAS FFN and the old decode path.
+"""Decode FFN benchmark (M = 1..32 rows): the TwELL decode path (K1 + split or chunked K2) against dense cuBLAS.
 
-Usage on the H200 (repo not installed; the symlink makes `sparsify.kernels` importable):
-  cd repo && ln -sfn ../kernels sparsify/kernels
+Usage on the H200 (eval/device_env.sh makes `sparsify.kernels` importable):
+  cd repo && source eval/device_env.sh
   PYTHONPATH=$PWD PYTHONUNBUFFERED=1 python eval/bench_decode.py --out $OUT/decode   (~3.5 min)
-Registers and spills of the sm_90 builds of the old K2 and the decode phases (no GPU needed: Triton
-compiles for sm_90 and ptxas -v reports; run it on the H200 too for its Triton version):
+Registers and spills of the sm_90 builds of the two decode K2s (no GPU needed: Triton compiles for sm_90
+and ptxas -v reports; run it on the H200 too for its Triton version):
   python eval/bench_decode.py --compile-report --out /tmp/dec
 CPU dry run of every code path (Triton interpreter, tiny shape, fp32, eager timing):
   TRITON_INTERPRET=1 python eval/bench_decode.py --smoke --out /tmp/dec
@@ -20,19 +20,13 @@ bf16. Per case:
      loop of `reps` replays between CUDA events; medians per call; ratios are medians of the per-round
      paired ratios dense / x (> 1: faster than dense).
        dense, dense_b  ffn_dense (3 cuBLAS GEMMs + relu * mul); dense / dense_b is the same-run noise
-       decode          twell_triton.decode_ffn (gate computed in phase A)
-       decode_cg       decode_ffn(gate="cublas") (the gate GEMV by cuBLAS, phase A reads only W_up)
-       old             the path decode_ffn replaces: gate_pack + updown as twell_ffn_triton ran them
-                       (r5 K1 with 32-column tiles + K2 split over programs up to M = 16; r6 K1 +
-                       compacted K2 above), with the split _k2_updown at every d (twell_ffn_triton now
-                       takes the chunked K2 from d = 8192 on)
-       chunked         K1 (32-column decode tiles) + updown_decode_chunked (K2 with d in chunks: no
-                       d-length registers; the candidate fix for d = 8192), M <= 16 only
-  3. measured zeros, the union U of neurons active in some row (what decode_ffn gathers), the bytes each
-     side must move (dense 3 F d b, decode F d b + 2 U d b; b = 2) and the implied GB/s.
---sweep: after the grid, a few decode_ffn block configs on four cases (own budget, --sweep-budget-s).
+       split           K1 + the split _k2_updown at every d (r6 K1, which falls back to r5 at M <= 16;
+                       compacted K2 above M = 16)
+       chunked         K1 (32-column decode tiles) + updown_decode_chunked (no d-length registers), M <= 16
+       routed          twell_ffn_triton: what twell_ffn(backend="twell") and auto's twell path run
+  3. measured zeros and the union U of neurons active in some row.
 --sweep-chunked: updown_decode_chunked's E, d chunk, warps and SPLIT on six cases at 90% zeros, beside dense
-and K1 + K2 ("old"). --no-grid runs only the sweeps:
+and the split K2. --no-grid runs only the sweep:
   PYTHONPATH=$PWD python eval/bench_decode.py --no-grid --sweep-chunked --out $OUT/chunked
 Writes DIR/decode-bench.json and DIR/decode-bench.md; prints the ratio tables last.
 """
@@ -56,24 +50,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "eval"))
 
-from bench_kernels import as_graph, env_info, make_layer, med, set_sparsity  # noqa: E402
+from sparsify.kernels import twell_updown as tu  # noqa: E402  (K2 and twell_ffn_triton)
+
+from bench_kernels import as_graph, env_info, make_layer, med, print_tables, set_sparsity  # noqa: E402
 
 SHAPES = [(576, 1536), (2048, 8192), (4096, 14336), (8192, 28672)]
 MS = [1, 2, 4, 8, 16, 32]
 ZEROS = [0.85, 0.90, 0.95, 0.99]
-FNS = ("dense", "dense_b", "decode", "decode_cg", "old", "chunked")
+FNS = ("dense", "dense_b", "split", "chunked", "routed")
 GRAPH_MS = 2.0  # target GPU time of one graph replay (calls per graph follow from it)
 MAX_CALLS = 20
-# --sweep: (d, F, M, zeros) and decode_config overrides (relative to the default config of each case)
-SWEEP_CASES = [(8192, 28672, 1, 0.9), (8192, 28672, 8, 0.9), (4096, 14336, 8, 0.9), (2048, 8192, 32, 0.9)]
-SWEEP = {  # name -> overrides as a function of the case's default config c
-    "default": lambda c: {}, "E/2": lambda c: {"E": max(16, c["E"] // 2)}, "Ex2": lambda c: {"E": 2 * c["E"]},
-    "BK64": lambda c: {"BK": 64}, "BK256": lambda c: {"BK": 256}, "BF32": lambda c: {"BF": 32},
-    "BF128": lambda c: {"BF": 128}, "BD64": lambda c: {"BD": 64}, "BD256": lambda c: {"BD": 256},
-    "SPLIT/2": lambda c: {"SPLIT": max(1, c["SPLIT"] // 2)}, "SPLITx2": lambda c: {"SPLIT": 2 * c["SPLIT"]},
-    "warps8": lambda c: {"warps_a": 8, "warps_b": 8}, "stages2": lambda c: {"stages_a": 2, "stages_b": 2},
-}
-
 # --sweep-chunked: cases and updown_decode_chunked configs (SPLIT None = its default, ~4 programs per SM)
 CHUNKED_CASES = [(8192, 28672, 1, 0.9), (8192, 28672, 8, 0.9), (4096, 14336, 1, 0.9), (4096, 14336, 8, 0.9),
                  (2048, 8192, 1, 0.9), (2048, 8192, 8, 0.9)]
@@ -82,22 +68,20 @@ CHUNKED = {"c-default": {}, "c-E8": {"E": 8}, "c-E16": {"E": 16}, "c-BD512": {"B
            "c-SPLIT64": {"SPLIT": 64}, "c-SPLIT128": {"SPLIT": 128}, "c-SPLIT256": {"SPLIT": 256}, "c-E8SPLIT256": {"E": 8, "SPLIT": 256}}
 
 # ----------------------------------------------------------------------------------------- functions
-def old_path(tt, x, w_gate, w_up, w_down_t):
-    """twell_ffn_triton before decode_ffn (variant r6c): K1 + K2; r6 K1 falls back to r5 at M <= 16; K2 the
-    split _k2_updown at every d (chunked=False: what ran before updown routed d >= 8192 to the chunked K2)."""
+def split_path(tt, x, w_gate, w_up, w_down_t):
+    """K1 + the split _k2_updown at every d (chunked=False), compacted above M = 16."""
     packed = tt.gate_pack(x, w_gate, variant="r6")
-    return tt.updown(x, packed, w_gate, w_up, w_down_t, compact=True, chunked=False)
+    return tu.updown(x, packed, w_gate, w_up, w_down_t, compact=True, chunked=False)
 
 
-def case_fns(tt, ffn_dense, x, w_gate, w_up, w_down, w_down_t, old: bool = True) -> dict:
+def case_fns(tt, ffn_dense, x, w_gate, w_up, w_down, w_down_t, split: bool = True) -> dict:
     fns = {"dense": lambda: ffn_dense(x, w_gate, w_up, w_down),
            "dense_b": lambda: ffn_dense(x, w_gate, w_up, w_down),
-           "decode": lambda: tt.decode_ffn(x, w_gate, w_up, w_down_t),
-           "decode_cg": lambda: tt.decode_ffn(x, w_gate, w_up, w_down_t, gate="cublas")}
-    if old:
-        fns["old"] = lambda: old_path(tt, x, w_gate, w_up, w_down_t)
+           "routed": lambda: tu.twell_ffn_triton(x, w_gate, w_up, w_down_t)}
+    if split:
+        fns["split"] = lambda: split_path(tt, x, w_gate, w_up, w_down_t)
     if x.shape[0] <= 16:  # decode tiles (T = S = 32) up to M = 16: the chunked K2's precondition
-        fns["chunked"] = lambda: tt.updown_decode_chunked(x, tt.gate_pack(x, w_gate), w_up, w_down_t)
+        fns["chunked"] = lambda: tu.updown_decode_chunked(x, tt.gate_pack(x, w_gate), w_up, w_down_t)
     return fns
 
 
@@ -116,7 +100,7 @@ def check(fns: dict, ref: torch.Tensor, row: dict) -> dict:
 # ------------------------------------------------------------------------------------------- timing
 def time_graphs(fns: dict, budget_ms: float, errors: dict, max_rounds: int = 60) -> tuple[dict, dict]:
     """{name: [ms per call, one per round]} of CUDA-graph replays in interleaved rounds; {name: calls}."""
-    from sparsify.kernels.twell_ops import loop_ms  # CUDA events around n back-to-back calls
+    from sparsify.kernels.dispatch import loop_ms  # CUDA events around n back-to-back calls
     graphs, calls, reps = {}, {}, {}
     for k, fn in fns.items():
         try:
@@ -169,12 +153,10 @@ def run_case(ctx, layer32, x, layer, w_down_t, zeros) -> dict:
     xf = x.float()
     g = xf @ wg32.t()  # [M, F]
     union = int((g > 0).any(0).sum())
-    row.update(measured_zeros=1 - (g > 0).float().mean().item(), union=union, union_frac=union / f,
-               config=tt.decode_config(m, d, f, tt._sm_count(x.device), x.element_size()))
-    b = x.element_size()
-    row["bytes_dense"], row["bytes_decode"] = 3 * f * d * b, (f + 2 * union) * d * b
+    row.update(measured_zeros=1 - (g > 0).float().mean().item(), union=union, union_frac=union / f)
+    row["bytes_dense"] = 3 * f * d * x.element_size()
     ref = ffn_dense(xf, wg32, wu32, wd32)
-    fns = case_fns(tt, ffn_dense, x, w_gate, w_up, w_down, w_down_t, old=not ctx["no_old"])
+    fns = case_fns(tt, ffn_dense, x, w_gate, w_up, w_down, w_down_t, split=not ctx["no_split"])
     try:
         fns = check(fns, ref, row)
     except Exception as e:  # noqa: BLE001 - a function that raises: record it, keep the others
@@ -198,28 +180,20 @@ def run_case(ctx, layer32, x, layer, w_down_t, zeros) -> dict:
     noise = [a / b for a, b in zip(t.get("dense", []), t.get("dense_b", []))]
     if noise:
         row["noise"] = [min(noise), med(noise), max(noise)]
-    for k in ("dense", "decode", "decode_cg"):
-        if k in row["ms"] and cuda:
-            row[f"GBps_{k}"] = row["bytes_dense" if k == "dense" else "bytes_decode"] / row["ms"][k] / 1e6
+    if "dense" in row["ms"] and cuda:
+        row["GBps_dense"] = row["bytes_dense"] / row["ms"]["dense"] / 1e6
     if not row["errors"]:
         del row["errors"]
     return row
 
 
 # --------------------------------------------------------------------------------------------- sweep
-def decode_ffn_variants(tt, x, layer, w_down_t) -> dict:
-    """--sweep: decode_ffn over SWEEP's block-config changes to the case's default (decode_config)."""
-    base = tt.decode_config(x.shape[0], x.shape[1], layer[0].shape[0], tt._sm_count(x.device), 2)
-    return {name: (lambda cfg={**base, **change(base)}: tt.decode_ffn(x, layer[0], layer[1], w_down_t, **cfg))
-            for name, change in SWEEP.items()}
-
-
 def chunked_variants(tt, x, layer, w_down_t) -> dict:
-    """--sweep-chunked: K1 (decode tiles) + updown_decode_chunked over CHUNKED's configs, and the routed
-    K1 + K2 split path ("old") beside them."""
-    fns = {"old": lambda: old_path(tt, x, layer[0], layer[1], w_down_t)}
+    """--sweep-chunked: K1 (decode tiles) + updown_decode_chunked over CHUNKED's configs, and the split
+    K2 path beside them."""
+    fns = {"split": lambda: split_path(tt, x, layer[0], layer[1], w_down_t)}
     for name, cfg in CHUNKED.items():
-        fns[name] = lambda cfg=cfg: tt.updown_decode_chunked(x, tt.gate_pack(x, layer[0]), layer[1], w_down_t, **cfg)
+        fns[name] = lambda cfg=cfg: tu.updown_decode_chunked(x, tt.gate_pack(x, layer[0]), layer[1], w_down_t, **cfg)
     return fns
 
 
@@ -313,15 +287,15 @@ def compile_report(out_dir: Path) -> list[dict]:
              "col_ptr", "val_ptr", "sj_ptr", "sg_ptr"}
     bf16 = {n: "*bf16" for n in ("x_ptr", "wg_ptr", "wu_ptr", "wdt_ptr", "g_ptr", "h_ptr")}
     for d, f in SHAPES:
-        k2 = tt.k2_config(1, d)
+        k2 = tu.k2_config(1, d)
         nt = -(-f // 32)
         types = {**bf16, "cnt_ptr": "*i32", "col_ptr": "*i32", "val_ptr": "*i32", "out_ptr": "*fp32",
                  "sj_ptr": "*i32", "sg_ptr": "*i32"}
         const = dict(T=32, S=32, NT_PAD=triton.next_power_of_2(nt), BLOCK_D=triton.next_power_of_2(d), E=k2["E"],
                      SPLIT=k2["SPLIT"], ENT=1, COMPACT=False)
         div = ptr16 | {n for n, v in (("D", d), ("F", f), ("NT", nt), ("stride_xm", d), ("stride_om", d)) if v % 16 == 0}
-        row = {"d": d, "F": f, "kernel": "old K2 decode (_k2_updown, M <= 16)", "E": k2["E"],
-               **compile_usage(tt._k2_updown, types, const, k2["num_warps"], 3, div)}
+        row = {"d": d, "F": f, "kernel": "split K2 decode (_k2_updown, M <= 16)", "E": k2["E"],
+               **compile_usage(tu._k2_updown, types, const, k2["num_warps"], 3, div)}
         rows.append(row)
         print(row, flush=True)
         chunk_types = {"x_ptr": "*bf16", "wu_ptr": "*bf16", "wdt_ptr": "*bf16", "cnt_ptr": "*i32", "col_ptr": "*i32",
@@ -329,23 +303,10 @@ def compile_report(out_dir: Path) -> list[dict]:
         cdiv = (ptr16 | {"hs_ptr", "js_ptr"}) | {n for n, v in (("D", d), ("NT", nt), ("KMAX", nt * 32),
                                                                 ("stride_xm", d), ("stride_om", d)) if v % 16 == 0}
         row = {"d": d, "F": f, "kernel": "chunked K2 decode (_k2_dec_chunked, M <= 16)", "E": 4,
-               **compile_usage(tt._k2_dec_chunked, chunk_types, dict(T=32, S=32, NT_PAD=triton.next_power_of_2(nt),
+               **compile_usage(tu._k2_dec_chunked, chunk_types, dict(T=32, S=32, NT_PAD=triton.next_power_of_2(nt),
                                BD=min(1024, triton.next_power_of_2(d)), E=4, SPLIT=128, ENT=1), 4, 3, cdiv)}
         rows.append(row)
         print(row, flush=True)
-        for m in (1, 8, 32):
-            cfg = tt.decode_config(m, d, f)
-            ints = {"D": d, "F": f, "stride_xm": d, "stride_wg": d, "stride_wu": d, "stride_gm": f, "stride_hm": f,
-                    "stride_wd": d, "stride_om": d, "stride_os": m * d}
-            div = ptr16 | {n for n, v in ints.items() if v % 16 == 0}
-            a = compile_usage(tt._dec_gate_up, {**bf16}, dict(BLOCK_M=cfg["BLOCK_M"], E=cfg["E"], BK=cfg["BK"],
-                              GATE_IN=False, EVEN_D=d % cfg["BK"] == 0, IEEE=False),
-                              cfg["warps_a"], cfg["stages_a"], div)
-            b = compile_usage(tt._dec_down, {**bf16, "out_ptr": "*fp32"}, dict(BLOCK_M=cfg["BLOCK_M"], BF=cfg["BF"],
-                              BD=cfg["BD"], IEEE=False), cfg["warps_b"], cfg["stages_b"], div)
-            for name, res in (("decode phase A (_dec_gate_up)", a), ("decode phase B (_dec_down)", b)):
-                rows.append({"d": d, "F": f, "M": m, "kernel": name, "config": cfg, **res})
-                print(rows[-1], flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "decode-compile.json").write_text(json.dumps({"triton": triton.__version__, "rows": rows}, indent=1))
     lines = ["| kernel | d x F | M | registers | stack B | spill stores B | spill loads B |", "|---|---|---|---|---|---|---|"]
@@ -367,28 +328,25 @@ def row_line(r: dict) -> str:
     ms, x = r.get("ms", {}), r.get("x", {})
     cells = [f"{r['d']}x{r['F']}", str(r["M"]), f"{r['zeros']:.2f}", f"{r['measured_zeros']:.3f}",
              f"{r['union_frac']:.3f}", fmt(ms.get("dense"), ".4f", ""),
-             f"{fmt(ms.get('decode'), '.4f', '')} ({fmt(x.get('decode'))})",
-             f"{fmt(ms.get('decode_cg'), '.4f', '')} ({fmt(x.get('decode_cg'))})",
-             f"{fmt(ms.get('old'), '.4f', '')} ({fmt(x.get('old'))})",
-             f"{fmt(ms.get('chunked'), '.4f', '')} ({fmt(x.get('chunked'))})",
+             *(f"{fmt(ms.get(k), '.4f', '')} ({fmt(x.get(k))})" for k in ("routed", "split", "chunked")),
              "-" if "noise" not in r else f"{r['noise'][0]:.2f}-{r['noise'][2]:.2f}",
-             fmt(r.get("GBps_dense"), ".0f", ""), fmt(r.get("GBps_decode"), ".0f", ""),
-             f"{r['rel_err'].get('decode', float('nan')):.1e} / {r['rel_err'].get('dense', float('nan')):.1e}"]
+             fmt(r.get("GBps_dense"), ".0f", ""),
+             f"{r['rel_err'].get('routed', float('nan')):.1e} / {r['rel_err'].get('dense', float('nan')):.1e}"]
     bad = {**r.get("bad", {}), **r.get("errors", {})}
     if bad:
         cells.append("BAD " + "; ".join(f"{k}: {str(v)[:60]}" for k, v in bad.items()))
     return "| " + " | ".join(cells) + " |"
 
 
-HEADER = ("| d x F | M | zeros | measured | union U/F | dense ms | decode ms (x) | decode_cg ms (x) | old ms (x) | "
-          "chunked ms (x) | dense/dense | dense GB/s | decode GB/s | rel err decode / dense bf16 |\n" + "|---" * 14 + "|")
+HEADER = ("| d x F | M | zeros | measured | union U/F | dense ms | routed ms (x) | split ms (x) | chunked ms (x) | "
+          "dense/dense | dense GB/s | rel err routed / dense bf16 |\n" + "|---" * 12 + "|")
 
 
 def ratio_tables(rows: list[dict]) -> list[str]:
     """dense / fn per (shape, zeros) x M, one table per function."""
     lines = []
     ms = sorted({r["M"] for r in rows})
-    for fn in ("decode", "decode_cg", "old", "chunked"):
+    for fn in ("routed", "split", "chunked"):
         if not any(fn in r.get("x", {}) for r in rows):
             continue
         lines += [f"dense / {fn} ({rows[0].get('timing')}, skewed, {rows[0].get('dtype')}; > 1 = faster than dense)",
@@ -424,8 +382,7 @@ def parse_args(argv=None):
                    help="wall time of the grid, compiles included (cases past it run 5 rounds: ~30 s more)")
     p.add_argument("--max-rounds", type=int, default=60, help="cap on interleaved rounds per case")
     p.add_argument("--smoke", action="store_true", help="tiny shape, fp32, Triton interpreter on CPU")
-    p.add_argument("--no-old", action="store_true", help="skip the old decode path")
-    p.add_argument("--sweep", action="store_true", help="then time decode_ffn block configs on 4 cases")
+    p.add_argument("--no-split", action="store_true", help="skip the split-K2 path")
     p.add_argument("--sweep-chunked", action="store_true",
                    help="then time updown_decode_chunked configs (CHUNKED) beside K1 + K2 on 6 cases")
     p.add_argument("--sweep-budget-s", type=float, default=60, help="wall time of each sweep")
@@ -436,7 +393,7 @@ def parse_args(argv=None):
     p.add_argument("--zeros", default=",".join(map(str, ZEROS)))
     args = p.parse_args(argv)
     if args.smoke:
-        args.shapes, args.ms, args.zeros = "40x300", "1,32", "0.9"
+        args.shapes, args.ms, args.zeros = "32x160", "1,20", "0.9"
     return args
 
 
@@ -465,7 +422,7 @@ def main(argv=None) -> int:
     def budget_ms() -> float:  # per case: an even share of what is left, 40% kept for compiles/captures
         return 1000 * 0.6 * max(0.0, deadline - time.time()) / max(1, total - done[0])
 
-    ctx = {"tt": tt, "ffn_dense": ffn_dense, "cuda": cuda, "budget": budget_ms, "no_old": args.no_old,
+    ctx = {"tt": tt, "ffn_dense": ffn_dense, "cuda": cuda, "budget": budget_ms, "no_split": args.no_split,
            "max_rounds": args.max_rounds}
     rows: list[dict] = []
     for d, f in shapes:
@@ -498,21 +455,15 @@ def main(argv=None) -> int:
         if cuda:
             torch.cuda.empty_cache()
     sweep = []
-    for on, name, cases, variants in ((args.sweep, "sweep", SWEEP_CASES, decode_ffn_variants),
-                                      (args.sweep_chunked, "sweep_chunked", CHUNKED_CASES, chunked_variants)):
+    for on, name, cases, variants in ((args.sweep_chunked, "sweep_chunked", CHUNKED_CASES, chunked_variants),):
         if on and cuda:
             t0 = time.time()
             sweep += [{**r, "sweep": name} for r in run_sweep(ctx, args.sweep_budget_s, cases, variants)]
             meta["sections_s"][name] = round(time.time() - t0, 1)
     meta["total_s"] = round(time.time() - start, 1)
     write(args.out, rows, meta, sweep)
-    print("\n" + HEADER)
-    for r in rows:
-        print(row_line(r))
-    print()
-    for line in ratio_tables(rows):
-        print(line)
-    print(f"sections: {meta['sections_s']}; total {meta['total_s']} s; JSON: {args.out / 'decode-bench.json'}")
+    print_tables(HEADER, map(row_line, rows), ratio_tables(rows),
+                 f"sections: {meta['sections_s']}; total {meta['total_s']} s; JSON: {args.out / 'decode-bench.json'}")
     return 0
 
 

@@ -1,12 +1,12 @@
 """Benchmark TwELL kernels against the dense cuBLAS FFN in the same run (round 6).
 
-Usage on the H200 (repo not installed; the symlink makes `sparsify.kernels` importable):
-  cd repo && ln -sfn ../kernels sparsify/kernels
+Usage on the H200 (eval/device_env.sh makes `sparsify.kernels` importable):
+  cd repo && source eval/device_env.sh
   PYTHONPATH=$PWD PYTHONUNBUFFERED=1 python eval/bench_kernels.py --tests --out $OUT/kernels
 CPU dry run of every code path (Triton interpreter, tiny grid):  python eval/bench_kernels.py --smoke --out /tmp/b
 
 What runs:
-  --tests  pytest -m gpu tests/test_kernels.py first (time-limited; a failure does not stop the bench).
+  --tests  pytest -m gpu tests/kernels first (time-limited; a failure does not stop the bench).
   grid     d x F in {576x1536, 2048x8192, 4096x14336}, M in {1, 16, 256, 4096, 16384}, 95/98/99/99.5%
            zeros, uniform and skewed patterns. For each case these functions are timed INTERLEAVED
            (every round times each once, in a rotating order; medians over rounds; ratios are medians
@@ -16,7 +16,7 @@ What runs:
              twell_r6        round 6, the default (variant "r6c"): K1 with 128 x 256 TMA tiles and a
                              slot-major epilogue, K2 reading per-row compacted entry lists
              twell_c         variant "r5c" (round 5's pointer-load K1, compacted K2): r6c's fallback
-                             (both run decode_ffn at M <= DECODE_MAX_M: twell_c is then not timed)
+                             (at M <= 16 both run r5's K1: twell_c is then not timed)
              k1, k1_r6, gate K1 alone (r5, r6) and the cuBLAS gate GEMM F.linear(x, W_gate)
              k2, k2_c        K2 alone on r5's packed gate, plain and compacted (gather GB/s from its time)
            (variants r4, r5tma and plain-K2 r5 were removed after round 6: kernels/NOTES.md)
@@ -50,6 +50,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from sparsify.kernels import twell_updown as tu  # noqa: E402  (K2 and twell_ffn_triton)
+from sparsify.kernels.dispatch import CudaClock  # noqa: E402
 
 SHAPES = [(576, 1536), (2048, 8192), (4096, 14336)]
 MS = [1, 16, 256, 4096, 16384]
@@ -89,19 +92,24 @@ def set_sparsity(w_gate: torch.Tensor, sparsity: float, pattern: str, seed: int 
     w_gate[:, 0] = (-bias).to(w_gate.dtype)
 
 
+def git_commit() -> str:
+    """$GIT_COMMIT, else the checkout's HEAD ("unknown" on a device copy without .git)."""
+    commit = os.environ.get("GIT_COMMIT")
+    if commit:
+        return commit
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except Exception:  # noqa: BLE001 - the device copy may have no .git
+        return "unknown"
+
+
 def env_info() -> dict:
     import triton
 
-    commit = os.environ.get("GIT_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True,
-                                             stderr=subprocess.DEVNULL).strip()
-        except Exception:  # noqa: BLE001 - the device copy may have no .git
-            commit = "unknown"
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (Triton interpreter)"
     return {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
-            "python": platform.python_version(), "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "python": platform.python_version(), "commit": git_commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
 # ------------------------------------------------------------------------------------------- timing
@@ -110,7 +118,7 @@ class Clock:
 
     def __init__(self, cuda: bool, gpu_loop=None):
         self.cuda = cuda
-        self.gpu_loop = gpu_loop  # twell_ops.loop_ms: the same event loop auto's calibration uses
+        self.gpu_loop = gpu_loop  # dispatch.loop_ms: the same event loop auto's calibration uses
 
     def sync(self) -> None:
         if self.cuda:
@@ -125,14 +133,20 @@ class Clock:
         return self.gpu_loop(fn, n)
 
 
+def print_tables(header: str, row_lines, more_lines, tail: str) -> None:
+    """The end of a bench run: the row table, the summary lines, then the totals and where the JSON is."""
+    print("\n" + header)
+    for line in row_lines:
+        print(line)
+    print()
+    for line in more_lines:
+        print(line)
+    print(tail)
+
+
 def as_graph(fn, calls: int = GRAPH_CALLS):
-    """A replay function running `calls` calls of fn from one CUDA graph (GPU time, no Python)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+    """A CUDA graph of `calls` calls of fn (GPU time, no Python), captured as auto's calibration does."""
+    graph = CudaClock.capture(fn, calls)
     torch.cuda.synchronize()
     return graph
 
@@ -193,18 +207,18 @@ def case_fns(x, w_gate, w_up, w_down, w_down_t, tt, twell_ops, ffn_dense) -> dic
     fns = {
         "dense": lambda: ffn_dense(x, w_gate, w_up, w_down),
         "auto": lambda: twell_ops.twell_ffn(x, w_gate, w_up, w_down, backend="auto"),
-        "twell_r6": lambda: tt.twell_ffn_triton(x, w_gate, w_up, w_down_t, variant="r6c"),
-        "twell_c": lambda: tt.twell_ffn_triton(x, w_gate, w_up, w_down_t, variant="r5c"),
+        "twell_r6": lambda: tu.twell_ffn_triton(x, w_gate, w_up, w_down_t, variant="r6c"),
+        "twell_c": lambda: tu.twell_ffn_triton(x, w_gate, w_up, w_down_t, variant="r5c"),
         "dense_b": lambda: ffn_dense(x, w_gate, w_up, w_down),
         "k1": lambda: tt.gate_pack(x, w_gate),
         "k1_r6": lambda: tt.gate_pack(x, w_gate, variant="r6"),
         "gate": lambda: torch.nn.functional.linear(x, w_gate),
-        "k2": lambda: tt.updown(x, pk5, w_gate, w_up, w_down_t),
-        "k2_c": lambda: tt.updown(x, pk5, w_gate, w_up, w_down_t, compact=True),
+        "k2": lambda: tu.updown(x, pk5, w_gate, w_up, w_down_t),
+        "k2_c": lambda: tu.updown(x, pk5, w_gate, w_up, w_down_t, compact=True),
     }
-    if x.shape[0] <= tt.DECODE_MAX_M:  # decode: both variants run decode_ffn
+    if x.shape[0] <= 16:  # decode tiles: r6c runs r5c's K1
         fns.pop("twell_c")
-    if tt.k2_config(x.shape[0], x.shape[1])["SPLIT"] > 1:  # K2 split over programs: no compaction
+    if tu.k2_config(x.shape[0], x.shape[1])["SPLIT"] > 1:  # K2 split over programs: no compaction
         fns.pop("k2_c")
     return fns
 
@@ -224,7 +238,7 @@ def case_stats(x, w_gate, w_up, w_down, w_down_t, tt, ffn_dense) -> dict:
            "err_plain": (ffn_dense(x, w_gate, w_up, w_down).float() - ref).abs().max().item()}
     for name, variant in (("err_twell_c", "r5c"), ("err_twell_r6", "r6c")):
         try:
-            out[name] = (tt.twell_ffn_triton(x, w_gate, w_up, w_down_t, variant=variant).float() - ref).abs().max().item()
+            out[name] = (tu.twell_ffn_triton(x, w_gate, w_up, w_down_t, variant=variant).float() - ref).abs().max().item()
         except Exception as e:  # noqa: BLE001
             out[name] = f"{type(e).__name__}: {e}"[:200]
     return out
@@ -263,7 +277,7 @@ def run_case(x, layer, w_down_t, sparsity, pattern, ctx) -> dict:
         errors["setup"] = f"{type(e).__name__}: {e}"[:400]
         fns = {"dense": lambda: ffn_dense(x, w_gate, w_up, w_down),
                "dense_b": lambda: ffn_dense(x, w_gate, w_up, w_down),
-               "twell_r6": lambda: tt.twell_ffn_triton(x, w_gate, w_up, w_down_t, variant="r6c"),
+               "twell_r6": lambda: tu.twell_ffn_triton(x, w_gate, w_up, w_down_t, variant="r6c"),
                "auto": lambda: twell_ops.twell_ffn(x, w_gate, w_up, w_down, backend="auto")}
     graph_on = clock.cuda and m <= GRAPH_M
     t = interleaved(fns, clock, budget_ms * (0.6 if graph_on else 1.0), errors)
@@ -387,7 +401,7 @@ def write(out_dir: Path, rows: list[dict], meta: dict) -> None:
 # -------------------------------------------------------------------------------------------- main
 def run_tests(timeout_s: int) -> dict:
     t0 = time.time()
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/test_kernels.py"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/kernels"]
     try:
         res = subprocess.run(cmd, cwd=ROOT, timeout=timeout_s, capture_output=True, text=True)
         tail, rc = (res.stdout + res.stderr)[-6000:], res.returncode
@@ -414,7 +428,7 @@ def parse_args(argv=None):
     p.add_argument("--patterns", default=",".join(PATTERNS))
     args = p.parse_args(argv)
     if args.smoke:
-        args.shapes, args.ms, args.sparsities, args.patterns = "64x256", "1,40", "0.9", "skewed"
+        args.shapes, args.ms, args.sparsities, args.patterns = "32x128", "1,20", "0.9", "skewed"
     return args
 
 
@@ -428,6 +442,7 @@ def main(argv=None) -> int:
         meta["tests"] = run_tests(args.tests_timeout_s)
         sections["gpu tests"] = time.time() - start
     from sparsify.kernels import twell_ops, twell_triton as tt
+    from sparsify.kernels.dispatch import loop_ms
     from sparsify.kernels.twell_reference import ffn_dense
 
     cuda = torch.cuda.is_available()
@@ -449,7 +464,7 @@ def main(argv=None) -> int:
         left = max(0.0, deadline - time.time())
         return 1000 * 0.6 * left / max(1, total - done[0]) if cuda else 1.0
 
-    ctx = {"tt": tt, "ops": twell_ops, "dense": ffn_dense, "clock": Clock(cuda, twell_ops.loop_ms), "budget": budget_ms}
+    ctx = {"tt": tt, "ops": twell_ops, "dense": ffn_dense, "clock": Clock(cuda, loop_ms), "budget": budget_ms}
     rows: list[dict] = []
     for d, f in shapes:
         t0 = time.time()
@@ -476,14 +491,9 @@ def main(argv=None) -> int:
         del layer, w_down_t
         if cuda:
             torch.cuda.empty_cache()
-    print("\n" + HEADER)
-    for r in rows:
-        print(fmt_row(r))
-    print()
-    for line in targets(rows):
-        print(line)
-    print("section times: " + ", ".join(f"{k} {v:.0f} s" for k, v in sections.items()) +
-          f"; total {time.time() - start:.0f} s; JSON: {args.out / 'kernels-bench.json'}")
+    print_tables(HEADER, map(fmt_row, rows), targets(rows),
+                 "section times: " + ", ".join(f"{k} {v:.0f} s" for k, v in sections.items()) +
+                 f"; total {time.time() - start:.0f} s; JSON: {args.out / 'kernels-bench.json'}")
     return 0
 
 

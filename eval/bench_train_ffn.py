@@ -1,7 +1,7 @@
 """Benchmark: training FFN with packed saved activations (kernels/twell_train.py) against dense autograd.
 
-On the H200 (repo not installed; the symlink makes `sparsify.kernels` importable):
-  cd repo && ln -sfn ../kernels sparsify/kernels
+On the H200 (eval/device_env.sh makes `sparsify.kernels` importable):
+  cd repo && source eval/device_env.sh
   PYTHONPATH=$PWD PYTHONUNBUFFERED=1 python eval/bench_train_ffn.py --tests --out $OUT/train-ffn.json
   (--tests: the GPU tests of tests/test_train_kernels.py first, results in the JSON; --part op / --part model
   run one half; --no-sweep skips the kernel block sweep)
@@ -68,11 +68,11 @@ TINY = {**SMOLLM2_135M, "hidden_size": 64, "intermediate_size": 192, "num_hidden
 
 
 # --------------------------------------------------------------------------------------------------- timing
-Clock = _kernel_bench.Clock  # eval/bench_kernels.py's: CUDA events on GPU (twell_ops.loop_ms), perf_counter on CPU
+Clock = _kernel_bench.Clock  # eval/bench_kernels.py's: CUDA events on GPU (loop_ms), perf_counter on CPU
 
 
 def _gpu_loop():
-    from sparsify.kernels.twell_ops import loop_ms
+    from sparsify.kernels.dispatch import loop_ms
 
     return loop_ms
 
@@ -126,13 +126,7 @@ def env_info() -> dict:
         triton_version = None
     import transformers
 
-    commit = os.environ.get("GIT_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True,
-                                             stderr=subprocess.DEVNULL).strip()
-        except Exception:  # noqa: BLE001 - the device copy may have no .git
-            commit = "unknown"
+    commit = _kernel_bench.git_commit()
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (Triton interpreter)"
     return {"gpu": gpu, "torch": torch.__version__, "triton": triton_version, "transformers": transformers.__version__,
             "python": platform.python_version(), "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -486,11 +480,11 @@ def table(report: dict) -> str:
 
 
 def run_tests(report: dict) -> None:
-    """pytest -m gpu tests/test_train_kernels.py (time-limited); a failure is reported, the bench goes on."""
+    """pytest -m gpu tests/train/test_packed_ffn.py (time-limited); a failure is reported, the bench goes on."""
     tic = time.perf_counter()
     try:
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                               str(ROOT / "tests" / "test_train_kernels.py")], capture_output=True, text=True,
+                               str(ROOT / "tests" / "train" / "test_packed_ffn.py")], capture_output=True, text=True,
                               timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
         report["tests"] = {"returncode": proc.returncode, "tail": (proc.stdout + proc.stderr)[-3000:]}
     except subprocess.TimeoutExpired:

@@ -54,8 +54,7 @@ if [ -n "$WHEELS" ] && [ ! -e "$PYDEPS/.done" ]; then
     python -m pip install -q --no-deps --no-index --target "$PYDEPS" $WHEELS && touch "$PYDEPS/.done"
 fi
 export PYTHONPATH="$PWD:$PYDEPS:${PYTHONPATH:-}"
-# pyproject maps kernels/ to sparsify.kernels; without an install a symlink does the same (device copy only)
-python -c "import sparsify.kernels" 2>/dev/null || ln -sfn ../kernels sparsify/kernels
+source eval/device_env.sh  # sparsify.kernels importable without installing the repo
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export TORCHINDUCTOR_CACHE_DIR=$WORK/inductor-cache   # compiled kernels reused by the next mode
 python - <<'EOF'

@@ -15,14 +15,13 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-# pyproject maps kernels/ to sparsify.kernels; without an install a symlink does the same (device copy only)
-python3 -c "import sparsify.kernels" 2>/dev/null || ln -sfn ../kernels sparsify/kernels
+source eval/device_env.sh  # sparsify.kernels importable without installing the repo
 RESULTS=${RESULTS:-${OUT:-eval/results/generate-h200}}
 mkdir -p "$RESULTS"
 WORK=${WORK:-/tmp/sparsify-generate}
 
 tests() {
-  python3 -m pytest -q -m gpu tests/test_modeling_gpu.py tests/test_kernels.py 2>&1 | tee "$RESULTS/gpu-tests.log" | tail -5
+  python3 -m pytest -q -m gpu tests/kernels 2>&1 | tee "$RESULTS/gpu-tests.log" | tail -5
 }
 
 synth() {
@@ -35,7 +34,7 @@ synth() {
 }
 
 pending() {
-  timeout 110 python3 -m pytest -q -m gpu tests/test_train_kernels.py tests/test_kernels.py \
+  timeout 110 python3 -m pytest -q -m gpu tests/train/test_packed_ffn.py tests/kernels/test_twell_updown.py \
     -k "never_syncs or chunked" > "$RESULTS/gpu-tests-pending.log" 2>&1
   echo "gpu tests rc $?"; tail -2 "$RESULTS/gpu-tests-pending.log"
   timeout 170 python3 eval/bench_train_ffn.py --part op --zeros 0.9,0.99 --rounds 7 \

@@ -37,8 +37,7 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHO
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
 export TORCHINDUCTOR_CACHE_DIR=$WORK/inductor  # a resumed leg reuses the compiled kernels
 export PYTHONPATH="$PWD:$WORK/pydeps:${PYTHONPATH:-}"
-# pyproject maps kernels/ to sparsify.kernels; without an install a symlink does the same (device copy only)
-python -c "import sparsify.kernels" 2>/dev/null || ln -sfn ../kernels sparsify/kernels
+source eval/device_env.sh  # sparsify.kernels importable without installing the repo
 GPUS=${GPUS:-$(python -c "import torch; print(max(1, torch.cuda.device_count()))")}
 RUN=$WORK/run
 
@@ -94,7 +93,7 @@ case "${1:-}" in
     set +e
     timeout -s TERM -k 30 "${LEG_S:-530}" torchrun --standalone --nproc_per_node="$GPUS" -m sparsify finetune \
         --no-progress $resume recipes/smollm2-135m.yaml model.source="$WORK/converted" "data.train=[$WORK/tok]" \
-        "data.heldout={}" output.dir="$RUN" ${EXTRA:-} >> "$OUT/train.log" 2>&1
+        "data.heldout={}" output.dir="$RUN" output.keep_checkpoints_when_done=true ${EXTRA:-} >> "$OUT/train.log" 2>&1
     rc=$?
     set -e
     echo "leg exit status $rc ($([ $rc = 124 ] && echo 'stopped at LEG_S; resume with another train call' || echo done))"

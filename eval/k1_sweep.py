@@ -1,22 +1,19 @@
-"""Round-6 K1 sweep: the round-6 gate kernel (`_k1_r6`) over block shapes, epilogues and persistence,
-against the cuBLAS gate GEMM and round 5's K1 (r5, r6's fallback), timed interleaved in one run.
+"""K1 sweep: the round-6 gate kernel (`_k1_r6`) over block shapes, against the cuBLAS gate GEMM and
+round 5's K1 (r5, r6's fallback), timed interleaved in one run.
 
-Usage on the H200 (repo not installed; the symlink makes `sparsify.kernels` importable):
-  cd repo && ln -sfn ../kernels sparsify/kernels
+Usage on the H200 (eval/device_env.sh makes `sparsify.kernels` importable):
+  cd repo && source eval/device_env.sh
   PYTHONPATH=$PWD python eval/k1_sweep.py --out $OUT/k1
 CPU dry run (Triton interpreter, tiny shapes):  python eval/k1_sweep.py --smoke --out /tmp/k1
 
 Per case (skewed pattern, bf16; honest sparsity as in bench_kernels.py) it
-  1. checks every round-6 config packs what the r5 K1 packs (counts and columns equal, values within one
-     16-bit rounding step), and records mismatches instead of timing a wrong kernel;
-  2. times gate (F.linear), k1_r5 (r5, autotuned) and every round-6 config interleaved (rounds 5-6 timed
-     round 5's TMA K1 "r5tma" there, as k1_tma: removed after round 6, kernels/NOTES.md);
-  3. times the whole FFN: dense, r5c (the default before round 6) and r6c with this case's fastest
-     round-6 K1 config, interleaved.
-Config names: bm{BLOCK_M}k{BLOCK_K}n{NSUB}w{warps}s{stages}{r2 = slot-major epilogue | r0 = scan}
-{p<programs per SM><f if flattened> = persistent}{-pack0 = no slot stores: GEMM + counts only}. The
-round-6 result files also name ranks 1, 3 and 4 (per-column popcount ranks, per-slot masked sums, 32-bit
-mask words): all slower than rank 2, removed from the kernel after the round.
+  1. checks every config packs what the r5 K1 packs (counts and columns equal, values within one 16-bit
+     rounding step), and records mismatches instead of timing a wrong kernel;
+  2. times gate (F.linear), k1_r5 (r5, autotuned) and every config interleaved;
+  3. times the whole FFN: dense, r5c and r6c with this case's fastest config, interleaved.
+Config names: bm{BLOCK_M}k{BLOCK_K}n{NSUB}w{warps}s{stages}. The round-6 result files also name epilogue
+ranks, persistent loops and a no-store diagnostic ("r0", "p1", "-pack0"): knobs removed from the kernel
+after the round (kernels/NOTES.md).
 Writes DIR/k1-sweep.json and prints a table per case.
 """
 
@@ -33,36 +30,26 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "eval"))
 
+from sparsify.kernels import twell_updown as tu  # noqa: E402  (K2 and twell_ffn_triton)
+
 from bench_kernels import Clock, env_info, interleaved, make_layer, med, paired, set_sparsity  # noqa: E402
 
-# (BLOCK_M, BLOCK_K, NSUB, num_warps, num_stages, RANK, PERSIST, FLATTEN, PACK)
-CONFIGS = [
-    (128, 64, 2, 8, 4, 2, 0, False, 1),  # the default (R6_TUNE[0]): 128 x 256 tiles, slot-major epilogue
-    (128, 64, 2, 8, 3, 2, 0, False, 1),
-    (128, 128, 1, 8, 3, 2, 0, False, 1),
-    (64, 64, 1, 4, 4, 2, 0, False, 1),
-    (64, 128, 1, 4, 3, 2, 0, False, 1),
-    (128, 64, 2, 8, 4, 2, 1, False, 1),  # persistent, one program per SM
-    (128, 64, 2, 8, 3, 0, 0, False, 1),  # round 5's scan epilogue on the same tiles (spills)
-    (128, 64, 2, 8, 4, 2, 0, False, 0),  # diagnostic: the GEMM with masks and counts, no slot stores
-]
+# (BLOCK_M, BLOCK_K, NSUB, num_warps, num_stages); the first is the default (R6_TUNE[0]): 128 x 256 tiles
+CONFIGS = [(128, 64, 2, 8, 4), (128, 64, 2, 8, 3), (128, 128, 1, 8, 3), (64, 64, 1, 4, 4), (64, 128, 1, 4, 3)]
 CASES = [(2048, 8192, 16384, 0.99), (2048, 8192, 16384, 0.995), (4096, 14336, 16384, 0.99),
          (4096, 14336, 16384, 0.995)]
-SMOKE_CONFIGS = [(32, 32, 1, 4, 2, 2, 0, False, 1), (32, 32, 2, 4, 2, 0, 0, False, 1),
-                 (32, 32, 2, 4, 2, 2, 1, True, 1), (32, 32, 2, 4, 2, 2, 0, False, 0)]
-SMOKE_CASES = [(64, 320, 96, 0.9)]
+SMOKE_CONFIGS = [(32, 32, 1, 4, 2), (32, 32, 2, 4, 2)]
+SMOKE_CASES = [(32, 256, 40, 0.9)]
 
 
 def name(c) -> str:
-    bm, bk, nsub, w, st, rank, persist, flat, pack = c
-    tail = (f"p{persist}{'f' if flat else ''}" if persist else "") + ("" if pack == 1 else f"-pack{pack}")
-    return f"bm{bm}k{bk}n{nsub}w{w}s{st}r{rank}{tail}"
+    bm, bk, nsub, w, st = c
+    return f"bm{bm}k{bk}n{nsub}w{w}s{st}"
 
 
 def as_kwargs(c) -> dict:
-    bm, bk, nsub, w, st, rank, persist, flat, pack = c
-    return dict(BLOCK_M=bm, BLOCK_K=bk, NSUB=nsub, num_warps=w, num_stages=st, RANK=rank, PERSIST=persist,
-                FLATTEN=flat, PACK=pack)
+    bm, bk, nsub, w, st = c
+    return dict(BLOCK_M=bm, BLOCK_K=bk, NSUB=nsub, num_warps=w, num_stages=st)
 
 
 def same_packing(a, b, x, w_gate) -> str | None:
@@ -100,8 +87,7 @@ def run_case(d, f, m, sparsity, configs, clock, tt, ffn_dense, budget_ms, device
                                     {**tt.R6_DEFAULT, **kw})
             if hasattr(kern, "n_spills"):
                 row["regs_spills"][name(c)] = (kern.n_regs, kern.n_spills)
-            why = same_packing(base, got, x, w_gate) if kw["PACK"] == 1 else (
-                None if torch.equal(base.cnt, got.cnt) else "counts differ")
+            why = same_packing(base, got, x, w_gate)
         except Exception as e:  # noqa: BLE001 - compile/launch failure of one config
             row["errors"][name(c)] = f"{type(e).__name__}: {e}"[:300]
             continue
@@ -112,23 +98,23 @@ def run_case(d, f, m, sparsity, configs, clock, tt, ffn_dense, budget_ms, device
     t = interleaved(k1, clock, budget_ms, row["errors"])
     row["k1_ms"] = {k: med(v) for k, v in t.items()}
     row["k1_over_gate"] = {k: paired(t, k, "gate") for k in t}
-    full = [k for k in t if k.startswith("bm") and "-pack" not in k]
+    full = [k for k in t if k.startswith("bm")]
     best = min(full, key=lambda k: row["k1_ms"][k]) if full else None
     row["best_r6"] = best
     ffn = {"dense": lambda: ffn_dense(x, w_gate, w_up, w_down),
-           "r5c": lambda: tt.twell_ffn_triton(x, w_gate, w_up, w_down_t, variant="r5c")}
+           "r5c": lambda: tu.twell_ffn_triton(x, w_gate, w_up, w_down_t, variant="r5c")}
     if best:
         kw = as_kwargs(next(c for c in configs if name(c) == best))
 
         def r6c():
             packed = tt.gate_pack(x, w_gate, variant="r6", **kw)
-            return tt.updown(x, packed, w_gate, w_up, w_down_t, compact=True)
+            return tu.updown(x, packed, w_gate, w_up, w_down_t, compact=True)
 
         ref = ffn_dense(x.float(), w_gate.float(), w_up.float(), w_down.float())
         row["err_r6c"] = (r6c().float() - ref).abs().max().item()
         row["err_r5c"] = (ffn["r5c"]().float() - ref).abs().max().item()
         ffn["r6c"] = r6c
-        ffn["k2_c"] = lambda: tt.updown(x, base, w_gate, w_up, w_down_t, compact=True)
+        ffn["k2_c"] = lambda: tu.updown(x, base, w_gate, w_up, w_down_t, compact=True)
     row["ffn_ms"], row["x_vs_dense"] = time_vs_dense(ffn, clock, budget_ms, row["errors"])
     return row
 
@@ -170,11 +156,11 @@ def sweep_main(doc: str, json_name: str, cases: list, smoke_cases: list, run_one
     ap.add_argument("--budget-s", type=float, default=5.0, help="timing budget per interleaved set")
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.smoke
-    from sparsify.kernels import twell_ops
+    from sparsify.kernels.dispatch import loop_ms
     from sparsify.kernels import twell_triton as tt
     from sparsify.kernels.twell_reference import ffn_dense
 
-    ctx = {"tt": tt, "ffn_dense": ffn_dense, "clock": Clock(cuda, twell_ops.loop_ms if cuda else None),
+    ctx = {"tt": tt, "ffn_dense": ffn_dense, "clock": Clock(cuda, loop_ms if cuda else None),
            "budget_ms": args.budget_s * 1e3, "device": "cuda" if cuda else "cpu",
            "dtype": torch.bfloat16 if cuda else torch.float16, "smoke": not cuda}
     rows = []

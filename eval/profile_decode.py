@@ -19,7 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sparsify.evaluation.evaluate import installed_modeling, load_model, parse_models  # noqa: E402
+from sparsify.evaluation.loading import installed_modeling, load_model, parse_models  # noqa: E402
+from sparsify.kernels import fast_decode  # noqa: E402
 
 
 def main() -> None:
@@ -40,7 +41,7 @@ def main() -> None:
     ids = torch.randint(0, vocab, (args.batch, args.prompt), device="cuda")
     for variant in args.variants.split(","):
         model.set_ffn_backend(variant)
-        fast._loops.clear()
+        fast.drop_graphs()  # each variant captures its own step
         model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)
         loop = next(iter(fast._loops.values()))
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -56,10 +57,10 @@ def main() -> None:
         paths = [m.last_path for m in model.modules() if hasattr(m, "last_path")]
         print(f"{variant}: FFN path per layer at capture {paths}; step checks {fast.step_checks}")
         fast.step_checks.clear()
-        kw = modeling._cache_kwarg(model)
+        kw = fast_decode.cache_kwarg(model)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
-                loop.run_step(fast.decode_forward(), kw, fast.cache)
+                fast_decode.decode_one_token(loop, fast.decode_forward(), kw, fast.cache)
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows))
 

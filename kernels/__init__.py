@@ -1,7 +1,7 @@
-"""TwELL sparse-FFN kernels, importable as `sparsify.kernels` (never as a top-level `kernels`).
+"""TwELL sparse-FFN kernels and the modeling bundle, importable as `sparsify.kernels` (never as `kernels`).
 
-Files here are flat and self-contained (torch, optional triton, stdlib, `from .sibling import x`) so the
-export can copy them next to modeling_sparsify.py. Public API: `twell_ffn`, `last_backend`,
+Every flat file here except this one is copied as it is into each model folder (sparsify.folder.format:
+shipped_code_files); kernels/NOTES.md lists them. Public API: `twell_ffn`, `last_backend`,
 `transpose_down`; layout and oracle in twell_reference.py.
 """
 

@@ -20,7 +20,7 @@ C being the compression factor:
     GEMM's epilogue and one load per entry in the up/down kernel (half of the split encoding), and F
     is unlimited because the tile index comes from the slot's position. The value rounding equals the
     dense path's (cuBLAS writes the gate in bf16/fp16 before ReLU too).
-  * "split" (fp32 inputs, and the round-4 variant): ``col`` [M, NT, S] int32 global column index j and
+  * "split" (fp32 inputs): ``col`` [M, NT, S] int32 global column index j and
     ``val`` [M, NT, S] float32 relu(g_j) (the fp32 GEMM accumulator, exact up to the GEMM's rounding).
   In both, entries are in ascending column order within the tile (slot = rank among the tile's
   positives, from a cumulative sum, so the layout is deterministic).

@@ -24,9 +24,7 @@ Why this design (what dense autograd saves, and what we save instead)
     slot  [M] int32       -1: the row fits in C; 0 <= s < R: its full gate/up row is side[s]; s >= R:
           its gate/up row is recomputed in backward from x (a fused GEMM in the backward kernel)
     side  [max(R, 1), 2F] dtype  full gate | up rows of the first R rows that overflowed C
-  bytes = M (4 NW + 2 C e + 4) + 2 max(R, 1) F e. bf16, 2048 x 8192, M = 16384, 90% zeros (the bench's skewed
-  pattern: per-row p99 897 active slots, so C = 1280 by sparsify.train.packed_ffn' rule), R = 512: 117.5 MB
-  against 805.3 MB for dense autograd (14.6%); 99% zeros (p99 110, C = 160): 44.1 MB (5.5%).
+  bytes = M (4 NW + 2 C e + 4) + 2 max(R, 1) F e: 5-15% of dense autograd's at 90-99% zeros (kernels/NOTES.md).
   A bitmask instead of per-entry column indices: F / 8 bytes per row against 2 bytes per active slot
   (int16), smaller at <= 94% zeros, larger at 99% (1 KB vs 0.16 KB per row at F = 8192, still 2-3% of
   dense); what decides is the backward: with the mask, a program sweeping a block of columns knows
@@ -95,13 +93,8 @@ WORD = 32  # mask bits per int32 word
 # any row needs the recompute path, for 2 M F e / 32 bytes (6% of one dense [M, F] tensor).
 SPILL_DIV = 32
 SPILL_MIN = 16
-# Kernel blocks (rows x columns per step of the sweep); BF must be a multiple of 32 (whole mask words). The
-# fastest of eval/bench_train_ffn.py's sweep on the H200 at 2048 x 8192, M = 16384, 90% zeros, twice
-# (2026-11-30 and 2026-12-01; configs within ~0.3 ms of each other on a ~7.8 ms forward + backward).
-# Both kernels run about 4x under the bandwidth (pack 0.93 ms for ~0.9 GB, unpack 1.0 ms for ~1.2 GB) and
-# are not bound by the serial walk along F: a 2D-grid version (a program per tile, ranks from per-tile
-# counts, 33% more bytes) timed the same (eval/results/train-ffn-h200/r2/); the per-element work
-# (rank scan, mask-word and fired reductions, scattered stores of the packed values) is what costs.
+# Kernel blocks (rows x columns per step of the sweep; BF a multiple of 32: whole mask words): the fastest of
+# eval/bench_train_ffn.py's sweep (kernels/NOTES.md, "Training kernels")
 FWD_CONFIG = {"BM": 32, "BF": 128, "num_warps": 4}
 BWD_CONFIG = {"BM": 32, "BF": 64, "num_warps": 4}
 # The recompute GEMM of rows beyond the side buffer (rare: a correctness path, not tuned)
@@ -150,7 +143,11 @@ def _config(x: torch.Tensor, base: dict) -> dict:
 
 # ------------------------------------------------------------------------------------------------ kernels
 if HAS_TRITON:
-    from ..twell_triton import _dot  # fp32 inputs: true fp32 products (IEEE), else tl.dot's default
+    @triton.jit
+    def _dot(a, b, acc, IEEE: tl.constexpr):
+        if IEEE:  # fp32 inputs: true fp32 products (tf32 would lose 13 bits)
+            return tl.dot(a, b, acc, input_precision="ieee")
+        return tl.dot(a, b, acc)
 
     @triton.jit
     def _fwd_pack(
@@ -540,8 +537,7 @@ _fwd_op, _bwd_op = _define_ops()
 
 class _EagerFFN(torch.autograd.Function):
     """The eager path: the same impl functions as the custom ops, without their dispatch (custom-op calls and
-    register_autograd cost tens of us of Python per call, twell_ops measured ~20 us for one op; a layer here
-    takes two ops). torch.compile traces the custom ops instead (an autograd.Function would be inlined and
+    register_autograd cost tens of us of Python per call; a layer here takes two ops). torch.compile traces the custom ops instead (an autograd.Function would be inlined and
     the Triton launches traced)."""
 
     @staticmethod
@@ -630,8 +626,7 @@ def sparse_ffn_train(
         y, l1, nnz_rows, act_rows, fired = _fwd_op(*args)[:5]
     else:
         y, l1, nnz_rows, act_rows, fired = _EagerFFN.apply(*args)
-    # fired holds 0/1 bytes. `!= 0`, not a bool view: inductor cannot lower view(dtype=bool) (H200, torch 2.11:
-    # "torch.bool is not supported by torch.iinfo"), and F bytes are nothing to copy
+    # fired holds 0/1 bytes. `!= 0`, not a bool view: inductor cannot lower view(dtype=bool) (torch 2.11)
     out = (y.reshape(*x.shape[:-1], w_down.shape[0]), l1, nnz_rows.sum(dtype=torch.int64), fired != 0)
     return out + (act_rows,) if row_counts else out
 

@@ -1,4 +1,4 @@
-"""Fast decode (static cache + decode steps replayed from graphs) and the dispatcher's regime rules, on CPU.
+"""Fast decode (static cache + decode steps replayed from graphs) and the step check, on CPU.
 
 CUDA graphs need a GPU; `cpu_emulation` runs the same capture/replay bookkeeping on CPU tensors (a replay is
 then a forward call on the captured input buffers), so what can go wrong outside the graph itself is tested
@@ -11,7 +11,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from sparsify.kernels import twell_ops
 from sparsify.folder.synth import synth
 
 from tests.folder.test_synth import TINY
@@ -37,7 +36,7 @@ def test_fast_decode_equals_eager_dynamic_cache_and_reuses_its_graph(tiny, loop)
     fast.cpu_emulation = False  # plain CPU: transformers' default dynamic cache, eager
     ref = tiny.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False)
     fast.cpu_emulation, fast.loop = True, loop
-    fast._graphs.clear(), fast._loops.clear()  # (the module's model: start without earlier tests' graphs)
+    fast.drop_graphs()  # (the module's model: start without earlier tests' graphs)
     fast.cache = fast.cache_key = None
     captures, replays, loops = fast.captures, fast.replays, fast.loops
     try:
@@ -111,25 +110,6 @@ def test_fast_decode_keeps_out_of_what_it_cannot_replay(tiny):
         fast.enabled, fast.cpu_emulation = True, False
 
 
-def test_prefill_above_one_percent_density_goes_dense_untimed(monkeypatch):
-    timed = []
-    monkeypatch.setattr(twell_ops, "_paired_rounds", lambda fns, x2d, per_call=1: timed.append(x2d.shape[0]) or {
-        "dense": [1.0] * 5, "twell": [2.0] * 5})
-    monkeypatch.setattr(twell_ops, "_graph_rounds", lambda *a: {"dense": [1.0] * 5, "twell": [0.5] * 5})
-    monkeypatch.setattr(twell_ops, "_output_fault", lambda *a: None)  # (tests/test_kernels.py checks it)
-    x = torch.randn(twell_ops.GRAPH_TIMED_M + 1, 8)
-    st = twell_ops._LayerState(density=0.05)
-    twell_ops._calibrate(st, x, None, None, None, None)
-    assert (st.decision, st.graph_decision, timed) == ("dense", "dense", [])
-    assert "prefill density" in st.times["rule"]
-    st = twell_ops._LayerState(density=0.005)  # sparse enough: timed as before
-    twell_ops._calibrate(st, x, None, None, None, None)
-    assert timed == [x.shape[0]] and st.decision == "dense"
-    st = twell_ops._LayerState(density=0.05)  # decode bucket: timed (eager and graph replay) at any density
-    twell_ops._calibrate(st, x[:8], None, None, None, None)
-    assert timed[-1] == 8 and (st.decision, st.graph_decision) == ("dense", "twell")
-
-
 def test_a_backend_switch_gets_its_own_graph(tiny):
     """Graphs bake in the FFN backend: after set_ffn_backend the next call captures anew."""
     ids = torch.randint(3, TINY["vocab_size"], (1, 6), generator=torch.Generator().manual_seed(3))
@@ -194,71 +174,63 @@ def test_compiled_decode_gives_the_same_tokens_and_falls_back_when_compiling_fai
 
 @pytest.mark.parametrize("loop", ["greedy", "transformers"])
 @pytest.mark.parametrize("times, kept", [([2.0, 1.0], "dense"), ([1.0, 2.0], "twell"), ([1.0, 1.005], "dense")])
-def test_step_check_keeps_the_faster_of_the_twell_step_and_its_dense_twin(tiny, monkeypatch, times, kept, loop):
+def test_step_check_keeps_the_faster_of_the_twell_step_and_its_dense_twin(tiny, times, kept, loop):
     """A captured decode step with TwELL layers (the greedy loop's step, or the forward transformers' loop
     replays) is captured again all dense; the dense twin is kept unless the TwELL step is >= 1% faster;
     tokens are the same either way; no check without free cache room for the timed replays."""
-    import contextlib
     import sys
 
-    mod = sys.modules[type(tiny._fast_decode).__module__]
+    modeling = sys.modules[type(tiny).__module__]  # the folder's copy of the bundle
     fast = tiny._fast_decode
-    dense_now, captured, graphs = [False], [], []
+    captured, graphs = [], []
+    saved = fast.capture, fast.step_timer, fast.twell_in_step
 
-    @contextlib.contextmanager
-    def dense_in_capture():
-        dense_now[0] = True
-        yield
-        dense_now[0] = False
-
-    real_capture = mod._capture_call
-    def capture(*args):
-        captured.append(dense_now[0])
-        graphs.append(real_capture(*args))
+    def capture(*args):  # records whether each capture ran inside dense_in_capture
+        captured.append(modeling.dense_capture_active())
+        graphs.append(saved[0](*args))
         return graphs[-1]
 
-    monkeypatch.setattr(mod, "_capture_call", capture)
-    monkeypatch.setattr(mod, "dense_in_capture", dense_in_capture)
-    monkeypatch.setattr(mod, "_twell_in_step", lambda model, batch: True)
-    monkeypatch.setattr(mod, "_time_graphs", lambda graphs, restore: (restore(), times)[1])
-    for prompt, new, checked in ((6, 10, True), (250, 6, False)):  # 250 + 6 fills a 256-position cache
-        ids = torch.randint(3, TINY["vocab_size"], (1, prompt), generator=torch.Generator().manual_seed(5))
-        ref = tiny.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
-        fast.cpu_emulation, fast.loop = True, loop == "greedy"
-        fast.drop_graphs(), fast.step_checks.clear(), captured.clear(), graphs.clear()
-        fast.cache = fast.cache_key = None
-        try:
+    fast.capture, fast.twell_in_step = capture, lambda batch: True
+    fast.step_timer = lambda graphs, undo: (undo(), times)[1]
+    try:
+        for prompt, new, checked in ((6, 10, True), (250, 6, False)):  # 250 + 6 fills a 256-position cache
+            ids = torch.randint(3, TINY["vocab_size"], (1, prompt), generator=torch.Generator().manual_seed(5))
+            ref = tiny.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+            fast.cpu_emulation, fast.loop = True, loop == "greedy"
+            fast.drop_graphs(), fast.step_checks.clear(), captured.clear(), graphs.clear()
+            fast.cache = fast.cache_key = None
             got = tiny.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
             checks, loops, entries = list(fast.step_checks), list(fast._loops.values()), list(fast._graphs.values())
-        finally:
             fast.cpu_emulation, fast.loop = False, True
-            fast.drop_graphs(), fast.step_checks.clear()
-        assert torch.equal(ref, got)
-        if checked:
-            assert captured == [False, True]
-            assert checks == [{"loop": loop, "batch": 1, "twell_ms": times[0], "dense_ms": times[1], "kept": kept}]
-            want = graphs[1 if kept == "dense" else 0]
-            if loop == "greedy":
-                (step,) = loops  # the step replayed is the graph kept
-                assert step.graph is want[0]
+            assert torch.equal(ref, got)
+            if checked:
+                assert captured == [False, True]
+                assert checks == [{"loop": loop, "batch": 1, "twell_ms": times[0], "dense_ms": times[1], "kept": kept}]
+                want = graphs[1 if kept == "dense" else 0]
+                if loop == "greedy":
+                    (step,) = loops  # the step replayed is the graph kept
+                    assert step.graph is want[0]
+                else:
+                    (entry,) = entries  # the forward replayed, and the logits it returns, are the kept graph's
+                    assert (entry.graph, entry.output) == want
             else:
-                (entry,) = entries  # the forward replayed, and the logits it returns, are the kept graph's
-                assert (entry.graph, entry.output) == want
-        else:
-            assert captured == [False] and checks == []
+                assert captured == [False] and checks == []
+    finally:
+        fast.cpu_emulation, fast.loop = False, True
+        fast.drop_graphs(), fast.step_checks.clear()
+        fast.capture, fast.step_timer, fast.twell_in_step = saved
 
 
-def test_dense_twin_of_a_compiled_step_traces_the_torch_modules(tiny, monkeypatch):
+def test_dense_twin_of_a_compiled_step_traces_the_torch_modules(tiny):
     """The step check's all-dense twin (dense_in_capture) takes each auto MLP's plain torch path, and a
     compiled forward traced before it is traced again (dynamo guards on the flag): the twin then runs the
     nn.Linear modules that inductor fuses as in the dense model, not the opaque op's dense branch."""
     import sys
 
-    mod = sys.modules[type(tiny._fast_decode).__module__]
+    mod = sys.modules[type(tiny).__module__]  # the folder's modeling_sparsify.py
     ops = sys.modules[mod.twell_ffn.__module__]
     mlps = [m for m in tiny.modules() if isinstance(m, mod.SparseMLP)]
     x = torch.randn(1, 3, TINY["hidden_size"])
-    monkeypatch.setattr(mod, "_KERNELS_MISSING", "")
     graphs = []
 
     def record(gm, example_inputs):
@@ -270,13 +242,13 @@ def test_dense_twin_of_a_compiled_step_traces_the_torch_modules(tiny, monkeypatc
         compiled = torch.compile(mlps[0], backend=record)
         with torch.no_grad():
             outside = compiled(x)
-            assert mlps[0]._kernel_reason(x) == "input is not on a CUDA device" and len(graphs) == 1
+            assert mlps[0].kernel_reason(x) == "input is not on a CUDA device" and len(graphs) == 1
             with ops.dense_in_capture():
-                assert [m._kernel_reason(x) for m in mlps] == [mod.TWIN] * len(mlps)
+                assert [m.kernel_reason(x) for m in mlps] == [mod.TWIN] * len(mlps)
                 twin = compiled(x)
             mlps[0].ffn_backend = "twell"  # a forced backend is not the dispatcher's to override
             with ops.dense_in_capture():
-                assert mlps[0]._kernel_reason(x) != mod.TWIN
+                assert mlps[0].kernel_reason(x) != mod.TWIN
     finally:
         mlps[0].ffn_backend = "auto"
         torch._dynamo.reset()
@@ -293,14 +265,14 @@ def test_compiled_step_through_the_twell_op_is_one_graph(tiny, monkeypatch):
 
     from torch._dynamo.utils import counters
 
-    mod = sys.modules[type(tiny._fast_decode).__module__]
+    mod = sys.modules[type(tiny).__module__]  # the folder's modeling_sparsify.py
+    store = sys.modules[mod.twell_ffn.__module__].AUTO.store  # the dispatcher of the folder's twell_ops.py
     ids = torch.randint(3, TINY["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(6))
     ref = tiny.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
-    monkeypatch.setattr(mod, "_KERNELS_MISSING", "")
-    monkeypatch.setattr(mod.SparseMLP, "_kernel_reason", lambda self, x: None)
-    gates = [m._weights()[0] for m in tiny.modules() if isinstance(m, mod.SparseMLP)]
+    monkeypatch.setattr(mod.SparseMLP, "kernel_reason", lambda self, x: None)  # the CUDA path, on CPU
+    gates = [m.gate_weight() for m in tiny.modules() if isinstance(m, mod.SparseMLP)]
     for w in gates:
-        w._twell_auto = (w._version, {})  # as an eager CUDA prefill leaves it
+        store.put("states", w, {})  # as an eager CUDA prefill leaves it
     fast = tiny._fast_decode
     fast.cpu_emulation, fast.compile, fast.compile_options, fast._compiled = True, True, {"backend": "eager"}, None
     fast.drop_graphs()
@@ -315,7 +287,7 @@ def test_compiled_step_through_the_twell_op_is_one_graph(tiny, monkeypatch):
         fast.cpu_emulation, fast.compile, fast.compile_options, fast._compiled = False, False, {}, None
         fast.drop_graphs()
         for w in gates:
-            del w._twell_auto
+            store.drop("states", w)
         torch._dynamo.reset()
     assert counters["stats"]["unique_graphs"] == 1  # the greedy step's forward, whole
     assert torch.equal(ref, got)

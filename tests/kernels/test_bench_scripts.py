@@ -1,0 +1,107 @@
+"""The kernel benchmark and sweep scripts of eval/ on tiny shapes in the interpreter (their code paths, not timings)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparsify.kernels import twell_ops, twell_reference as ref
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_decode_smoke_on_cpu(tmp_path):
+    """eval/bench_decode.py's code paths (case builder, correctness gate, timing, JSON + tables) on a tiny
+    shape in the interpreter."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    res = subprocess.run([sys.executable, str(ROOT / "eval" / "bench_decode.py"), "--smoke", "--out", str(tmp_path)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = json.loads((tmp_path / "decode-bench.json").read_text())["rows"]
+    assert [r["M"] for r in rows] == [1, 20]
+    for r in rows:
+        assert "errors" not in r and "bad" not in r, r
+        assert set(r["ms"]) == {"dense", "dense_b", "routed", "split"} | ({"chunked"} if r["M"] <= 16 else set())
+        assert r["rel_err"]["routed"] < 1e-5 and 0 < r["union_frac"] < 1, r["rel_err"]
+    assert "dense / routed" in res.stdout and (tmp_path / "decode-bench.md").exists()
+
+
+def run_sweep_smoke(script: str, out: Path) -> dict:
+    """One of the round-6 sweep scripts on its tiny CPU case; its first JSON row."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    res = subprocess.run([sys.executable, str(ROOT / "eval" / script), "--smoke", "--budget-s", "0.2",
+                          "--out", str(out)], capture_output=True, text=True, env=env, timeout=400)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return json.loads((out / script.replace("_", "-").replace(".py", ".json")).read_text())["rows"][0]
+
+
+@pytest.mark.slow  # the interpreter runs every config (72 s on 2 busy cores)
+def test_k1_sweep_smoke_on_cpu(tmp_path):
+    """The K1 sweep (correctness gate against the r5 K1, interleaved timing, JSON)."""
+    row = run_sweep_smoke("k1_sweep.py", tmp_path)
+    assert not row["mismatch"] and not row["errors"], (row["mismatch"], row["errors"])
+    assert {"gate", "k1_r5"} < row["k1_ms"].keys() and row["best_r6"] and "r6c" in row["ffn_ms"]
+
+
+def test_k1_sweep_same_packing_bound():
+    """The sweep's correctness gate allows the fp32 accumulation-order error (absolute: it matters on small
+    gate values left by cancellation) and one 16-bit step, and nothing more: a 1% error is caught."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("k1_sweep", ROOT / "eval" / "k1_sweep.py")
+    ks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ks)
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(16, 64, generator=gen), torch.randn(256, 64, generator=gen) / 8
+    gate = x @ w.t()
+    small = (gate > 0) & (gate < 1e-2)  # values that cancellation left small
+    assert small.any()
+    a = ref.twell_pack(gate, tile=64, slots=64, entries="fp16")
+    reordered = gate + small * 2 * 64 * 2**-24 * (x.abs() @ w.abs().t())  # within the fp32 reordering bound
+    assert ks.same_packing(a, ref.twell_pack(reordered, tile=64, slots=64, entries="fp16"), x, w) is None
+    assert "values differ" in ks.same_packing(a, ref.twell_pack(gate * 1.01, tile=64, slots=64, entries="fp16"), x, w)
+    shifted = gate + small * 1e-2  # an absolute error larger than the bound, on the small values only
+    assert "values differ" in ks.same_packing(a, ref.twell_pack(shifted, tile=64, slots=64, entries="fp16"), x, w)
+
+
+def test_k2_sweep_smoke_on_cpu(tmp_path):
+    """The K2 sweep: every (E, warps) config sums the same entries as the default (to rounding)."""
+    row = run_sweep_smoke("k2_sweep.py", tmp_path)
+    assert not row["errors"] and len(row["max_diff"]) == 2, row  # the smoke configs
+    assert max(row["max_diff"].values()) < 1e-3, row["max_diff"]
+
+
+def test_bench_smoke_on_cpu(tmp_path):
+    """The benchmark script's code paths (every section, JSON + table) on a tiny grid in the interpreter."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    res = subprocess.run([sys.executable, str(ROOT / "eval" / "bench_kernels.py"), "--smoke",
+                          "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    data = json.loads((tmp_path / "kernels-bench.json").read_text())
+    rows = data["rows"]
+    assert rows and not [r for r in rows if "error" in r], [r.get("error") for r in rows]
+    assert {"twell_r6_ms", "twell_c_ms", "k2_c_ms", "auto_ms", "k1_ms", "k1_r6_ms", "k2_ms",
+            "x_auto", "noise_med", "k1_over_gate"} <= rows[-1].keys()  # rows[-1]: M = 20 (prefill: K1 + K2)
+    assert "TARGETS" in res.stdout
+
+
+def test_auto_probe_smoke_on_cpu(tmp_path):
+    """eval/auto_probe.py's code paths (variants, their own dispatchers' REFRESH, interleaved rounds, profiler summary,
+    JSON + table) on tiny shapes in the interpreter."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    res = subprocess.run([sys.executable, str(ROOT / "eval" / "auto_probe.py"), "--smoke", "--out", str(tmp_path)],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    data = json.loads((tmp_path / "auto-probe.json").read_text())
+    row = data["rows"][0]
+    want = {"dense", "twell_triton", "twell", "auto", "auto_tw", "auto_tw_norefr", "auto_tw_r16", "auto_tw_wdt"}
+    assert set(row["timing"]) == want and all(len(v) == 2 for v in row["rounds_ms"].values())
+    assert set(row["profile"]) == {"twell_triton", "twell", "auto", "auto_tw", "auto_tw_r16"}
+    assert all("api_per_call" in p for p in row["profile"].values()), row["profile"]
+    assert twell_ops.AUTO.policy.refresh == row["REFRESH"] and "| auto_tw_norefr |" in res.stdout

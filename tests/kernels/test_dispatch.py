@@ -1,0 +1,351 @@
+"""The "auto" dispatcher (kernels/dispatch.py), driven on CPU through an injected clock, store, capture query
+and TwELL path: no GPU, no timing, no module state touched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparsify.kernels import twell_reference as ref, twell_updown as tu
+from sparsify.kernels.dispatch import Dispatcher, Policy, TwellPath, WeightStore, decide, output_fault
+
+from tests.kernels.helpers import FP32, assert_close, make_case
+
+# calibration tests: no graph timing, no untimed dense rule for prefill, exactly 5 rounds
+TIMED = Policy(graph_timed_m=0, prefill_max_density=1.0, cal_rounds=(5, 5))
+
+
+class Graph:
+    """A captured "graph": replay() calls the function `calls` times; `side` names what it runs."""
+
+    def __init__(self, fn, calls: int, side: str):
+        self.fn, self.calls, self.side = fn, calls, side
+
+    def replay(self) -> None:
+        for _ in range(self.calls):
+            self.fn()
+
+
+class Clock:
+    """Scripted time. ms(fn, n) runs fn once and returns the next time scripted for the side that ran
+    (eager: the dispatcher's last_backend; a replay: "graph_dense" / "graph_twell", the order the
+    dispatcher captures them in); a side's first call is the loop-length estimate `est`. `times` maps a
+    side to a list (one per round) or one number; `order` logs the timed sides; `fail` raises on a side."""
+
+    def __init__(self, times: dict | None = None, est: float = 0.1, fail: str | None = None):
+        self.times, self.est, self.fail = times or {}, est, fail
+        self.order: list[str] = []
+        self.seen: dict[str, int] = {}
+        self.captured = 0
+        self.dispatcher = None
+
+    def sync(self) -> None:
+        pass
+
+    def capture(self, fn, calls: int) -> Graph:
+        self.captured += 1
+        return Graph(fn, calls, ("graph_dense", "graph_twell")[(self.captured - 1) % 2])
+
+    def ms(self, fn, n: int) -> float:
+        fn()
+        graph = getattr(fn, "__self__", None)
+        side = graph.side if isinstance(graph, Graph) else self.dispatcher.last_backend
+        if side == self.fail:
+            raise RuntimeError(f"{side} kernel failed")
+        i = self.seen.get(side, -1)
+        self.seen[side] = i + 1
+        if i < 0:
+            return self.est
+        self.order.append(side)
+        t = self.times[side]
+        return t[i] if isinstance(t, list) else t
+
+
+class Kernels:
+    """A stand-in TwELL path (no interpreter): the dense FFN and the gate's positive count. `calls` logs
+    each call (True when it counted for a refresh); `wrong` garbles the output; `spills` is K2's rule."""
+
+    def __init__(self, wrong=None, spills=lambda m, d: False):
+        self.wrong, self.spills, self.calls = wrong, spills, []
+
+    @staticmethod
+    def count(x2d, w_gate):
+        return (x2d @ w_gate.t() > 0).sum()
+
+    def __call__(self, x2d, w_gate, w_up, w_down_t, on_count=None):
+        self.calls.append(on_count is not None)
+        if on_count is not None:
+            on_count(self.count(x2d, w_gate))
+        y = ref.ffn_dense(x2d, w_gate, w_up, w_down_t.t())
+        return y if self.wrong is None else self.wrong(y)
+
+
+def dispatcher(times=None, policy=Policy(), capturing=None, kernels=None, **clock) -> Dispatcher:
+    clk = Clock(times, **clock)
+    d = Dispatcher(clk, WeightStore(), policy, capturing or (lambda: False), kernels or Kernels())
+    clk.dispatcher = d
+    return d
+
+
+EAGER_TWELL = {"dense": 1.0, "twell": 0.5, "graph_dense": 1.0, "graph_twell": 0.5}
+ALL_DENSE = {"dense": 1.0, "twell": 2.0, "graph_dense": 1.0, "graph_twell": 2.0}
+GRAPH_ONLY_TWELL = {"dense": 1.0, "twell": 2.0, "graph_dense": 1.0, "graph_twell": 0.5}
+
+
+def state(d: Dispatcher, w_gate, bucket: int = 32):
+    return d.store.get("states", w_gate)[bucket]
+
+
+def test_auto_dense_decision_is_a_plain_dense_call():
+    """Once a bucket chose dense (eager and graph), the fast path serves it: no W_down^T copy (a cached one
+    is freed), only every refresh_dense-th call goes through the slow path to refresh; an in-place change
+    of W_gate drops the layer's state."""
+    x, wg, wu, wd = make_case(20, 16, 64, 0.9, seed=19)
+    d = dispatcher(ALL_DENSE)
+    d.down_t(wd)  # as if an earlier twell call had cached it
+    want = ref.ffn_dense(x, wg, wu, wd)
+    assert torch.equal(d.run(x, wg, wu, wd), want)  # first call: count + timing
+    st = state(d, wg)
+    assert (st.decision, st.graph_decision) == ("dense", "dense")
+    assert d.store.get("down_t", wd) is None, "W_down^T kept although every bucket of the layer is dense"
+    every = d.policy.refresh_dense
+    assert st.calls < every  # (calibration's timed calls of the fast path count too)
+    for _ in range(every):
+        assert torch.equal(d.run(x, wg, wu, wd), want) and d.last_backend == "dense"
+        assert (st.pending is not None) == (st.calls >= every), st.calls  # the every-th call counted the density
+    timed = len(d.clock.order)
+    with torch.no_grad():
+        wg.mul_(1.0)
+    assert d.store.get("states", wg) is None
+    d.run(x, wg, wu, wd)
+    assert len(d.clock.order) > timed, "the changed layer was not timed again"
+
+
+def test_auto_fast_path_respects_graph_decision():
+    """Eager dense but graph-timed twell: eager calls take the fast path, captured calls run twell."""
+    x, wg, wu, wd = make_case(20, 16, 64, 0.9, seed=24)
+    capturing = [False]
+    d = dispatcher(GRAPH_ONLY_TWELL, capturing=lambda: capturing[0])
+    d.run(x, wg, wu, wd)
+    assert (state(d, wg).decision, state(d, wg).graph_decision) == ("dense", "twell")
+    assert d.fast_path(x, wg, wu, wd) is not None and d.twell_in_capture(wg, 20) and not d.twell_in_capture(wg, 40)
+    capturing[0] = True
+    assert d.fast_path(x, wg, wu, wd) is None
+    calls = len(d.sparse.calls)
+    assert_close(d.run(x, wg, wu, wd), ref.ffn_reference(x, wg, wu, wd), what="captured", **FP32)
+    assert d.last_backend == "twell" and len(d.sparse.calls) == calls + 1 and d.store.get("down_t", wd) is not None
+    with d.dense_in_capture():  # the step check's all-dense twin
+        d.run(x, wg, wu, wd)
+        assert d.last_backend == "dense" and d.capture_dense
+    assert not d.capture_dense
+
+
+def test_auto_logs_each_layer_decision_once(caplog):
+    """Two layers of one shape deciding differently: refreshes must not re-log (a log-once memory keyed by
+    shape would flip at every refresh of either)."""
+    x, wg_a, wu, wd = make_case(20, 16, 64, 0.9, seed=28)
+    wg_b = wg_a.clone()
+    d = dispatcher(dict(EAGER_TWELL), policy=Policy(refresh=8, refresh_dense=8))
+    with caplog.at_level("INFO", logger="sparsify.kernels"):
+        d.run(x, wg_a, wu, wd)
+        d.clock.times.update(ALL_DENSE)
+        d.clock.seen.clear()
+        d.run(x, wg_b, wu, wd)
+        for _ in range(16):
+            d.run(x, wg_a, wu, wd)
+            assert d.last_backend == "twell"
+            d.run(x, wg_b, wu, wd)
+            assert d.last_backend == "dense"
+    notes = [r.message for r in caplog.records if "twell_ffn" in r.message]
+    assert len(notes) == 2, notes
+
+
+def test_auto_twell_decision_runs_the_kernels_and_keeps_down_t():
+    """The real TwELL path (K1 + K2 in the interpreter) timed and chosen: W_down^T stays cached, and the
+    output is the oracle's."""
+    x, wg, wu, wd = make_case(20, 16, 64, 0.9, seed=20)
+    d = dispatcher(EAGER_TWELL, policy=TIMED, kernels=TwellPath())
+    out = d.run(x, wg, wu, wd)
+    assert d.store.get("down_t", wd) is not None and d.last_backend == "twell"
+    assert_close(out, ref.ffn_reference(x, wg, wu, wd), what="auto twell", **FP32)
+
+
+def test_auto_refreshes_and_retimes_on_drift(caplog):
+    """Timed once, then the decision is followed; the density refresh of the refresh-th call sees a 10x
+    denser input, so the next call re-times (once), and the decision is logged once. Under capture the
+    graph-timed decision runs."""
+    x, wg, wu, wd = make_case(20, 16, 64, 0.9, seed=14)
+    dense_x = x.clone()
+    dense_x[:, 0] = -1000.0  # every gate value positive
+    capturing = [False]
+    d = dispatcher({"dense": 1.0, "twell": 0.5, "graph_dense": 0.5, "graph_twell": 1.0},
+                   policy=Policy(refresh=8), capturing=lambda: capturing[0])
+    with caplog.at_level("INFO", logger="sparsify.kernels"):
+        d.run(x, wg, wu, wd)  # calibration (its timed calls count too)
+        st = state(d, wg)
+        while (st.calls + 1) % d.policy.refresh:
+            d.run(x, wg, wu, wd)
+        d.run(dense_x, wg, wu, wd)  # the refresh-th call counts this input's density
+    assert st.decision == "twell" and st.graph_decision == "dense" and st.density == pytest.approx(0.1, abs=0.05)
+    assert d.sparse.calls[-1] and st.pending is not None, "the refresh-th call did not count the density"
+    assert sum("-> twell" in r.message for r in caplog.records) == 1, "the backend is logged once"
+    rounds = len(d.clock.order)
+    d.run(x, wg, wu, wd)
+    assert st.retunes == 1 and len(d.clock.order) > rounds
+    capturing[0] = True
+    d.run(x, wg, wu, wd)
+    assert d.last_backend == "dense", "under graph capture the graph-timed decision is used"
+
+
+@pytest.mark.parametrize("dense,twell,want", [
+    # paired ratios .9 1.25 .95 .93 .93 -> median .93: twell, although median(twell) / median(dense) = 1.25
+    ([1.0, 2.0, 2.0, 3.0, 3.0], [0.9, 2.5, 1.9, 2.8, 2.8], "twell"),
+    # paired ratios .99 .99 .99 .99 .25 -> median .99: dense, although the medians' ratio is 0.495
+    ([2.0, 2.0, 1.0, 1.0, 2.0], [1.98, 1.98, 0.99, 0.99, 0.5], "dense"),
+])
+def test_auto_calibration_decides_on_paired_ratios(dense, twell, want):
+    """Both sides are timed through the entry (dense: the fast path; twell: the dispatcher's twell path)
+    with the decision forced, alternating their order every round, decided on the median paired ratio."""
+    x, wg, wu, wd = make_case(20, 16, 64, 0.9, seed=31)
+    d = dispatcher({"dense": dense, "twell": twell}, policy=TIMED)
+    out = d.run(x, wg, wu, wd)
+    st = state(d, wg)
+    assert st.decision == want and st.graph_decision == want and not st.timing, st.times
+    assert d.clock.order == ["dense", "twell", "twell", "dense"] * 2 + ["dense", "twell"], d.clock.order
+    assert st.times["ratio"] == pytest.approx(sorted(t / s for t, s in zip(twell, dense))[2])
+    # the twell side ran what the hot path runs afterwards (the output check, one warm-up call, one
+    # estimate and 5 timed loops of one call), the dense side never did
+    assert len(d.sparse.calls) == 8 + (want == "twell") and not any(d.sparse.calls), d.sparse.calls
+    assert torch.equal(out, ref.ffn_dense(x, wg, wu, wd))
+
+
+def test_auto_decide_spread_rule_for_launch_bound_twell():
+    """Eager twell launch-bound (> cpu_bound x its graph time): a 5% win inside a 20% spread is dense."""
+    dense, twell = [1.05] * 5, [1.0, 0.9, 1.1, 1.0, 1.0]  # ratio median 0.952, spread 0.2
+    assert decide(dense, twell)[0] == "twell"
+    assert decide(dense, twell, graph_twell=[0.9] * 5)[0] == "twell"  # GPU-bound: spread ignored
+    choice, info = decide(dense, twell, graph_twell=[0.5] * 5)
+    assert choice == "dense" and info["cpu_bound"] and info["spread"] == pytest.approx(0.2)
+    steady = [0.8, 0.79, 0.81, 0.8, 0.8]  # a 24% win, 2.5% spread: still twell when launch-bound
+    assert decide(dense, steady, graph_twell=[0.3] * 5)[0] == "twell"
+    assert decide([1.0] * 5, [0.975] * 5)[0] == "dense"  # 2.5% is inside the margin
+
+
+@pytest.mark.parametrize("wrong, fault", [
+    (lambda y: y * 1.01, None),  # rounding-sized differences: timed as usual
+    (lambda y: torch.zeros_like(y), "max |twell - dense|"),  # lost output
+    (lambda y: torch.cat([y[:-1], y[-1:] + 2 * y.abs().max()]), "max |twell - dense|"),  # one garbled row
+    (lambda y: torch.where(torch.arange(y.numel()).view_as(y) == 3, float("nan"), y), "non-finite"),
+])
+def test_auto_calibration_checks_twell_output_before_timing(caplog, wrong, fault):
+    """A twell path whose output is not the dense FFN's (a kernel fault on some GPU / Triton build) is never
+    timed or chosen: the layer stays dense and an error names the layer and the fault."""
+    x, wg, wu, wd = make_case(20, 16, 64, 0.9, seed=33)
+    d = dispatcher({"dense": [1.0] * 5, "twell": [0.5] * 5}, policy=TIMED, kernels=Kernels(wrong=wrong))
+    with caplog.at_level("ERROR", logger="sparsify.kernels"):
+        out = d.run(x, wg, wu, wd)
+    st = state(d, wg)
+    if fault is None:
+        assert st.decision == "twell" and len(d.clock.order) == 10 and not caplog.records
+    else:
+        assert st.decision == st.graph_decision == "dense" and d.clock.order == [] and len(d.sparse.calls) == 1
+        assert fault in st.times["rule"] and "disagrees with dense" in caplog.text and "(64, 16)" in caplog.text
+        assert torch.equal(out, ref.ffn_dense(x, wg, wu, wd))
+
+
+def test_auto_gives_buckets_whose_k2_spills_to_dense_untimed():
+    """A bucket whose K2 would spill goes dense for both regimes, the twell path never run, not even for
+    the output check; K2 spills above the decode M from DECODE_CHUNKED_MIN_D on."""
+    big = tu.DECODE_CHUNKED_MIN_D
+    assert tu.k2_spills(17, big) and not tu.k2_spills(16, big) and not tu.k2_spills(17, big - 1)
+    x, wg, wu, wd = make_case(20, 16, 64, 0.9, seed=35)
+    d = dispatcher({"dense": [1.0] * 5, "twell": [0.5] * 5}, policy=TIMED,
+                   kernels=Kernels(spills=lambda m, dd: m > 16 and dd >= 16))
+    out = d.run(x, wg, wu, wd)
+    st = state(d, wg)
+    assert st.decision == st.graph_decision == "dense" and st.times["rule"] == "K2 spills at M = 20, d = 16"
+    assert d.sparse.calls == [] and d.clock.order == []
+    assert torch.equal(out, ref.ffn_dense(x, wg, wu, wd))
+    x, wg, wu, wd = make_case(20, 8, 64, 0.9, seed=36)  # below that d: timed, and twell wins here
+    d.run(x, wg, wu, wd)
+    assert state(d, wg).decision == "twell" and d.sparse.calls
+
+
+def test_prefill_above_one_percent_density_goes_dense_untimed():
+    """Above M = graph_timed_m a bucket denser than 1% goes dense untimed; a sparser one is timed; a decode
+    bucket is timed (eager and graph replay) at any density."""
+    x, wg, wu, wd = make_case(257, 16, 128, 0.95, seed=37)
+    d = dispatcher(GRAPH_ONLY_TWELL)
+    d.run(x, wg, wu, wd)
+    st = state(d, wg, 512)
+    assert (st.decision, st.graph_decision, d.clock.order) == ("dense", "dense", [])
+    assert "prefill density" in st.times["rule"]
+    x, wg, wu, wd = make_case(257, 16, 128, 0.995, seed=37)
+    d.run(x, wg, wu, wd)
+    assert d.clock.order and state(d, wg, 512).decision == "dense"
+    x, wg, wu, wd = make_case(8, 16, 128, 0.95, seed=37)
+    d.run(x, wg, wu, wd)
+    assert (state(d, wg, 8).decision, state(d, wg, 8).graph_decision) == ("dense", "twell")
+    assert "graph_twell" in d.clock.order
+
+
+def test_auto_fault_check_scale():
+    y = torch.tensor([[1.0, -2.0], [0.5, 0.0]])
+    assert output_fault(y + 0.1, y) is None  # 5% of max |y|: rounding-sized
+    assert "max |twell" in output_fault(y + 1.0, y)
+    big = torch.tensor([[10.0, -3.0], [1.0, 0.5], [0.001, 0.0]])
+    lost = big.clone()
+    lost[1] = 0  # a small row lost: 10% of the largest row, its own size off
+    assert output_fault(lost, big).startswith("row 1: max |twell - dense| = 1 ")
+    assert output_fault(big + torch.tensor([[0.2], [0.02], [0.05]]), big) is None  # rounding-sized; row 2 floored
+    assert output_fault(big.reshape(1, 3, 2), big.reshape(1, 3, 2)) is None  # [B, L, d] as well
+    assert output_fault(y, torch.full_like(y, float("inf"))) is None  # dense not finite: nothing judged
+    assert output_fault(torch.zeros(0, 2), torch.zeros(0, 2)) is None
+
+
+def test_auto_calibration_failure_keeps_no_forced_decision():
+    x, wg, wu, wd = make_case(20, 16, 64, 0.9, seed=32)
+    d = dispatcher({"dense": 1.0}, policy=TIMED, fail="twell")
+    with pytest.raises(RuntimeError, match="twell kernel failed"):
+        d.run(x, wg, wu, wd)
+    st = state(d, wg)
+    assert st.decision is None and st.graph_decision is None and not st.timing
+
+
+class Event:
+    def __init__(self, done: bool = False):
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_auto_refresh_cadence_and_held_retune():
+    """A twell bucket refreshes its density every `refresh` calls (never while a count is in flight),
+    through the same twell path as the hot path; a drift read while calibrating does not re-time."""
+    x, wg, wu, wd = make_case(20, 16, 64, 0.9, seed=33)
+    d = dispatcher(EAGER_TWELL)
+    every = d.policy.refresh
+    assert every == 256 and d.policy.refresh_dense == 256
+    d.run(x, wg, wu, wd)  # calibration, then the hot path
+    st = state(d, wg)
+    event, refreshed = Event(), []
+
+    def calls(n: int) -> None:
+        for _ in range(n):
+            d.run(x, wg, wu, wd)
+            if d.sparse.calls[-1]:
+                refreshed.append(st.calls)
+                if st.pending[1] is not event:
+                    st.pending = (st.pending[0], event, st.pending[2])  # the count stays in flight
+
+    calls(2 * every)
+    assert refreshed == [every], "refresh while the first count is in flight"
+    event.done = True
+    calls(every)
+    assert refreshed == [every, 3 * every], refreshed
+    for timing, retunes in ((True, 0), (False, 1)):  # a completed count 4x denser than at the last timing
+        st.pending, st.density0, st.timing = (torch.tensor(400), Event(True), 1000), 0.1, timing
+        d.run(x, wg, wu, wd)
+        assert st.retunes == retunes, "no re-timing starts while timing"
+        st.timing = False
