@@ -21,15 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-LLAMA_32_1B = {  # config.json of meta-llama/Llama-3.2-1B (architecture fields)
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,
-    "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
-    "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "hidden_act": "silu",
-    "tie_word_embeddings": True, "rope_theta": 500000.0, "bos_token_id": 128000, "eos_token_id": 128001,
-    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    "torch_dtype": "bfloat16", "attention_bias": False, "mlp_bias": False,
-}
+# config.json of meta-llama/Llama-3.2-1B, as `sparsify synth` uses it
+LLAMA_32_1B = json.loads((Path(__file__).parent / "configs" / "llama-3.2-1b.json").read_text())
 
 
 def make_checkpoint(folder: Path) -> int:

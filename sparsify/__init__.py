@@ -4,11 +4,16 @@ Stages, each a folder in and a folder out:
     checkpoint -> convert -> finetune -> eval -> push
 """
 
-__version__ = "0.1.0"
-
-# `sparsify.folder.convert` is the function (the one the CLI calls). Importing it here, eagerly, rebinds the
-# package attribute from the submodule to the function; `from sparsify.folder.convert import x` still finds the
-# module in sys.modules. The module imports no torch/transformers at import time, so this stays cheap.
-from sparsify.folder.convert import convert  # noqa: E402
+from sparsify.version import __version__
 
 __all__ = ["__version__", "convert"]
+
+
+def __getattr__(name: str):
+    """`sparsify.convert(src, out)`, the convert stage's function (the one the CLI calls), imported on first use:
+    `python -m sparsify.<module>` then runs that module fresh, not a copy already imported by the package."""
+    if name == "convert":
+        from sparsify.folder.convert import convert
+
+        return convert
+    raise AttributeError(f"module 'sparsify' has no attribute {name!r}")

@@ -6,7 +6,7 @@ and reads its activation from one config field at construction time. Converting 
 that field to "relu"; the weights do not change. The input of `down_proj` is exactly h = act(gate) * up
 in every row, which is where the L1 penalty and the sparsity statistics hook in.
 
-To add a family: add a row, and a tiny config to tests/test_architectures.py's table.
+To add a family: add a row, and a tiny config to tests/test_families.py's table.
 """
 
 from __future__ import annotations
@@ -110,3 +110,11 @@ def mlp_modules(model: Any) -> list[Any]:
     if not mlps:
         raise SparsifyError(f"{type(model).__name__} has no gated MLP (gate_proj/up_proj/down_proj) modules.")
     return mlps
+
+
+def gate_weight(mlp: Any) -> Any:
+    """The gate rows [F, d] of a gated MLP's weights (a view into a fused gate_up_proj, whose first F rows they are)."""
+    if hasattr(mlp, "gate_up_proj"):
+        w = mlp.gate_up_proj.weight
+        return w[: w.shape[0] // 2]
+    return mlp.gate_proj.weight

@@ -15,7 +15,7 @@ def demo(out, *args):
 
 
 @pytest.mark.slow
-def test_demo_runs_whole_pipeline_quietly_and_reuses_only_stages_with_the_same_settings(tmp_path):
+def test_demo_runs_whole_pipeline_quietly_and_reuses_only_stages_with_the_same_settings(tmp_path, monkeypatch, capsys):
     out = tmp_path / "demo"
     first = demo(out, "--steps", "2", "-q")
     # -q: no stage lines, no progress bar of any stage or library, no step or validation lines: the summary only
@@ -32,15 +32,35 @@ def test_demo_runs_whole_pipeline_quietly_and_reuses_only_stages_with_the_same_s
     assert (out / "report" / "report.md").is_file()
     model = out / "ft" / "model"
     assert json.loads((model / "config.json").read_text())["sparsify"]["steps"] == 2
-    assert not (out / "ft" / "checkpoints").exists()  # the run finished: its 1.6 GB checkpoints are gone
-    # the same settings again: both stages reused
-    again = demo(out, "--steps", "2")
-    assert "[1/3] convert: reusing" in again.stdout and "[2/3] finetune: reusing" in again.stdout
-    # other settings: the fine-tune is redone, the conversion (same source) kept
-    longer = demo(out, "--steps", "3")
-    assert "[1/3] convert: reusing" in longer.stdout and "[2/3] finetune 3 steps" in longer.stdout
+    assert not (out / "ft" / "checkpoints").exists()  # the run finished: no checkpoint (12 bytes/parameter) left
+    # Reuse is decided before the eval stage, which the run above checked: the runs below evaluate nothing.
+    evaluated = _skip_eval(monkeypatch)
+    from sparsify.demo import demo as run_demo
+
+    run_demo(out, steps=2, limit=2, text_tokens=256, progress=False)  # the same settings again: both stages reused
+    again = capsys.readouterr().out
+    assert "[1/3] convert: reusing" in again and "[2/3] finetune: reusing" in again
+    run_demo(out, steps=3, limit=2, text_tokens=256, progress=False)  # other settings: the fine-tune is redone
+    longer = capsys.readouterr().out
+    assert "[1/3] convert: reusing" in longer and "[2/3] finetune 3 steps" in longer
     assert json.loads((model / "config.json").read_text())["sparsify"]["steps"] == 3
     assert not (out / "ft" / "checkpoints").exists()
+    assert [models for models, _ in evaluated] == [["orig=smollm2-135m-gguf", f"relu={out / 'relu'}",
+                                                    f"ft={model}"]] * 2
+
+
+def _skip_eval(monkeypatch) -> list:
+    """Replace the eval stage by a recorder of its calls (models, keyword arguments); returns the record."""
+    import importlib
+
+    calls = []
+
+    def record(models, **kw):
+        calls.append((models, kw))
+        return {"models": []}
+
+    monkeypatch.setattr(importlib.import_module("sparsify.evaluation.evaluate"), "evaluate", record)
+    return calls
 
 
 def test_a_stopped_finetune_stops_the_demo_with_its_exit_code_and_how_to_continue(tmp_path, monkeypatch):
@@ -51,25 +71,27 @@ def test_a_stopped_finetune_stops_the_demo_with_its_exit_code_and_how_to_continu
 
     from sparsify import cli
     from sparsify.sources import SMOLLM2_ALIAS
+    from sparsify.train.distributed import RunStopped
 
     def fake_convert(source, out, **kw):
         out.mkdir(parents=True)
         (out / "config.json").write_text(json.dumps({"model_type": "llama", "sparsify": {"source": SMOLLM2_ALIAS}}))
 
     def stopped(recipe, **kw):
-        raise finetune.RunStopped("stopped by SIGTERM after step 7 (3,584 tokens); checkpoint X. Continue with the "
+        raise RunStopped("stopped by SIGTERM after step 7 (3,584 tokens); checkpoint X. Continue with the "
                                   "same command and --resume.", signal.SIGTERM)
 
     def no_eval(*a, **kw):
         raise AssertionError("the demo went on to evaluate after the stop")
 
-    convert, finetune, evaluate = (importlib.import_module(f"sparsify.{m}") for m in ("convert", "finetune", "evaluate"))
+    convert, finetune, evaluate = (importlib.import_module(f"sparsify.{m}")
+                                   for m in ("folder.convert", "train.finetune", "evaluation.evaluate"))
     monkeypatch.setattr(importlib.import_module("sparsify.demo"), "smollm2_gguf", lambda: tmp_path / "m.gguf")
 
     monkeypatch.setattr(convert, "convert", fake_convert)
     monkeypatch.setattr(finetune, "finetune", stopped)
     monkeypatch.setattr(evaluate, "evaluate", no_eval)
-    with pytest.raises(finetune.RunStopped) as caught:
+    with pytest.raises(RunStopped) as caught:
         from sparsify.demo import demo as run_demo
 
         run_demo(tmp_path / "d", quiet=True)

