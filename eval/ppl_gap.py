@@ -29,10 +29,10 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from sparsify.evaluation import evaluate as ev  # noqa: E402
+from sparsify.evaluation.evaluate import provenance  # noqa: E402
+from sparsify.evaluation.loading import ffn_backend_of, load_model, parse_models, pick_device  # noqa: E402
+from sparsify.evaluation.perplexity import model_window, text_pass, tokenize_text  # noqa: E402
 from sparsify.train.data import EvalStream, tokenizer_fingerprint  # noqa: E402
-from sparsify.evaluation.perplexity import _tokenize, model_window, text_pass  # noqa: E402
-from sparsify.evaluation.speed import set_ffn_backend  # noqa: E402
 
 EDGES = (0, 128, 512, 1024, 2048)  # per-position buckets inside a window: [0,128), [128,512), ...
 
@@ -75,7 +75,7 @@ def token_stats(tok, folder: np.ndarray, natural: list[int], text: str) -> dict:
              "natural_chars": len(text), "folder_blank_tokens": sum(t in blank for t in folder),
              "natural_blank_tokens": sum(t in blank for t in natural), "folder_tokens_differing": None}
     a = tok.convert_ids_to_tokens(folder)
-    b = tok.convert_ids_to_tokens(_tokenize(tok, decoded, None)[0])
+    b = tok.convert_ids_to_tokens(tokenize_text(tok, decoded, None)[0])
     if "".join(a) != "".join(b):  # not byte-level: pieces do not spell the bytes
         return stats
     spans = lambda ps: list(zip(np.cumsum([0] + [len(p) for p in ps[:-1]]).tolist(), np.cumsum([len(p) for p in ps]).tolist()))  # noqa: E731
@@ -90,8 +90,9 @@ def score(spec, args, texts: dict[str, Path], meta: dict, device: str, stats: di
     """Every measure on every domain for one model: {domain: {measure: result}}."""
     import torch
 
-    model, tok = ev.load_model(spec, device, "fp32")
-    set_ffn_backend(model, "dense")
+    model, tok = load_model(spec, device, "fp32")
+    if ffn_backend_of(model) is not None:  # a stock model (the original) has no switch
+        model.set_ffn_backend("dense")
     if tokenizer_fingerprint(tok) != meta.get("tokenizer"):
         print(f"warning: {spec.name}'s tokenizer is not the one {args.tokens} was prepared with", file=sys.stderr)
     W, S, out = model_window(model, args.window), model_window(model, args.sliding), {}
@@ -102,7 +103,7 @@ def score(spec, args, texts: dict[str, Path], meta: dict, device: str, stats: di
                                      f"held-out domain {name!r}", "pass a token folder prepared with it"))
               for name, path in texts.items()}
     for name, (text, folder) in inputs.items():
-        natural = _tokenize(tok, text, None)[0]
+        natural = tokenize_text(tok, text, None)[0]
         if name not in stats:
             stats[name] = token_stats(tok, folder.tokens, natural, text)
         r = out[name] = {f"folder-{W}": window_nll(model, folder, args.max_tokens, False, batch)}
@@ -188,13 +189,13 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
     texts = {n: Path(f) for n, _, f in (t.partition("=") for t in args.text)}
     meta = json.loads((Path(args.tokens) / "meta.json").read_text())
-    device = ev.pick_device(args.device)
+    device = pick_device(args.device)
     names = ["original"] + ["finetuned"] * bool(args.finetuned)
-    specs = ev.parse_models([f"{n}={s}" for n, s in zip(names, (args.original, args.finetuned))])
+    specs = parse_models([f"{n}={s}" for n, s in zip(names, (args.original, args.finetuned))])
     stats: dict = {}
     scores = {spec.name: score(spec, args, texts, meta, device, stats) for spec in specs}
     rows, buckets = tables(scores, stats)
-    report = {"provenance": ev.provenance(device), "settings": vars(args), "table": rows, "buckets": buckets,
+    report = {"provenance": provenance(device), "settings": vars(args), "table": rows, "buckets": buckets,
               "token_stats": stats, "scores": scores}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -42,7 +42,6 @@ class TaskSpec:
         return TaskManager(include_path=self.include_paths or None, include_defaults=self.registered)
 
 
-# ------------------------------------------------------------------------------------------------ tasks
 def resolve_tasks(tasks: list[str] | None, tmp: Path) -> TaskSpec:
     """Task names and local YAML paths -> names + include folders (resolved copies live in `tmp`).
 
@@ -145,7 +144,6 @@ def check_tasks(spec: TaskSpec) -> None:
                                 f"{OFFLINE_HINT}") from None
 
 
-# --------------------------------------------------------------------------------------------- accuracy
 # Metrics whose per-item score is 0 or 1, so the task value is a proportion p over n items and its standard
 # error is sqrt(p (1 - p) / (n - 1)): what lm-eval's mean_stderr gives for them, computed here because
 # sparsify runs lm-eval without bootstrapping (bootstrap_iters=0 skips every stderr, and bootstrapping other

@@ -11,24 +11,20 @@ from __future__ import annotations
 
 from typing import Any
 
-REUSE_BLOCKS = (16, 32, 64, 128)  # token-block sizes BT for the union reuse R(BT)
+from sparsify.families import mlp_modules
 
-
-def down_projs(model: Any) -> list[Any]:
-    """Each layer's down_proj, in layer order: its input is h = act(gate) * up in every supported family."""
-    from sparsify.families import mlp_modules
-
-    return [m.down_proj for m in mlp_modules(model)]
+REUSE_BLOCKS = (16, 32, 64, 128)  # token-block sizes BT for the union reuse R(BT), each a multiple of the one before
 
 
 class SparsityRecorder:
-    """Forward pre-hooks on each down_proj accumulating TwELL-relevant statistics of h (exact zeros).
+    """Forward pre-hooks on each layer's down_proj accumulating TwELL-relevant statistics of h (exact zeros).
 
     Only positions in `self.keep` (the newly scored tokens of a sliding window) are counted, so every
     token of the text contributes once, in order; the union reuse uses consecutive tokens across windows.
     """
 
-    def __init__(self, modules: list[Any]):
+    def __init__(self, model: Any):
+        modules = [mlp.down_proj for mlp in mlp_modules(model)]  # its input is h = act(gate) * up in every family
         self.keep = slice(None)
         self.layers = [_LayerStats() for _ in modules]
         self.handles = [m.register_forward_pre_hook(self._hook(i)) for i, m in enumerate(modules)]
@@ -63,43 +59,66 @@ class _LayerStats:
     def __init__(self):
         self.tile, self.slots = kernel_layout()
         self.nnz: list[Any] = []  # per-token counts, [t] int32 chunks (on h's device)
-        self.neuron_hits = None  # [F] int64: tokens in which each neuron fired
+        self.fired = None  # [F] uint8: 1 where the neuron was active in some token
         self.tiles = 0
         self.tile_max = self.overflow = None  # 0-d, and [2] (overflowing tiles, rows): int64 on h's device
-        self.carry: dict[int, Any] = {}  # BT -> leftover rows [r < BT, F] bool
+        self.carry_rows: tuple[Any, Any] | None = None  # rows past the last full block of REUSE_BLOCKS[0]
+        self.carry: dict[int, tuple[Any, Any]] = {}  # BT -> (unions [k, F], pairs [k]) of smaller whole blocks
         self.pairs: dict[int, Any] = dict.fromkeys(REUSE_BLOCKS, 0)  # active pairs inside full blocks
         self.unions: dict[int, Any] = dict.fromkeys(REUSE_BLOCKS, 0)
 
     def add(self, active: Any) -> None:
+        """Count one chunk of consecutive tokens: `active` [t, F] bool (h != 0)."""
         import torch
 
         rows, width = active.shape
         self.width = width
         if not rows:
             return
-        self.nnz.append(active.sum(dim=1, dtype=torch.int32))  # [t]
-        hits = active.sum(dim=0, dtype=torch.int64)  # [F]
-        self.neuron_hits = hits if self.neuron_hits is None else self.neuron_hits + hits
+        active = active.view(torch.uint8)  # same bytes; reductions over uint8 run many times faster than bool
         pad = (-width) % self.tile
-        tiled = torch.nn.functional.pad(active, (0, pad)).view(rows, -1, self.tile).sum(dim=2)  # [t, F/T]
+        padded = torch.nn.functional.pad(active, (0, pad)) if pad else active
+        tiled = padded.view(rows, -1, self.tile).sum(dim=2, dtype=torch.int32)  # [t, F/T]
+        nnz = tiled.sum(dim=1, dtype=torch.int32)  # [t]
+        self.nnz.append(nnz)
+        fired = active.amax(dim=0)  # [F]
+        self.fired = fired if self.fired is None else torch.maximum(self.fired, fired)
         over = tiled > self.slots
         top, counts = tiled.max().long(), torch.stack([over.sum(), over.any(dim=1).sum()])
         self.tile_max = top if self.tile_max is None else torch.maximum(self.tile_max, top)
         self.overflow = counts if self.overflow is None else self.overflow + counts
         self.tiles += tiled.numel()
-        for bt in REUSE_BLOCKS:
-            self._reuse(bt, active)
+        self._reuse(active, nnz)
 
-    def _reuse(self, bt: int, active: Any) -> None:
+    def _reuse(self, active: Any, nnz: Any) -> None:
+        """Unions and pairs of the smallest blocks from the rows, each larger size from the size below it (each
+        BT a multiple of the one before): one pass over the rows instead of one per block size."""
         import torch
 
-        rows = torch.cat([self.carry[bt], active]) if bt in self.carry else active  # [r, F]
-        full = rows.shape[0] // bt * bt
-        if full:
-            blocks = rows[:full].view(-1, bt, rows.shape[1])  # [n, BT, F]
-            self.pairs[bt] = self.pairs[bt] + blocks.sum(dtype=torch.int64)
-            self.unions[bt] = self.unions[bt] + blocks.any(dim=1).sum()
-        self.carry[bt] = rows[full:]
+        if self.carry_rows is not None:
+            active, nnz = torch.cat([self.carry_rows[0], active]), torch.cat([self.carry_rows[1], nnz])  # [r, F], [r]
+        bt = REUSE_BLOCKS[0]
+        full = active.shape[0] // bt * bt
+        unions = active[:full].view(-1, bt, active.shape[1]).amax(dim=1)  # [n, F]: who fired in each block
+        pairs = nnz[:full].view(-1, bt).sum(dim=1, dtype=torch.int64)  # [n]
+        self.carry_rows = (active[full:], nnz[full:]) if full < active.shape[0] else None
+        self._count(bt, unions, pairs)
+        for smaller, bt in zip(REUSE_BLOCKS, REUSE_BLOCKS[1:]):
+            if bt in self.carry:
+                unions, pairs = torch.cat([self.carry[bt][0], unions]), torch.cat([self.carry[bt][1], pairs])
+            k = bt // smaller
+            full = unions.shape[0] // k * k
+            self.carry[bt] = (unions[full:], pairs[full:])
+            unions = unions[:full].view(-1, k, unions.shape[1]).amax(dim=1)  # [n / k, F]
+            pairs = pairs[:full].view(-1, k).sum(dim=1)
+            self._count(bt, unions, pairs)
+
+    def _count(self, bt: int, unions: Any, pairs: Any) -> None:
+        import torch
+
+        if unions.shape[0]:
+            self.pairs[bt] = self.pairs[bt] + pairs.sum()
+            self.unions[bt] = self.unions[bt] + unions.sum(dtype=torch.int64)
 
     def result(self) -> dict:
         import torch
@@ -107,7 +126,7 @@ class _LayerStats:
         if not self.nnz:
             return {"tokens": 0}
         nnz = torch.cat(self.nnz).double().cpu()  # [N]
-        dead = int((self.neuron_hits == 0).sum())
+        dead = int((self.fired == 0).sum())
         overflow_tiles, overflow_rows = self.overflow.tolist()
         pairs = {bt: int(v) for bt, v in self.pairs.items()}
         unions = {bt: int(v) for bt, v in self.unions.items()}

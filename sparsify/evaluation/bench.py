@@ -26,9 +26,15 @@ import json
 import os
 import time
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 from sparsify.errors import SparsifyError
+from sparsify.evaluation.loading import ffn_backend_of, installed_modeling, load_model, parse_models
+from sparsify.evaluation.speed import int_list
+
+GPU_ONLY = ("sparsify bench is GPU-only: it needs a CUDA GPU and none is visible here (CPU timings say nothing "
+            "about the TwELL kernels). On CPU, `sparsify eval` measures accuracy, perplexity and sparsity.")
 
 REGIMES = ("graphs", "compiled", "hf-graphs", "eager")
 
@@ -82,24 +88,11 @@ def time_generate(model: Any, ids: Any, new_tokens: int) -> dict:
             "replays": None if fast is None else fast.replays - replays}
 
 
-def _median(xs: list[float]) -> float:
-    s = sorted(xs)
-    return s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
-
-
 def _variants(model: Any) -> dict[str, Any]:
     """name -> function that puts the model in that variant (sparsify models: dense and sparse FFN)."""
-    if not any(hasattr(m, "ffn_backend") for m in model.modules()):
+    if ffn_backend_of(model) is None:
         return {"stock": lambda: None}
-
-    def backend(name: str):
-        def apply() -> None:
-            for m in model.modules():
-                if hasattr(m, "ffn_backend"):
-                    m.ffn_backend = name
-        return apply
-
-    return {"dense": backend("dense"), "sparse": backend("auto")}
+    return {"dense": lambda: model.set_ffn_backend("dense"), "sparse": lambda: model.set_ffn_backend("auto")}
 
 
 def _prompt(vocab: int, batch: int, length: int, tokens: Any, device: str) -> Any:
@@ -121,10 +114,8 @@ def bench_model(model: Any, *, batches: tuple[int, ...], prompts: tuple[int, ...
     """Rows {regime, variant, batch, prompt, ttft_ms, decode_tok_s, step_ms, ...} for one loaded model."""
     import torch
 
-    from sparsify.evaluation.evaluate import installed_modeling
-
     if model.device.type != "cuda":
-        raise SparsifyError("sparsify bench needs a CUDA GPU: CPU timings say nothing about the TwELL kernels.")
+        raise SparsifyError(GPU_ONLY)
     fast = installed_modeling().enable_fast_decode(model)
     folder_compile = fast.compile  # (a sparsify folder compiles by default; each regime sets its own)
     variants = _variants(model)
@@ -167,9 +158,9 @@ def bench_model(model: Any, *, batches: tuple[int, ...], prompts: tuple[int, ...
             same = "equal" if len(diff) == 0 else f"first difference at new token {int(diff[0]) - prompt + 1}"
         for name, ts in times.items():
             rows.append({"regime": regime, "variant": name, "batch": batch, "prompt": prompt,
-                         "new_tokens": new_tokens, "ttft_ms": _median([t["ttft_ms"] for t in ts]),
-                         "decode_tok_s": _median([t["decode_tok_s"] for t in ts]),
-                         "step_ms": _median([t["step_ms"] for t in ts]),
+                         "new_tokens": new_tokens, "ttft_ms": median([t["ttft_ms"] for t in ts]),
+                         "decode_tok_s": median([t["decode_tok_s"] for t in ts]),
+                         "step_ms": median([t["step_ms"] for t in ts]),
                          "step_ms_spread": (max(t["step_ms"] for t in ts) - min(t["step_ms"] for t in ts)),
                          "graph_replays_per_call": ts[-1]["replays"],
                          "greedy_tokens": same,
@@ -177,7 +168,7 @@ def bench_model(model: Any, *, batches: tuple[int, ...], prompts: tuple[int, ...
                          **({"compiled": compiled[name], "compile_error": fast.compile_error}
                             if regime == "compiled" else {})})
         if progress:
-            line = "  ".join(f"{n} {_median([t['decode_tok_s'] for t in ts]):.0f} tok/s" for n, ts in times.items())
+            line = "  ".join(f"{n} {median([t['decode_tok_s'] for t in ts]):.0f} tok/s" for n, ts in times.items())
             print(f"bench: {regime} batch {batch} prompt {prompt}: {line}", flush=True)
     fast.enabled, fast.loop, fast.compile = True, True, folder_compile
     return rows
@@ -288,10 +279,8 @@ def bench(models: list[str], *, batches=(1, 8, 32), prompts=(128, 512, 2048), ne
 
     import torch
 
-    from sparsify.evaluation.evaluate import load_model, parse_models
-
     if not torch.cuda.is_available():
-        raise SparsifyError("sparsify bench needs a CUDA GPU: CPU timings say nothing about the TwELL kernels.")
+        raise SparsifyError(GPU_ONLY)
     if new_tokens < 2:
         raise SparsifyError("--new-tokens must be at least 2 (decode speed is measured after the first token).")
     if repeats < 1:
@@ -334,14 +323,13 @@ def bench(models: list[str], *, batches=(1, 8, 32), prompts=(128, 512, 2048), ne
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
-        "End-to-end generation speed on a CUDA GPU: model.generate() time to first token and decode tokens/s "
+        "GPU only (needs a CUDA GPU; on CPU it stops with an error). End-to-end generation speed: "
+        "model.generate() time to first token and decode tokens/s "
         "for batch x prompt-length grids, the sparse FFN against the same weights on dense cuBLAS, in the same "
         "run and cache/graph regime. Works on any sparsify folder, including `sparsify synth` ones.")
     parser.add_argument("models", nargs="+", metavar="[NAME=]MODEL", help="model folders (or Hub ids / .gguf)")
-    from sparsify.evaluation.evaluate import _ints  # the comma-list parser eval's --speed options use
-
-    parser.add_argument("--batch", type=_ints, default=(1, 8, 32), help="batch sizes (default 1,8,32)")
-    parser.add_argument("--prompt", type=_ints, default=(128, 512, 2048), help="prompt lengths (default 128,512,2048)")
+    parser.add_argument("--batch", type=int_list, default=(1, 8, 32), help="batch sizes (default 1,8,32)")
+    parser.add_argument("--prompt", type=int_list, default=(128, 512, 2048), help="prompt lengths (default 128,512,2048)")
     parser.add_argument("--new-tokens", type=int, default=256, help="tokens generated per call (default 256)")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per variant and case (default 3)")
     parser.add_argument("--regimes", default="compiled",

@@ -10,9 +10,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from sparsify.evaluation.activations import SparsityRecorder, down_projs
 from sparsify.errors import SparsifyError
-from sparsify.evaluation.speed import set_ffn_backend
+from sparsify.evaluation.activations import SparsityRecorder
+from sparsify.evaluation.loading import ffn_backend
 
 # The text `sparsify eval` measures when given none: Python HOWTO documents (from Debian's python3.11-doc),
 # bundled with the package and kept out of `sparsify demo`'s training text, so it is held out for the demo.
@@ -44,7 +44,7 @@ def text_pass(model: Any, tok: Any, text: str, window: int, max_tokens: int | No
 
     if max_tokens:  # tokenising a 50 MB file to keep 8k tokens wastes minutes; ~4 chars per token
         text = text[: max_tokens * 16]
-    ids, n_bytes = _tokenize(tok, text, max_tokens)
+    ids, n_bytes = tokenize_text(tok, text, max_tokens)
     if len(ids) < 2:
         raise SparsifyError("--text: a text file holds fewer than 2 tokens; perplexity needs more text.")
     ids = torch.tensor(ids, device=model.device)  # [N]
@@ -56,7 +56,7 @@ def text_pass(model: Any, tok: Any, text: str, window: int, max_tokens: int | No
         if recorder is not None:  # count each position's h once: those not seen in an earlier window
             recorder.keep = slice(prev_end - begin if begin else 0, None)
         with torch.inference_mode():
-            logits = model(ids[None, begin:end], use_cache=False).logits[0, -new - 1:-1].float()  # [new, V]
+            logits = _scored_logits(model, ids[None, begin:end], new)  # [new, V]
         nll += torch.nn.functional.cross_entropy(logits, ids[end - new:end], reduction="sum").double()
         scored, prev_end = scored + new, end
         if end == len(ids):
@@ -66,7 +66,17 @@ def text_pass(model: Any, tok: Any, text: str, window: int, max_tokens: int | No
             "perplexity": math.exp(nll / max(scored, 1)), "bits_per_byte": nll / math.log(2) / max(n_bytes, 1)}
 
 
-def _tokenize(tok: Any, text: str, max_tokens: int | None) -> tuple[list[int], int]:
+def _scored_logits(model: Any, ids: Any, new: int) -> Any:
+    """fp32 logits predicting the last `new` tokens of ids [1, L]: only those rows go through the lm_head (the
+    context half of a window needs no [L, V] logits, a fifth of a small model's work)."""
+    try:
+        logits = model(ids, use_cache=False, logits_to_keep=new + 1).logits  # [1, new + 1, V]
+    except TypeError:  # remote code without logits_to_keep
+        logits = model(ids, use_cache=False).logits
+    return logits[0, -new - 1:-1].float()
+
+
+def tokenize_text(tok: Any, text: str, max_tokens: int | None) -> tuple[list[int], int]:
     """Token ids (at most max_tokens) and the UTF-8 byte count of the text they cover."""
     try:
         enc = tok(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
@@ -84,14 +94,13 @@ def texts_section(model: Any, tok: Any, texts: list[Path], window: int, max_toke
     Remote-code models run their dense torch FFN here: the TwELL kernels never call down_proj, so its hook
     would see nothing (the kernels compute the same function; speed is measured separately).
     """
-    recorder = SparsityRecorder(down_projs(model))
-    previous = set_ffn_backend(model, "dense")
+    recorder = SparsityRecorder(model)
     try:
-        ppl = {p.name: text_pass(model, tok, p.read_text(encoding="utf-8", errors="replace"),
-                                 window, max_tokens, recorder) for p in texts}
+        with ffn_backend(model, "dense"):
+            ppl = {p.name: text_pass(model, tok, p.read_text(encoding="utf-8", errors="replace"),
+                                     window, max_tokens, recorder) for p in texts}
     finally:
         recorder.remove()
-        set_ffn_backend(model, previous)
     profile = recorder.summary()
     missed = [i for i, layer in enumerate(profile["layers"]) if layer["tokens"] != profile["tokens"]]
     if missed:

@@ -44,8 +44,8 @@ def _atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
-# ------------------------------------------------------------------------------------------------ markdown
-def _fmt(value: Any, digits: int = 3) -> str:
+def fmt(value: Any, digits: int = 3) -> str:
+    """A table cell: floats to `digits` places (large ones in 3 significant digits), None as "-"."""
     if value is None:
         return "-"
     if isinstance(value, float):
@@ -53,9 +53,10 @@ def _fmt(value: Any, digits: int = 3) -> str:
     return str(value)
 
 
-def _table(header: list[str], rows: list[list[Any]]) -> str:
+def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
+    """A Markdown table, each cell through fmt."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(_fmt(c) for c in row) + " |" for row in rows]
+    lines += ["| " + " | ".join(fmt(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
 
 
@@ -78,7 +79,7 @@ def _models_table(models: list[dict]) -> str:
     rows = [[m["name"], m["source"], m.get("model_type"), m.get("activation"), m.get("layers"),
              m.get("intermediate_size"), f"{m.get('parameters', 0) / 1e6:.1f}M", "yes" if m.get("twell_capable") else "no"]
             for m in models]
-    return _table(["model", "source", "type", "act", "layers", "F", "params", "TwELL code"], rows)
+    return markdown_table(["model", "source", "type", "act", "layers", "F", "params", "TwELL code"], rows)
 
 
 def _accuracy_table(models: list[dict], names: list[str]) -> str:
@@ -93,7 +94,7 @@ def _accuracy_table(models: list[dict], names: list[str]) -> str:
             rows.append([task, metric, samples] + [with_stderr(m["accuracy"].get(task, {}), metric) for m in models])
     note = ("\n\n± is the standard error of a proportion over n items, sqrt(p (1 - p) / (n - 1)): with few items, "
             "differences smaller than about two of them are noise." if any("±" in str(c) for r in rows for c in r) else "")
-    return _table(["task", "metric", "n"] + names, rows) + note
+    return markdown_table(["task", "metric", "n"] + names, rows) + note
 
 
 def is_metric(key: str) -> bool:
@@ -103,7 +104,7 @@ def is_metric(key: str) -> bool:
 def with_stderr(results: dict, metric: str) -> Any:
     """`0.450 ± 0.114` when the metric has a standard error, else the value."""
     value, err = results.get(metric), results.get(f"{metric}_stderr")
-    return f"{_fmt(value)} ± {_fmt(err)}" if value is not None and err is not None else value
+    return f"{fmt(value)} ± {fmt(err)}" if value is not None and err is not None else value
 
 
 def _perplexity_table(models: list[dict], names: list[str]) -> str:
@@ -125,7 +126,7 @@ def _perplexity_table(models: list[dict], names: list[str]) -> str:
             "`sparsify finetune` logs its validation perplexity on non-overlapping windows of train.seq_len tokens, "
             "where a token has half a window of context on average, so on the same text it reads higher than "
             "here." if windows else "")
-    return _table(["text", "metric", "tokens"] + names, rows) + note
+    return markdown_table(["text", "metric", "tokens"] + names, rows) + note
 
 
 def _ratio(value: float | None, base: float) -> str | None:
@@ -152,7 +153,7 @@ def _sparsity_table(models: list[dict], names: list[str]) -> str:
     rows += [[label] + [m.get("sparsity", {}).get(k) for m in models]
              for k, label in (("tile", "TwELL block width (neurons)"), ("slots", "values TwELL stores per token per block"))]
     rows += [[f"weight-row reuse R({bt})"] + [(s.get("reuse") or {}).get(bt) for s in sums] for bt in ("16", "32", "64", "128")]
-    text = _table(["statistic"] + names, rows)
+    text = markdown_table(["statistic"] + names, rows)
     tokens = [m.get("sparsity", {}).get("tokens") for m in models]
     text += f"\n\nTokens profiled: {', '.join(f'{n}: {t}' for n, t in zip(names, tokens))}. h is the FFN hidden " \
         "activation, act(gate) * up, one value per neuron; a neuron is active for a token when its value is not " \
@@ -169,7 +170,7 @@ def _layer_table(model: dict) -> str:
         return ""
     rows = [[i, l["nnz_mean"], l["nnz_p99"], l["nnz_max"], l["dead"], l["tile_max"], l["overflow_rate"],
              l["reuse"]["16"], l["reuse"]["128"]] for i, l in enumerate(layers)]
-    table = _table(["layer", "active mean", "active p99", "active max", "dead neurons", "block max",
+    table = markdown_table(["layer", "active mean", "active p99", "active max", "dead neurons", "block max",
                     "overflow share", "R(16)", "R(128)"], rows)
     return f"\n\n<details><summary>{model['name']}: per layer (of {layers[0]['width']} neurons)</summary>\n\n{table}\n\n</details>"
 
@@ -189,16 +190,16 @@ def _speed_tables(models: list[dict]) -> str:
         rows += [[label(r), r["batch"], f"decode {r['new_tokens']} after {r['prompt']}", r.get("tokens_per_s"),
                   r.get("ms"), r.get("peak_mem_gb"), r.get("error") or r.get("path")] for r in speed["decode"]]
         blocks.append(f"**{m['name']}** on {speed['device']} ({speed['dtype']})\n\n"
-                      + _table(["backend", "batch", "seq", "tokens/s", "ms", "peak GiB", "FFN path / note"], rows))
+                      + markdown_table(["backend", "batch", "seq", "tokens/s", "ms", "peak GiB", "FFN path / note"], rows))
         ratios = [[f"prefill b{r['batch']} s{r['seq']}", r["twell_over_dense"], r["auto_over_dense"], r.get("dense_noise")]
                   for r in speed["speedup"]["prefill"]]
         ratios += [[f"decode b{r['batch']}", r["twell_over_dense"], r["auto_over_dense"], r.get("dense_noise")]
                    for r in speed["speedup"]["decode"]]
         if ratios:
-            blocks.append(_table(["shape", "twell / dense tokens/s", "auto / dense tokens/s",
+            blocks.append(markdown_table(["shape", "twell / dense tokens/s", "auto / dense tokens/s",
                                   "noise (dense run twice)"], ratios))
         shares = [[b, s.get("batch"), s.get("seq"), s.get("ffn_share")] for b, s in speed["ffn_share"].items()]
-        blocks.append(_table(["backend", "batch", "seq", "FFN share of prefill time"], shares))
+        blocks.append(markdown_table(["backend", "batch", "seq", "FFN share of prefill time"], shares))
     return "\n\n".join(blocks)
 
 
@@ -214,7 +215,6 @@ def _provenance(report: dict) -> str:
             f"device {p.get('gpu') or p['device']}; {p['date']}.")
 
 
-# ------------------------------------------------------------------------------------------------- summary
 def summary(report: dict, out: Path | None = None) -> str:
     """A few lines for the terminal: per model the perplexity of each text, the share of zeros in h, each
     accuracy metric with its standard error and the median speed-up; then where the full report is."""
@@ -226,9 +226,10 @@ def summary(report: dict, out: Path | None = None) -> str:
 
     lines = [f"sparsify eval: {len(models)} model{'s' * (len(models) != 1)} ({', '.join(m['name'] for m in models)})"]
     for text in sorted({t for m in models for t in m.get("perplexity", {})}):
-        tokens = next(m["perplexity"][text]["tokens"] for m in models if text in m["perplexity"])
-        lines.append(line(f"perplexity on {text} ({tokens} tokens)",
-                          [(m["name"], _fmt(m["perplexity"].get(text, {}).get("perplexity"), 2)) for m in models]))
+        first = next(m["perplexity"][text] for m in models if text in m["perplexity"])
+        scored = f"{first['tokens']} tokens" + (f", {first['window']}-token windows" if first.get("window") else "")
+        lines.append(line(f"perplexity on {text} ({scored})",
+                          [(m["name"], fmt(m["perplexity"].get(text, {}).get("perplexity"), 2)) for m in models]))
     lines.append(line("FFN zeros (active neurons per token)",
                       [(m["name"], _zeros_cell((m.get("sparsity") or {}).get("summary") or {})) for m in models]))
     for task in sorted({t for m in models for t in m.get("accuracy", {})}):
@@ -236,7 +237,7 @@ def summary(report: dict, out: Path | None = None) -> str:
         for metric in metrics:
             n = max(m["accuracy"].get(task, {}).get("samples", 0) for m in models)
             lines.append(line(f"{task} {metric} ({n} items)",
-                              [(m["name"], _fmt(with_stderr(m["accuracy"].get(task, {}), metric))) for m in models]))
+                              [(m["name"], fmt(with_stderr(m["accuracy"].get(task, {}), metric))) for m in models]))
     for kind in ("prefill", "decode"):
         lines.append(line(f"{kind} speed, auto / dense tokens/s (median over shapes)",
                           [(m["name"], _median_ratio(m, kind)) for m in models]))
@@ -260,7 +261,6 @@ def _median_ratio(model: dict, kind: str) -> str | None:
     return f"{ratios[len(ratios) // 2]:.2f}x" if ratios else None
 
 
-# --------------------------------------------------------------------------------------------------- plots
 def _write_plots(report: dict, out: Path) -> list[str]:
     """Only plots with data are drawn; returns the file names written."""
     try:
@@ -335,7 +335,6 @@ def _plot_accuracy(ax: Any, models: list[dict]) -> bool:
     return True
 
 
-# --------------------------------------------------------------------------------------------------- merge
 SECTIONS = ("accuracy", "perplexity", "sparsity", "speed")
 
 

@@ -5,12 +5,15 @@ back in one run, with the dense run repeated to show the run's noise.
 
 from __future__ import annotations
 
+import argparse
 import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from sparsify.errors import SparsifyError
+from sparsify.evaluation.loading import ffn_backend
+from sparsify.families import mlp_modules
 
 
 @dataclass
@@ -25,20 +28,15 @@ class SpeedGrid:
     repeats: int = 5
 
 
-def mlps(model: Any) -> list[Any]:
-    """Per-layer gated MLP modules in order."""
-    from sparsify.families import mlp_modules
-
-    return list(mlp_modules(model))
-
-
-def set_ffn_backend(model: Any, backend: str | dict) -> dict:
-    """Set `ffn_backend` on every module that has it (sparsify remote-code MLPs): one backend for all, or a
-    dict module -> backend (what an earlier call returned, to restore). Returns the previous settings."""
-    previous = {m: m.ffn_backend for m in model.modules() if hasattr(m, "ffn_backend")}
-    for module in previous:
-        module.ffn_backend = backend[module] if isinstance(backend, dict) else backend
-    return previous
+def int_list(text: str) -> tuple[int, ...]:
+    """argparse type for the grid options of `eval --speed` and `bench`: comma-separated positive integers."""
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers like 1,8,32") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected positive integers like 1,8,32")
+    return values
 
 
 def speed_section(model: Any, tokens: Any, grid: SpeedGrid) -> dict:
@@ -52,13 +50,10 @@ def speed_section(model: Any, tokens: Any, grid: SpeedGrid) -> dict:
         return {"available": False, "reason": "speed needs a CUDA GPU: CPU timings say nothing about the "
                 "TwELL kernels. Run `sparsify eval --speed` on a machine with an NVIDIA GPU."}
     # dense: torch FFN; twell: the sparse kernels forced; auto: the dispatcher's choice (what users get)
-    previous = set_ffn_backend(model, "auto")
-    try:
-        backends = ["dense", "twell", "auto"] if previous else ["stock"]
+    with ffn_backend(model, "auto") as switchable:  # an error (or Ctrl-C) mid-run must not leave a forced backend
+        backends = ["dense", "twell", "auto"] if switchable else ["stock"]
         seqs = sorted({min(s, int(getattr(model.config, "max_position_embeddings", 0) or s)) for s in grid.seqs})
         prefill, decode, share = _speed_rows(model, tokens, grid, backends, seqs)
-    finally:  # an error (or Ctrl-C) mid-run must not leave the model on a forced backend
-        set_ffn_backend(model, previous)
     return {"available": True, "backends": backends, "device": torch.cuda.get_device_name(model.device),
             "dtype": str(model.dtype).removeprefix("torch."), "prefill": prefill, "decode": decode,
             "ffn_share": share, "speedup": _speedups(prefill, decode)}
@@ -89,7 +84,7 @@ def _each_backend(model: Any, backends: list[str], fn, *args) -> list[dict]:
     rows = []
     for i, backend in enumerate(order):
         if backend != "stock":
-            set_ffn_backend(model, backend)
+            model.set_ffn_backend(backend)
         rows.append({"backend": backend, **({"repeat": True} if i == len(backends) else {}),
                      **_guard_oom(fn, model, *args)})
     return rows
@@ -202,7 +197,7 @@ def _ffn_share(model: Any, ids: Any) -> dict:
     def post(module, inputs, output):
         events[-1][1].record()
 
-    handles = [h for m in mlps(model) for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
+    handles = [h for m in mlp_modules(model) for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
     try:
         with torch.inference_mode():
             _forward(model, ids, use_cache=False)  # warm-up
@@ -239,15 +234,12 @@ def _speedups(prefill: list[dict], decode: list[dict]) -> dict:
     return {"prefill": ratios(prefill, ("batch", "seq")), "decode": ratios(decode, ("batch",))}
 
 
-def speed_tokens(tok: Any, texts: list[Path]) -> Any:
-    """Real text for speed runs: the first --text file, else the held-out text shipped with sparsify."""
+def speed_tokens(tok: Any, text: Path) -> Any:
+    """Real text for speed runs (sparsity depends on it): the token ids of `text`'s first 400k characters."""
     import torch
 
-    from sparsify.evaluation.perplexity import HELDOUT_TEXT
-
-    source = texts[0] if texts else HELDOUT_TEXT
-    if not source.is_file():
-        raise SparsifyError(f"--speed needs real text (sparsity depends on it) and {source} is missing: pass "
+    if not text.is_file():
+        raise SparsifyError(f"--speed needs real text (sparsity depends on it) and {text} is missing: pass "
                             "--text FILE.")
-    text = source.read_text(encoding="utf-8", errors="replace")[:400_000]
-    return torch.tensor(tok(text, add_special_tokens=False)["input_ids"])  # [N]
+    return torch.tensor(tok(text.read_text(encoding="utf-8", errors="replace")[:400_000],
+                            add_special_tokens=False)["input_ids"])  # [N]

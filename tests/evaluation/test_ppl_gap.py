@@ -13,7 +13,7 @@ import pytest
 from sparsify.train.data import prepare_data
 from sparsify.train.config import DataSection
 
-from .test_evaluate import TEXT, _tokenizer, tiny_folders  # noqa: F401  (a fixture)
+from tests.tiny import TEXT, tiny_tokenizer
 
 SCRIPT = Path(__file__).resolve().parents[2] / "eval" / "ppl_gap.py"
 
@@ -34,10 +34,10 @@ def token_folder(tmp_path_factory):
     train = root / "train.txt"
     train.write_text(TEXT.read_text()[::-1] * 4)
     cfg = DataSection(train=[str(train)], heldout={"general": [str(heldout)]}, validation_fraction=0.1, num_proc=1)
-    return prepare_data(cfg, _tokenizer(), root / "tok", progress=False), heldout
+    return prepare_data(cfg, tiny_tokenizer(), root / "tok", progress=False), heldout
 
 
-def test_same_model_twice_gives_ratio_one_for_every_measure(tiny_folders, token_folder, tmp_path):  # noqa: F811
+def test_same_model_twice_gives_ratio_one_for_every_measure(tiny_folders, token_folder, tmp_path):
     folder, text = token_folder
     model = str(tiny_folders[0])
     report = _script().main(["--original", model, "--finetuned", model, "--tokens", str(folder),
@@ -67,7 +67,7 @@ def test_same_model_twice_gives_ratio_one_for_every_measure(tiny_folders, token_
     assert all(f"| general | {m} |" in md for m in measures)
 
 
-def test_original_alone_and_a_second_model_differ(tiny_folders, token_folder, tmp_path):  # noqa: F811
+def test_original_alone_and_a_second_model_differ(tiny_folders, token_folder, tmp_path):
     folder, text = token_folder
     gap = _script()
     alone = gap.main(["--original", str(tiny_folders[0]), "--tokens", str(folder), "--text", f"general={text}",

@@ -1,0 +1,94 @@
+"""lm-eval tasks: local YAML resolution, offline errors, expected warnings dropped, standard errors."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from sparsify.errors import SparsifyError
+from sparsify.evaluation import accuracy as acc
+
+REPO = Path(__file__).resolve().parents[2]
+TASKS = REPO / "eval" / "tasks"
+
+
+def test_local_task_yaml_resolves_data_files_to_absolute_paths(tmp_path):
+    spec = acc.resolve_tasks([str(TASKS / "tech_qa.yaml")], tmp_path)
+    assert spec.names == ["sparsify_tech_qa"]
+    copied = Path(spec.include_paths[0]) / "tech_qa.yaml"
+    text = copied.read_text()
+    assert str((TASKS / "tech_qa.jsonl").resolve()) in text
+    folder = acc.resolve_tasks([str(TASKS)], tmp_path / "b")
+    assert sorted(folder.names) == ["sparsify_tech_qa", "sparsify_tech_text"]
+    assert acc.resolve_tasks(["none"], tmp_path / "c").names == []
+    acc.check_tasks(folder)  # the shipped tasks load offline
+
+
+def test_shipped_multiple_choice_task_is_well_formed():
+    rows = [json.loads(line) for line in (TASKS / "tech_qa.jsonl").read_text().splitlines()]
+    assert len(rows) >= 50
+    assert len({r["question"] for r in rows}) == len(rows)
+    for r in rows:
+        assert len(r["choices"]) == 4 and len(set(r["choices"])) == 4 and 0 <= r["answer"] < 4
+
+
+def test_unreachable_hub_task_names_the_offline_alternative(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    spec = acc.resolve_tasks(["arc_easy"], tmp_path)
+    with pytest.raises(SparsifyError, match=r"arc_easy.*eval/tasks/"):
+        acc.check_tasks(spec)
+
+
+def test_only_the_expected_lm_eval_warnings_are_dropped(caplog):
+    import logging
+
+    acc.silence_expected_warnings()
+    acc.silence_expected_warnings()  # idempotent: one filter
+    log = logging.getLogger("lm_eval.models.huggingface")
+    assert sum(isinstance(f, acc._DropExpectedWarnings) for f in log.filters) == 1
+    with caplog.at_level("WARNING", logger="lm_eval.models.huggingface"):
+        for message in acc.EXPECTED_LM_EVAL_WARNINGS:
+            log.warning(message + " ...")
+        log.warning("Some other lm-eval warning")
+    assert [r.getMessage() for r in caplog.records] == ["Some other lm-eval warning"]
+
+
+def test_proportion_stderr_matches_the_binomial_formula():
+    assert acc.proportion_stderr(0.45, 20) == pytest.approx(math.sqrt(0.45 * 0.55 / 19))
+    assert acc.proportion_stderr(1.0, 20) == 0.0 and acc.proportion_stderr(0.5, 1) is None
+
+
+def test_local_task_with_function_helper_and_relative_data_runs(tmp_path, tiny_folders, monkeypatch, capfd):
+    """A user's task folder anywhere: relative data_files and a `!function` helper beside the YAML. Run from
+    a folder outside any git checkout: lm-eval's `git describe` (skipped) would print an error there."""
+    import lm_eval.evaluator
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    monkeypatch.chdir(tmp_path)
+    env_info = (lm_eval.evaluator.get_git_commit_hash, lm_eval.evaluator.add_env_info)
+
+    task_dir = tmp_path / "my_tasks" / "sub"
+    task_dir.mkdir(parents=True)
+    (task_dir / "data.jsonl").write_text("".join(json.dumps({"q": f"Is {i} even?", "a": i % 2}) + "\n" for i in range(5)))
+    (task_dir / "helpers.py").write_text(
+        "def process_docs(ds):\n    return ds.filter(lambda d: d['a'] == 0)\n")  # keeps 0, 2, 4
+    (task_dir / "even.yaml").write_text(
+        "task: my_even\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: data.jsonl\n"
+        "output_type: multiple_choice\ntest_split: test\nprocess_docs: !function helpers.process_docs\n"
+        "doc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\ndoc_to_choice: ['yes', 'no']\n"
+        "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
+    spec = acc.resolve_tasks([str(tmp_path / "my_tasks")], tmp_path / "resolved")
+    assert spec.names == ["my_even"] and not spec.registered
+    copied = (Path(spec.include_paths[0]) / "sub" / "even.yaml").read_text()
+    assert "!function" in copied and "helpers.process_docs" in copied and str(task_dir / "data.jsonl") in copied
+    assert (Path(spec.include_paths[0]) / "sub" / "helpers.py").is_file()
+    model = AutoModelForCausalLM.from_pretrained(tiny_folders[0]).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_folders[0])
+    got = acc.accuracy(model, tok, spec, limit=None, batch_size=4)
+    assert got["my_even"]["samples"] == 3 and got["my_even"]["acc"] in {i / 3 for i in range(4)}  # helper ran
+    assert "not a git repository" not in capfd.readouterr().err
+    assert (lm_eval.evaluator.get_git_commit_hash, lm_eval.evaluator.add_env_info) == env_info  # restored

@@ -1,0 +1,38 @@
+"""report.json -> report.md and plots; the merge CLI."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparsify.evaluation import evaluate as ev
+from sparsify.evaluation import speed as sp
+
+
+def test_report_cli_missing_path_exits_2_with_a_message(tmp_path, capsys):
+    from sparsify.evaluation import report as rp
+
+    with pytest.raises(SystemExit) as exc:
+        rp.main([str(tmp_path / "nope" / "report.json"), "--out", str(tmp_path / "out")])
+    assert exc.value.code == 2
+    assert "no such report.json" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_report_with_speed_rows_draws_speed_plot_and_tables(tmp_path):
+    from sparsify.evaluation import report as rp
+
+    rows = [{"backend": b, "batch": bs, "seq": 512, "tokens_per_s": tps * bs, "ms": 1.0, "peak_mem_gb": 1.5,
+             "path": "torch" if b == "dense" else "twell_ffn:twell"}
+            for bs in (1, 8) for b, tps in (("dense", 100.0), ("twell", 130.0))]
+    rows.append({"backend": "dense", "repeat": True, "batch": 8, "seq": 512, "tokens_per_s": 780.0})
+    speed = {"available": True, "backends": ["dense", "twell"], "device": "GPU", "dtype": "bfloat16",
+             "prefill": rows, "decode": [], "ffn_share": {"dense": {"batch": 8, "seq": 512, "ffn_share": 0.4}},
+             "speedup": sp._speedups(rows, [])}
+    report = {"provenance": ev.provenance("cpu"), "models": [{"name": "m", "source": "x", "speed": speed}]}
+    rp.write_report(report, tmp_path)
+    assert report["plots"] == ["speed_vs_batch.png"]
+    md = (tmp_path / "report.md").read_text()
+    assert "| prefill b8 s512 | 1.300 | - | 0.025 |" in md and "dense (again)" in md and "| dense | 8 | 512 | 0.400 |" in md
+    (tmp_path / "mine.png").write_bytes(b"kept")  # not the report's: never touched
+    rp.write_report({"provenance": ev.provenance("cpu"), "models": [{"name": "m", "source": "x"}]}, tmp_path)
+    assert not (tmp_path / "speed_vs_batch.png").exists(), "a plot of the earlier report was left beside this one"
+    assert (tmp_path / "mine.png").read_bytes() == b"kept"
