@@ -2,11 +2,11 @@
 
 A recipe is a YAML file with one mapping per section (model, data, sparsity, distill, train, lora, output).
 Every field below carries its own help text (`doc=`), which `sparsify finetune --help` prints with its type and
-default. Loading collects EVERY problem (unknown keys, wrong types, bad values) and raises one SparsifyError
-listing them all with their fix, so a user fixes a recipe in one round trip.
+default. `parse_recipe` reads YAML and dotted overrides into a Recipe, collecting unknown keys and wrong types;
+`sparsify.train.preflight.load_recipe` adds the checks of values, paths and data, and raises them all at once.
 
-    recipe = load_recipe("recipes/smollm2-135m.yaml", overrides=["train.lr=3e-4", "sparsity.l1=2e-2"])
-    print(dump_recipe(recipe))
+    parsed = parse_recipe("recipes/smollm2-135m.yaml", overrides=["train.lr=3e-4", "sparsity.l1=2e-2"])
+    print(dump_recipe(parsed.recipe))
 """
 
 from __future__ import annotations
@@ -84,10 +84,7 @@ class SparsitySection:
     l1: float = doc(
         2e-2,
         "Coefficient of the L1 penalty on h = relu(gate) * up (the input of down_proj). Pretrained models need far "
-        "more than the paper's from-scratch 2e-5. Measured on SmolLM2-135M with sum_hidden: 3e-4 moved nothing; "
-        "1e-2 -> 80% and 3e-2 -> 88% zeros after 13-38M tokens; 6e-2 with kd 1 -> 91.0% zeros after 50M tokens "
-        "(139 non-zeros per token per layer of 1536) at held-out perplexity 9.98 vs 10.60 for the original SiLU "
-        "model.",
+        "more than the paper's from-scratch 2e-5 (recipes/smollm2-135m.yaml has the values measured there).",
     )
     normalization: Literal["sum_hidden", "mean"] = doc(
         "sum_hidden",
@@ -141,6 +138,7 @@ class DistillSection:
     temperature: float = doc(1.0, "Softmax temperature of the distillation (the KL is scaled by T^2).")
 
 
+
 @dataclass
 class TrainSection:
     max_steps: int | None = doc(None, "Optimizer steps to run (None: derive from max_tokens).")
@@ -155,7 +153,8 @@ class TrainSection:
     betas: list[float] = doc([0.9, 0.95], "AdamW betas.")
     clip: float = doc(1.0, "Gradient-norm clipping; 0 disables.")
     seed: int = doc(0, "Seed of torch (init of LoRA adapters, dead-neuron noise).")
-    save_every: int = doc(500, "Write a checkpoint every this many steps (and at the end); 0 = only at the end.")
+    save_every: int = doc(500, "Write a checkpoint every this many steps; 0 = none (a stop by signal still writes "
+                          "one). See output.keep_checkpoints_when_done for the end of the run.")
     keep_checkpoints: int = doc(2, "Checkpoints kept on disk (oldest removed first).")
     log_every: int = doc(10, "Log metrics (metrics.jsonl, TensorBoard, progress bar) every this many steps.")
     eval_every: int = doc(0, "Validation perplexity every this many steps (always at start and end); 0 = start/end only.")
@@ -179,9 +178,8 @@ class TrainSection:
         "FFN training path. `twell`: every gated MLP trains on the packed kernels (sparsify.train.packed_ffn): autograd "
         "keeps a bitmask and the active gate/up values instead of three dense [tokens, F] tensors, gradients equal "
         "to the dtype's rounding; `auto`: a layer switches to it once its measured zeros reach 85% (back below "
-        "80%), decided at logged steps and logged per layer; `dense`: the model's own MLP. Measured on an H200 "
-        "(eval/results/train-ffn-h200): SmolLM2-135M at 90% zeros, peak memory -15.7% at 0.86x tokens/s, so "
-        "`dense` stays the default until the packed path is no slower. Needs ReLU MLPs and lora.r = 0.",
+        "80%), decided at logged steps and logged per layer; `dense`: the model's own MLP, the default while the "
+        "packed path saves memory but is not yet faster. Needs ReLU MLPs and lora.r = 0.",
     )
     profile_steps: int = doc(
         0, "Profile this many steps (torch.profiler, after 10 warm-up steps) and write OUTPUT/profile.txt: GPU "
@@ -205,6 +203,11 @@ class OutputSection:
     overwrite: bool = doc(False, "Allow starting a fresh run in a non-empty output folder (deletes its checkpoints).")
     tensorboard: bool = doc(True, "Write TensorBoard logs to OUTPUT/tensorboard when tensorboard is installed.")
     plots: bool = doc(True, "Write loss.png and sparsity.png at the end (needs matplotlib).")
+    keep_checkpoints_when_done: bool = doc(
+        False, "Keep checkpoints/ (model + optimizer state, 12 bytes per parameter) when the run finishes, with one "
+        "of the last step, so the run can be extended later: the same command with a larger train.max_tokens or "
+        "max_steps and --resume. False: they are removed once model/ is written (a finished run is not resumed).",
+    )
 
 
 @dataclass
@@ -219,10 +222,6 @@ class Recipe:
 
 
 SECTIONS: dict[str, type] = typing.get_type_hints(Recipe)  # section name -> section dataclass
-
-
-# ---------------------------------------------------------------------------------------------------------
-# types: check one value against a field annotation, coercing the few things YAML gets wrong
 
 
 def _type_name(tp: Any) -> str:
@@ -310,10 +309,6 @@ def _coerce(value: Any, tp: Any) -> Any:
     raise TypeError(f"unsupported field type {tp}")
 
 
-# ---------------------------------------------------------------------------------------------------------
-# loading: YAML mapping + dotted overrides -> Recipe, every problem collected
-
-
 def _fields(section_cls: type) -> dict[str, tuple[Any, dataclasses.Field]]:
     hints = typing.get_type_hints(section_cls)
     return {f.name: (hints[f.name], f) for f in dataclasses.fields(section_cls)}
@@ -378,210 +373,54 @@ def _apply_override(raw: dict, override: str, errors: list[str]) -> None:
         errors.append(f"override {override!r}: `{parts[0]}` is not a section in the recipe file")
 
 
-def _check_values(r: Recipe) -> list[tuple[tuple[str, ...], str]]:
-    """Problems with values that have the right type but make no sense: (keys involved, message naming the fix)."""
-    e: list[tuple[tuple[str, ...], str]] = []
-    t = r.train
-    positive = {"train.seq_len": t.seq_len, "train.batch_size": t.batch_size, "train.grad_accum": t.grad_accum,
-                "train.lr": t.lr, "train.log_every": t.log_every, "train.eval_batches": t.eval_batches,
-                "train.keep_checkpoints": t.keep_checkpoints, "sparsity.plateau_window": r.sparsity.plateau_window}
-    e += [((k,), f"{k}: got {v}; must be > 0") for k, v in positive.items() if v <= 0]
-    non_negative = {"train.warmup_steps": t.warmup_steps, "train.weight_decay": t.weight_decay,
-                    "train.clip": t.clip, "train.save_every": t.save_every, "train.eval_every": t.eval_every,
-                    "train.profile_steps": t.profile_steps,
-                    "sparsity.l1": r.sparsity.l1, "sparsity.ramp_steps": r.sparsity.ramp_steps,
-                    "sparsity.plateau_tolerance": r.sparsity.plateau_tolerance, "distill.kd": r.distill.kd,
-                    "lora.r": r.lora.r, "data.num_proc": r.data.num_proc}
-    e += [((k,), f"{k}: got {v}; must be >= 0") for k, v in non_negative.items() if v < 0]
-    if t.max_steps is None and t.max_tokens is None:
-        e.append((("train.max_steps", "train.max_tokens"),
-                  "train: neither max_steps nor max_tokens is set; set one, e.g. train.max_tokens=50_000_000"))
-    for k in ("max_steps", "max_tokens"):
-        if getattr(t, k) is not None and getattr(t, k) < 0:
-            e.append(((f"train.{k}",), f"train.{k}: got {getattr(t, k)}; must be >= 0"))
-    if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
-        e.append((("train.betas",), f"train.betas: got {t.betas}; expected two numbers in [0, 1), e.g. [0.9, 0.95]"))
-    if not 0 <= t.min_lr_ratio <= 1:
-        e.append((("train.min_lr_ratio",), f"train.min_lr_ratio: got {t.min_lr_ratio}; must be in [0, 1]"))
-    if not 0 <= r.data.validation_fraction < 0.5:
-        e.append((("data.validation_fraction",),
-                  f"data.validation_fraction: got {r.data.validation_fraction}; must be in [0, 0.5)"))
-    heldout_entries = [x for files in r.data.heldout.values() for x in files]
-    if r.data.max_tokens is None and any(x.startswith("hub:") for x in r.data.train + r.data.validation
-                                         + heldout_entries):
-        e.append((("data.max_tokens", "data.train", "data.validation", "data.heldout"),
-                  "data.max_tokens: not set while data.train streams a Hub dataset; set how many tokens to read, "
-                  "e.g. data.max_tokens=1_000_000_000"))
-    if not r.data.train:
-        e.append((("data.train",),
-                  "data.train: empty; list text files, globs or hub:NAME datasets, e.g. data.train=docs/*.txt"))
-    e += _check_data_values(r.data)
-    if r.sparsity.schedule == "ramp" and r.sparsity.ramp_steps == 0:
-        e.append((("sparsity.schedule", "sparsity.ramp_steps"),
-                  "sparsity.ramp_steps: 0 with schedule `ramp`; set the ramp length, e.g. sparsity.ramp_steps=200"))
-    sp = r.sparsity
-    if sp.target is not None:
-        targets = sp.target if isinstance(sp.target, list) else [sp.target]
-        bad_targets = [v for v in targets if not 0 < v < 1]
-        if not targets:
-            e.append((("sparsity.target",), "sparsity.target: an empty list; give one fraction of zeros (e.g. 0.95) "
-                      "or one per layer"))
-        elif bad_targets:
-            e.append((("sparsity.target",), f"sparsity.target: {bad_targets[0]} is outside (0, 1); it is the fraction "
-                      "of zeros each layer is driven to, e.g. sparsity.target=0.95"))
-        if sp.schedule == "ramp":
-            e.append((("sparsity.target", "sparsity.schedule"),
-                      "sparsity.schedule: `ramp` with sparsity.target set; target mode adapts each layer's coefficient "
-                      "itself, so set sparsity.schedule=constant (or drop sparsity.target for a ramped fixed l1)"))
-        if not 0 < sp.l1_min <= sp.l1_max:
-            e.append((("sparsity.l1_min", "sparsity.l1_max"),
-                      f"sparsity.l1_min / l1_max: got {sp.l1_min} / {sp.l1_max}; need 0 < l1_min <= l1_max"))
-        if sp.target_gain <= 0:
-            e.append((("sparsity.target_gain",), f"sparsity.target_gain: got {sp.target_gain}; must be > 0"))
-    if r.distill.temperature <= 0:
-        e.append((("distill.temperature",), f"distill.temperature: got {r.distill.temperature}; must be > 0"))
-    if sp.blend_steps < 0:
-        e.append((("sparsity.blend_steps",), f"sparsity.blend_steps: got {sp.blend_steps}; must be >= 0"))
-    if sp.blend_steps > 0 and t.kernels != "dense":
-        e.append((("sparsity.blend_steps", "train.kernels"),
-                  f"sparsity.blend_steps: {sp.blend_steps} with train.kernels={t.kernels}; the packed FFN kernels "
-                  "compute relu(gate) * up and cannot train the blended activation. Set train.kernels=dense"))
-    if t.kernels != "dense" and r.lora.r > 0:
-        e.append((("train.kernels", "lora.r"),
-                  f"train.kernels: `{t.kernels}` with lora.r = {r.lora.r}; the packed FFN kernels read the base weights "
-                  "and would bypass the adapters. Set train.kernels=dense for LoRA, or lora.r=0 for a full fine-tune"))
-    if not 0 <= r.lora.dropout < 1:
-        e.append((("lora.dropout",), f"lora.dropout: got {r.lora.dropout}; must be in [0, 1)"))
-    return e
+@dataclass
+class ParsedRecipe:
+    """A recipe as read, with what was wrong at the level of keys and types (values are checked by preflight)."""
+
+    recipe: Recipe
+    where: str  # names the recipe in messages: "recipe r.yaml", "the recipe"
+    errors: list[str]  # unknown keys, wrong types, malformed overrides
+    bad: set[str]  # "section.key" (or "section.*") whose value had the wrong type: its default stands in
 
 
-def _check_data_values(d: DataSection) -> list[tuple[tuple[str, ...], str]]:
-    """data.weights and data.heldout problems seen without reading the disk (the number of sources a prepared
-    folder records is checked with the paths)."""
-    import math
-    import re
-
-    e: list[tuple[tuple[str, ...], str]] = []
-    w = d.weights
-    example = f"e.g. data.weights=[{', '.join(['1'] * max(len(d.train), 2))}]"
-    if w and len(d.train) > 1 and len(w) != len(d.train):
-        entries = ", ".join(f"[{k}] {x!r}" for k, x in enumerate(d.train))
-        e.append((("data.weights", "data.train"),
-                  f"data.weights: {len(w)} weight(s) for {len(d.train)} data.train entries; give one weight per entry, "
-                  f"in the order of data.train ({entries}), {example}"))
-    bad = [(k, v) for k, v in enumerate(w) if not (math.isfinite(v) and v >= 0)]
-    if bad:
-        k, v = bad[0]
-        e.append((("data.weights",), f"data.weights: got {w}; weights must be finite numbers >= 0 (entry {k} is "
-                  f"{v}); give each source's share, {example}"))
-    elif w and sum(w) <= 0:
-        e.append((("data.weights",), f"data.weights: got {w}, which sum to 0: nothing would be trained on; give at "
-                  f"least one positive weight, {example}, or leave data.weights empty to draw each source in "
-                  "proportion to its size"))
-    for name, files in d.heldout.items():
-        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
-            fix = re.sub(r"\W+", "_", name).strip("_") or "general"
-            fix = fix if re.fullmatch(r"[A-Za-z_]\w*", fix, re.ASCII) else f"d_{fix}"
-            e.append((("data.heldout",), f"data.heldout: name {name!r} is not a simple identifier (ASCII letters, "
-                      f"digits and _, not starting with a digit); it names the stream heldout-NAME.bin and the "
-                      f"metrics: rename it, e.g. {fix}"))
-        if not files:
-            e.append((("data.heldout",), f"data.heldout.{name}: an empty list; list the files of this held-out "
-                      f"domain (e.g. {{{name}: [data/heldout/*.txt]}}) or remove it"))
-    return e
-
-
-def _check_paths(r: Recipe) -> list[tuple[tuple[str, ...], str]]:
-    """What is missing on disk (model source, data files), told without loading a model or reading the text."""
-    from sparsify.families import activation_of
-    from sparsify.train.data import data_path_problems  # data.py imports this module: import it when first needed
-    from sparsify.sources import local_config, source_problem
-
-    e = data_path_problems(r.data)
-    problem = source_problem(r.model.source)
-    if problem:
-        e.append((("model.source",), f"model.source: {problem}"))
-    config = local_config(r.model.source)
-    if config is None:
-        return e
-    try:
-        activation = activation_of(config)
-    except SparsifyError as err:  # a family convert and finetune do not handle
-        return e + [(("model.source",), f"model.source: {err}")]
-    layers = config.get("num_hidden_layers")
-    if isinstance(r.sparsity.target, list) and len(r.sparsity.target) > 1 and layers \
-            and len(r.sparsity.target) != layers:
-        e.append((("sparsity.target", "model.source"),
-                  f"sparsity.target: {len(r.sparsity.target)} values, but {r.model.source} has {layers} layers; give "
-                  f"one value per layer, or a single number for all of them"))
-    recorded = config.get("sparsify", {}).get("source_activation")  # the teacher's activation, if converted
-    if r.distill.kd > 0 and activation == "relu" and recorded in (None, "relu"):
-        e.append((("model.source", "distill.kd"),
-                  f"distill.kd: {r.distill.kd} needs the original dense model, but {r.model.source} is a ReLU folder "
-                  "that does not record its source activation (config.json sparsify.source_activation); give the "
-                  "SiLU source as model.source (it is converted first), or set distill.kd=0."))
-    return e
-
-
-def recipe_problems(recipe: Recipe, *, check_paths: bool = True, skip: set[str] = frozenset()) -> list[str]:
-    """Every problem of a well-typed recipe that can be found without loading a model: values out of range, and
-    (check_paths) a missing model source or data file. Checks involving a key in `skip` ("section.key" or
-    "section.*": keys whose value had the wrong type) are left out."""
-    found = _check_values(recipe) + (_check_paths(recipe) if check_paths else [])
-    return [msg for keys, msg in found if not any(k in skip or f"{k.split('.')[0]}.*" in skip for k in keys)]
-
-
-def raise_problems(where: str, errors: list[str]) -> None:
-    """One SparsifyError listing every problem (nothing to do when there is none)."""
-    if errors:
-        listing = "\n".join(f"  - {msg}" for msg in errors)
-        raise SparsifyError(f"{where} has {len(errors)} problem(s):\n{listing}\n"
-                            f"Fix them in the file or override on the command line (section.key=value); "
-                            f"`sparsify finetune --help` lists every key.")
-
-
-def load_recipe(source: str | Path | dict | None = None, overrides: list[str] | tuple[str, ...] = (), *,
-                check_paths: bool = True) -> Recipe:
-    """Reads a recipe (YAML path, mapping, or None for the defaults), applies `section.key=value` overrides.
-
-    check_paths: also check that the model source and the local data files exist (off only to print or
-    compare a recipe on a machine without them).
+def parse_recipe(source: str | Path | dict | None = None, overrides: list[str] | tuple[str, ...] = ()) -> ParsedRecipe:
+    """Reads a recipe (YAML path, mapping, or None for the defaults) and applies `section.key=value` overrides.
 
     Raises:
-        SparsifyError: listing every unknown key, wrongly typed value, invalid setting and missing file at once.
+        SparsifyError: the file is missing, is not YAML or not a mapping (nothing further can be read).
     """
-    where = "the recipe"
-    if source is None:
-        raw = {}
-    elif isinstance(source, dict):
-        raw = source
-    else:
-        where = f"recipe {source}"
-        path = Path(source)
-        if not path.is_file():
-            raise SparsifyError(f"{where}: no such file; pass a YAML recipe such as recipes/smollm2-135m.yaml")
-        try:
-            loader = yaml.SafeLoader(path.read_text(encoding="utf-8"))
-            loader.name = str(path)  # YAML's messages name the file (not "<unicode string>") and keep the snippet
-            try:
-                raw = loader.get_single_data() or {}
-            finally:
-                loader.dispose()
-        except yaml.YAMLError as err:
-            raise SparsifyError(f"{where}: not valid YAML ({err}); fix the syntax at the line shown") from None
-        except UnicodeDecodeError as err:
-            raise SparsifyError(f"{where}: not UTF-8 text ({err}); a recipe is a YAML file") from None
-    if not isinstance(raw, dict):
-        raise SparsifyError(f"{where}: expected a mapping of sections ({', '.join(SECTIONS)}), got {type(raw).__name__}")
+    where, raw = _read_raw(source)
     raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}  # overrides must not touch the caller's dict
     errors: list[str] = []
     bad: set[str] = set()
     for override in overrides:
         _apply_override(raw, override, errors)
-    recipe = _build(raw, errors, bad)
-    errors += recipe_problems(recipe, check_paths=check_paths, skip=bad)
-    raise_problems(where, errors)
-    return recipe
+    return ParsedRecipe(_build(raw, errors, bad), where, errors, bad)
+
+
+def _read_raw(source: str | Path | dict | None) -> tuple[str, dict]:
+    if source is None:
+        return "the recipe", {}
+    if isinstance(source, dict):
+        return "the recipe", source
+    where = f"recipe {source}"
+    path = Path(source)
+    if not path.is_file():
+        raise SparsifyError(f"{where}: no such file; pass a YAML recipe such as recipes/smollm2-135m.yaml")
+    try:
+        loader = yaml.SafeLoader(path.read_text(encoding="utf-8"))
+        loader.name = str(path)  # YAML's messages name the file (not "<unicode string>") and keep the snippet
+        try:
+            raw = loader.get_single_data() or {}
+        finally:
+            loader.dispose()
+    except yaml.YAMLError as err:
+        raise SparsifyError(f"{where}: not valid YAML ({err}); fix the syntax at the line shown") from None
+    except UnicodeDecodeError as err:
+        raise SparsifyError(f"{where}: not UTF-8 text ({err}); a recipe is a YAML file") from None
+    if not isinstance(raw, dict):
+        raise SparsifyError(f"{where}: expected a mapping of sections ({', '.join(SECTIONS)}), got {type(raw).__name__}")
+    return where, raw
 
 
 def recipe_to_dict(recipe: Recipe) -> dict:
@@ -589,7 +428,7 @@ def recipe_to_dict(recipe: Recipe) -> dict:
 
 
 def dump_recipe(recipe: Recipe) -> str:
-    """The resolved recipe as YAML; load_recipe(yaml.safe_load(dump_recipe(r))) == r."""
+    """The resolved recipe as YAML; parse_recipe(yaml.safe_load(dump_recipe(r))).recipe == r."""
     return yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False, default_flow_style=False, width=120)
 
 

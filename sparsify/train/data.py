@@ -19,7 +19,6 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
-import logging
 import os
 import re
 from dataclasses import dataclass
@@ -32,10 +31,7 @@ import torch
 from sparsify.errors import SparsifyError
 from sparsify.train.config import DataSection
 
-FORMAT = "sparsify-tokens/1"  # meta.json `sources` and `heldout` are optional: older folders are one source
-# How text becomes ids, part of a prepared folder's key: a folder tokenised another way is prepared again.
-# 2: a text file's paragraph break goes in front of the next paragraph (natural BPE), no longer after it.
-TOKENISATION = 2
+FORMAT = "sparsify-tokens/1"
 HELDOUT_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # a domain name becomes heldout-NAME.bin
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".text"}
 BUILDERS = {**{s: "text" for s in TEXT_SUFFIXES}, ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -45,9 +41,6 @@ HOLDOUT_BLOCK = 8192
 COPY_TOKENS = 1 << 26  # tokens per write when splitting train.bin (128-256 MiB of RAM at most)
 # Seed tags keeping the mixture's shuffle and each source's order (k >= 1) apart from source 0's [seed, epoch].
 MIX_TAG, SOURCE_TAG = 0x6D6978, 0x737263
-
-
-# ----------------------------------------------------------------------------------------------- reading
 
 
 @dataclass
@@ -75,7 +68,7 @@ class TokenData:
     """Memory-mapped train / validation / held-out token streams, served as windows of seq_len + 1 tokens.
 
     train.bin is the concatenation of the training sources (meta.json `sources`: one token span per data.train
-    entry; a folder without spans is one source). Windows never cross a span, so each sequence comes from one
+    entry). Windows never cross a span, so each sequence comes from one
     source. Sequences are read in virtual epochs of N = (windows of all sources) sequences, counts[k] of them
     from source k: counts = windows per source (proportional to size) without `weights`, else
     round(N * w_k / sum w). The epoch's order is a seeded shuffle of those N draws; the j-th draw of source k
@@ -83,7 +76,7 @@ class TokenData:
     permutation). So training sequence i is a pure function of (i, seed, weights, the folder), found in
     O(N) at most (the epoch's shuffle, cached) without walking the sequences before it: a checkpoint stores
     only i. A source smaller than its share repeats, reshuffled; a larger one is subsampled. With one source
-    this is the order of format 1: window perm_e[i mod n] of a single seeded permutation per epoch.
+    sequence i is window perm_e[i mod n] of a single seeded permutation per epoch.
     """
 
     folder: Path
@@ -116,19 +109,6 @@ class TokenData:
                          for name in self.domains}
         self._mix_epoch, self._mix = -1, (np.zeros(0, np.int32), np.zeros(0, np.int64))
         self._perms: dict[int, tuple[int, np.ndarray]] = {}  # source -> (its epoch, its permutation)
-
-    # compatibility names (finetune and tests read them)
-    @property
-    def validation(self) -> np.ndarray:
-        return self.val.tokens
-
-    @property
-    def val_len(self) -> int:
-        return self.val.length
-
-    @property
-    def n_validation(self) -> int:
-        return self.val.n
 
     def _read_meta(self) -> dict:
         heldout = []
@@ -183,7 +163,7 @@ class TokenData:
         return self._mix
 
     def _source_order(self, k: int, epoch: int) -> np.ndarray:
-        """Source k's window order in its own epoch `epoch` (source 0 keeps the seeding of format 1)."""
+        """Source k's window order in its own epoch `epoch` (source 0 is seeded by [seed, epoch] alone)."""
         if self._perms.get(k, (-1,))[0] != epoch:
             key = [self.seed, epoch] if k == 0 else [self.seed, epoch, SOURCE_TAG, k]
             self._perms[k] = (epoch, np.random.default_rng(key).permutation(int(self.windows[k])))
@@ -277,12 +257,8 @@ class TokenData:
 
 
 def _spans(meta: dict, n_tokens: int, folder: Path) -> list[tuple[str, int, int]]:
-    """meta.json's training sources as (entry, start, end) token spans of train.bin; one span when it has none
-    (a folder written before sources were recorded)."""
-    recorded = meta.get("sources")
-    if not recorded:
-        return [(str(meta.get("train", folder)), 0, n_tokens)]
-    spans = [(str(s["entry"]), int(s["start"]), int(s["end"])) for s in recorded]
+    """meta.json's training sources as (entry, start, end) token spans of train.bin."""
+    spans = [(str(s["entry"]), int(s["start"]), int(s["end"])) for s in meta["sources"]]
     bounds = [b for _, s, e in spans for b in (s, e)]
     if bounds[0] != 0 or bounds[-1] != n_tokens or bounds != sorted(bounds) or \
             any(spans[k][2] != spans[k + 1][1] for k in range(len(spans) - 1)):
@@ -290,9 +266,6 @@ def _spans(meta: dict, n_tokens: int, folder: Path) -> list[tuple[str, int, int]
                             "tokens (a file was changed after it was prepared); point data.train at the text "
                             "itself to tokenise it again.")
     return spans
-
-
-# ----------------------------------------------------------------------------------------------- preparing
 
 
 def prepare_data(cfg: DataSection, tokenizer: Any, out: str | os.PathLike, *, progress: bool = True) -> Path:
@@ -305,11 +278,10 @@ def prepare_data(cfg: DataSection, tokenizer: Any, out: str | os.PathLike, *, pr
     folder is returned as is, with the held-out domains it carries.
     """
     fingerprint = tokenizer_fingerprint(tokenizer)
-    folder = _single_prepared(cfg)
+    folder = single_prepared(cfg)
     if folder is not None:
         _check_tokenizer(folder, fingerprint)
-        _warn_old_tokenisation(folder)
-        mismatch = _heldout_mismatch(cfg, folder)
+        mismatch = heldout_mismatch(cfg, folder)
         if mismatch:
             raise SparsifyError(mismatch)
         return folder
@@ -336,7 +308,7 @@ def prepare_data(cfg: DataSection, tokenizer: Any, out: str | os.PathLike, *, pr
             n_train, n_val = ends[-1], sum(_write_stream(val_sources, cfg, tokenizer, tmp / "validation.bin", dtype,
                                                          progress))
         else:
-            n_train, n_val, spans = _hold_out(tmp, dtype, cfg.validation_fraction, cfg.seed, spans)
+            n_train, n_val, spans = hold_out(tmp, dtype, cfg.validation_fraction, cfg.seed, spans)
         heldout = {}
         for name, sources in heldout_sources.items():
             n = sum(_write_stream(sources, cfg, tokenizer, tmp / f"heldout-{name}.bin", dtype, progress))
@@ -345,34 +317,19 @@ def prepare_data(cfg: DataSection, tokenizer: Any, out: str | os.PathLike, *, pr
                 "validation_tokens": n_val, "tokenizer": fingerprint, "train": cfg.train,
                 "validation": cfg.validation or f"held out: {cfg.validation_fraction} of train (seed {cfg.seed})",
                 "sources": [{"entry": e, "start": a, "end": b} for e, (a, b) in zip(cfg.train, spans)],
-                "heldout": heldout, "tokenisation": TOKENISATION}
+                "heldout": heldout}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return out
 
 
-def _single_prepared(cfg: DataSection) -> Path | None:
+def single_prepared(cfg: DataSection) -> Path | None:
     """The prepared folder data.train names, when it is the only entry and data.validation is empty."""
     if len(cfg.train) == 1 and not cfg.validation and _is_prepared(Path(cfg.train[0]).expanduser()):
         return Path(cfg.train[0]).expanduser()
     return None
 
 
-def _warn_old_tokenisation(folder: Path) -> None:
-    """A prepared folder is used as it is; say so when it holds text files tokenised the old way (TOKENISATION 1:
-    a paragraph's break after it), since the original model reads such text ~9% worse and the held-out ratios
-    then flatter the student."""
-    meta = json.loads((folder / "meta.json").read_text())
-    entries = [str(e) for e in meta.get("train", [])] + [str(e) for d in meta.get("heldout", {}).values()
-                                                           for e in d.get("entries", [])]
-    text = [e for e in entries if not e.startswith("hub:") and BUILDERS.get(Path(e).suffix, "text") == "text"]
-    if text and meta.get("tokenisation", 1) != TOKENISATION:
-        logging.getLogger("sparsify").warning(
-            "%s was prepared by an older sparsify that tokenised text files paragraph by paragraph with the break "
-            "after each (a \\n\\n token natural text never has: the original model reads it ~9%% worse, so held-out "
-            "ratios flatter the student). Point data.train at the text itself to prepare it again.", folder)
-
-
-def _heldout_mismatch(cfg: DataSection, folder: Path) -> str | None:
+def heldout_mismatch(cfg: DataSection, folder: Path) -> str | None:
     """Why data.heldout cannot be used with the prepared folder given as data.train, or None: such a folder is
     used as it is, with the held-out domains it was prepared with."""
     theirs = {n: d["entries"] for n, d in json.loads((folder / "meta.json").read_text()).get("heldout", {}).items()}
@@ -386,12 +343,11 @@ def _heldout_mismatch(cfg: DataSection, folder: Path) -> str | None:
 
 def source_names(cfg: DataSection) -> list[str]:
     """What data.weights refers to, in order: the data.train entries, or the sources a single prepared folder
-    records (itself when it records none)."""
-    folder = _single_prepared(cfg)
+    records."""
+    folder = single_prepared(cfg)
     if folder is None:
         return list(cfg.train)
-    meta = json.loads((folder / "meta.json").read_text())
-    return [s["entry"] for s in meta.get("sources") or [{"entry": str(folder)}]]
+    return [s["entry"] for s in json.loads((folder / "meta.json").read_text())["sources"]]
 
 
 def _is_prepared(folder: Path) -> bool:
@@ -428,9 +384,9 @@ def resolve_source(entry: str) -> Source:
     if entry.startswith("hub:"):
         name, _, config = entry[4:].partition(":")
         return Source("hub", [name, config])
-    files = _match_files(entry)
+    files = match_files(entry)
     if not files:
-        raise SparsifyError(f"data source {entry!r} {_no_file(entry)}")
+        raise SparsifyError(f"data source {entry!r} {missing_reason(entry)}")
     suffixes = {Path(f).suffix.lower() for f in files}
     builders = {BUILDERS.get(s) for s in suffixes}
     if None in builders or len(builders) != 1:
@@ -439,61 +395,33 @@ def resolve_source(entry: str) -> Source:
     return Source(builders.pop(), files)
 
 
-def _match_files(entry: str) -> list[str]:
+def match_files(entry: str) -> list[str]:
     """The files a local data entry names (a glob's matches, sorted; `**` recurses)."""
     path = os.path.expanduser(entry)
     files = sorted(glob.glob(path, recursive=True)) if any(c in path for c in "*?[") else [path]
     return [f for f in files if os.path.isfile(f)]
 
 
-def _no_file(entry: str, fetch: str = "") -> str:
-    """Why an entry matched nothing, with the fix: the recipe's data.fetch command when it has one."""
+def missing_reason(entry: str) -> str:
+    """Why an entry matched nothing, with the fix (a recipe's data.fetch is offered by preflight, which knows it)."""
     path = Path(entry).expanduser()
     if path.is_dir():
         return (f"is a folder: name its files with a glob (e.g. {entry.rstrip('/')}/**/*.txt), or give a folder "
                 "prepared by an earlier run (OUTPUT/data) as the only data.train entry.")
-    where = "" if path.is_absolute() else f" (relative to the current folder {Path.cwd()})"
-    if fetch.strip():
-        command = "\n".join("      " + line for line in fetch.strip().splitlines())
-        return (f"matches no file{where}. This recipe's data.fetch gets the data; run it from {Path.cwd()}, then "
-                f"run again:\n{command}")
-    return (f"matches no file{where}; give existing files or globs (e.g. data/text/*.txt), or hub:NAME for a Hub "
-            "dataset.")
+    return (f"matches no file{relative_note(path)}; give existing files or globs (e.g. data/text/*.txt), or "
+            "hub:NAME for a Hub dataset.")
 
 
-def source_problems(cfg: DataSection) -> list[str]:
-    """Every problem with the local entries of data.train / data.validation / data.heldout, found without reading
-    any text: entries that match no file (with the recipe's data.fetch command when it has one) or mix file
-    types."""
-    if _single_prepared(cfg) is not None:
-        return []
-    problems, fetch = [], cfg.fetch
-    keyed = [("data.train", cfg.train), ("data.validation", cfg.validation),
-             *((f"data.heldout.{name}", files) for name, files in cfg.heldout.items())]
-    for key, entries in keyed:
-        for entry in entries:
-            if not entry.startswith("hub:") and not _match_files(entry):
-                problems.append(f"{key}: {entry!r} {_no_file(entry, fetch)}")
-                fetch = ""  # the command once, with the first missing entry
-                continue
-            empty = [] if entry.startswith("hub:") else [f for f in _match_files(entry) if os.path.getsize(f) == 0]
-            if empty and len(empty) == len(_match_files(entry)):
-                shown = ", ".join(empty[:3]) + (f" and {len(empty) - 3} more" if len(empty) > 3 else "")
-                problems.append(f"{key}: {entry!r} matches only empty files (0 bytes): {shown}. Give files with "
-                                "text in them, or remove the entry.")
-                continue
-            try:
-                resolve_source(entry)
-            except SparsifyError as err:
-                problems.append(f"{key}: {err}")
-    return problems
+def relative_note(path: Path) -> str:
+    """Where a relative path is looked for, for messages ("" for an absolute one)."""
+    return "" if path.is_absolute() else f" (relative to the current folder {Path.cwd()})"
 
 
 def overlap_problems(cfg: DataSection) -> list[str]:
     """Held-out files that are also training or validation files (same real path, whatever the glob): a
     held-out domain measures text the model never saw, and apart from validation."""
     def files(entries: list[str]) -> dict[str, str]:  # real path -> the entry that matched it
-        return {os.path.realpath(f): e for e in entries if not e.startswith("hub:") for f in _match_files(e)}
+        return {os.path.realpath(f): e for e in entries if not e.startswith("hub:") for f in match_files(e)}
 
     problems = []
     pools = [("training", "data.train", files(cfg.train)), ("validation", "data.validation", files(cfg.validation))]
@@ -512,28 +440,6 @@ def overlap_problems(cfg: DataSection) -> list[str]:
     return problems
 
 
-def data_path_problems(cfg: DataSection) -> list[tuple[tuple[str, ...], str]]:
-    """Every data problem that needs the disk but not the text: (recipe keys involved, message with the fix).
-    Missing or mixed entries, held-out files shared with training or validation, and data.weights against
-    the sources of a prepared folder."""
-    keys = ("data.train", "data.validation", "data.heldout")
-    e = [(keys, msg) for msg in source_problems(cfg) + overlap_problems(cfg)]
-    folder = _single_prepared(cfg)
-    if folder is not None:
-        mismatch = _heldout_mismatch(cfg, folder)
-        if mismatch:
-            e.append((("data.heldout", "data.train"), mismatch))
-    names = source_names(cfg) if folder is not None or len(cfg.train) == 1 else []
-    if cfg.weights and names and len(cfg.weights) != len(names):
-        listing = ", ".join(f"[{k}] {n!r}" for k, n in enumerate(names))
-        what = (f"data.train is the prepared folder {folder}, which records {len(names)} training source(s) "
-                f"({listing})" if folder is not None else f"data.train has 1 entry ({listing})")
-        e.append((("data.weights", "data.train"),
-                  f"data.weights: {len(cfg.weights)} weight(s), but {what}; give one weight per source, in that "
-                  f"order, e.g. data.weights=[{', '.join(['1'] * len(names))}], or leave data.weights empty"))
-    return e
-
-
 def _key(cfg: DataSection, train: list[Source], val: list[Source], heldout: dict[str, list[Source]],
          fingerprint: str) -> str:
     def describe(src: Source) -> list:
@@ -542,7 +448,7 @@ def _key(cfg: DataSection, train: list[Source], val: list[Source], heldout: dict
         return [src.builder, [(os.path.abspath(f), os.path.getsize(f), os.path.getmtime(f)) for f in src.files]]
 
     blob = json.dumps([[describe(s) for s in train], [describe(s) for s in val], fingerprint, cfg.text_field,
-                       cfg.max_tokens, cfg.validation_fraction if not val else None, cfg.seed, FORMAT, TOKENISATION,
+                       cfg.max_tokens, cfg.validation_fraction if not val else None, cfg.seed, FORMAT,
                        [[name, [describe(s) for s in sources]] for name, sources in heldout.items()]])
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
@@ -576,9 +482,7 @@ def _load(src: Source, cfg: DataSection) -> Any:
 def _tokenise(ds: Any, src: Source, cfg: DataSection, tokenizer: Any) -> Any:
     """Adds column "ids": each text's token ids with its separator (documents: EOS after it; paragraphs of a text
     file: the "\\n\\n" that came before it, put back in front, so the ids are those of the file tokenised in one
-    go: BPE splits "\\n\\nWord" into "\\n", "\\n", "Word", while a paragraph tokenised with the break at its end
-    gives one "\\n\\n" token that natural text never has; 3% of docs tokens differed that way, and the original
-    model's perplexity on such text read 9% higher, which flattered the student trained on it)."""
+    go: a paragraph tokenised with its break at the end would give a "\\n\\n" token that natural text never has)."""
     if cfg.text_field not in (ds.column_names or [cfg.text_field]):
         raise SparsifyError(f"{src.files[0]}: no column {cfg.text_field!r} (columns: {ds.column_names}); set "
                             "data.text_field to the column holding the text.")
@@ -621,11 +525,11 @@ def _write_stream(sources: list[Source], cfg: DataSection, tokenizer: Any, path:
     return counts
 
 
-def _hold_out(folder: Path, dtype: Any, fraction: float, seed: int, spans: list[tuple[int, int]] = ()
-              ) -> tuple[int, int, list[tuple[int, int]]]:
+def hold_out(folder: Path, dtype: Any, fraction: float, seed: int, spans: list[tuple[int, int]] = (),
+             copy_tokens: int = COPY_TOKENS) -> tuple[int, int, list[tuple[int, int]]]:
     """Moves a seeded random `fraction` of train.bin, in blocks of contiguous tokens, to validation.bin.
 
-    Streams from a memory map, one run of same-side blocks at a time (at most COPY_TOKENS in RAM), so a
+    Streams from a memory map, one run of same-side blocks at a time (at most copy_tokens in RAM), so a
     multi-billion-token train.bin never has to fit in memory. Returns the train and validation token counts
     and `spans` (token spans of the training sources) moved to where they are in the train.bin that remains.
     """
@@ -648,8 +552,8 @@ def _hold_out(folder: Path, dtype: Any, fraction: float, seed: int, spans: list[
         for first, stop in zip(starts, ends):
             side = int(held[first])
             lo, hi = int(first) * block, min(int(stop) * block, n)
-            for at in range(lo, hi, COPY_TOKENS):
-                (val_f if side else train_f).write(tokens[at:min(at + COPY_TOKENS, hi)].tobytes())
+            for at in range(lo, hi, copy_tokens):
+                (val_f if side else train_f).write(tokens[at:min(at + copy_tokens, hi)].tobytes())
             counts[side] += hi - lo
     del tokens  # close the map before replacing its file
     os.replace(kept, src)

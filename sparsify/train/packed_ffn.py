@@ -48,11 +48,8 @@ log = logging.getLogger("sparsify.train.packed_ffn")
 MODES = ("dense", "twell", "auto")
 # auto: a layer switches to the packed path at >= AUTO_ON zeros and back to dense below AUTO_OFF. The packed
 # path saves >= 50% of the FFN's activation memory from ~45% zeros on (bf16: (F / 8 + 4 C) / (6 F) with C ~
-# 1.3 (1 - zeros) F). Measured on an H200 (eval/results/train-ffn-h200, eval/bench_train_ffn.py): at 90% and
-# 99% zeros it saves 85-94% of those bytes, but takes 0.83-0.84x the time of eager dense autograd at
-# 2048 x 8192 and 1.35x at 576 x 1536, and 1.08-1.30x of torch.compile'd dense; a SmolLM2-135M step: peak
-# memory -15.7% at 0.86x tokens/s. So auto is a memory setting (larger batches or sequences), not a speed one:
-# 0.85 packs the layers that are sparse enough to save most, well past where the saving starts.
+# 1.3 (1 - zeros) F) but runs slower than dense (eval/bench_train_ffn.py), so auto is a memory setting (larger
+# batches or sequences), not a speed one: 0.85 packs the layers sparse enough to save most.
 AUTO_ON = 0.85
 AUTO_OFF = 0.80
 HEADROOM = 1.25  # capacity = HEADROOM x p99 of the per-row active counts (~1% of rows overflow to the side buffer)

@@ -8,7 +8,8 @@ import yaml
 
 from sparsify import cli
 from sparsify.errors import SparsifyError
-from sparsify.train.config import SECTIONS, Recipe, dump_recipe, format_help, load_recipe
+from sparsify.train.config import SECTIONS, Recipe, dump_recipe, format_help
+from sparsify.train.preflight import load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
@@ -157,7 +158,8 @@ def test_default_recipe_without_its_text_fails_at_once_with_the_fetch_command(tm
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and time.time() - start < 60, proc.stderr
     err = proc.stderr
-    assert "data.train: 'data/docs/train/*.txt' matches no file" in err and f"run it from {tmp_path}" in err
+    assert "has 1 problem(s)" in err and "data.train 'data/docs/train/*.txt', 'data/general/train/*.txt'" in err
+    assert f"data.fetch gets all of them: run it once from {tmp_path}" in err
     assert "eval/corpus/get-corpus.sh" in fetch and "sparsify.train.corpus_split" in fetch  # the general text too
     stripped = "\n".join(line.strip() for line in err.splitlines())
     assert "\n".join(line.strip() for line in fetch.splitlines()) in stripped  # the command, line by line
@@ -198,7 +200,7 @@ def test_bad_weights_and_heldout_listed_with_every_other_problem(tmp_path, monke
     with pytest.raises(SparsifyError) as e:
         load_recipe({"data": {"train": train, "validation": ["v.txt"], "weights": [1, 2, -1],
                               "heldout": {"my docs": ["text/b.txt"], "val": [str(tmp_path / "v.txt")], "none": [],
-                                          "gone": ["heldout/*.txt"]}, "fetch": "bash get.sh"},
+                                          "gone": ["heldout/*.txt"]}, "fetch": "bash get.sh heldout"},
                      "train": {"lr": -1, "max_steps": 1}})
     msg = str(e.value)
     for expected in [
@@ -209,7 +211,7 @@ def test_bad_weights_and_heldout_listed_with_every_other_problem(tmp_path, monke
         "data.weights: got [1.0, 2.0, -1.0]; weights must be finite numbers >= 0 (entry 2 is -1.0)",
         "data.heldout: name 'my docs' is not a simple identifier", "rename it, e.g. my_docs",
         "data.heldout.none: an empty list; list the files of this held-out domain",
-        "data.heldout.gone: 'heldout/*.txt' matches no file", "run it from", "bash get.sh",
+        "data.heldout.gone 'heldout/*.txt': matches no file yet", "run it once from", "\n      bash get.sh heldout",
         f"data.heldout.my docs: 1 file(s) are also training files (data.train '{tmp_path}/text/*.txt'): "
         f"{tmp_path}/text/b.txt",
         f"data.heldout.val: 1 file(s) are also validation files (data.validation 'v.txt'): {tmp_path}/v.txt",
@@ -229,7 +231,7 @@ def test_bad_weights_and_heldout_listed_with_every_other_problem(tmp_path, monke
 
 def test_weights_count_against_a_prepared_folder(tmp_path):
     """With one prepared folder as data.train, data.weights counts the sources its meta.json records (one for
-    a folder written before sources were recorded), and its held-out domains cannot be swapped for others."""
+    and its held-out domains cannot be swapped for others."""
     import json
 
     folder = tmp_path / "data"
@@ -247,8 +249,8 @@ def test_weights_count_against_a_prepared_folder(tmp_path):
             "source(s) ([0] 'a.txt', [1] 'b/*.txt'); give one weight per source, in that order, e.g. "
             "data.weights=[1, 1]") in msg
     assert "which carries the held-out domains general; a prepared folder is used as it is: remove data.heldout" in msg
-    del meta["sources"], meta["heldout"]
+    meta["sources"], meta["heldout"] = meta["sources"][:1], {}
     (folder / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(SparsifyError, match=r"records 1 training source\(s\) \(\[0\] '.*data'\)"):
+    with pytest.raises(SparsifyError, match=r"records 1 training source\(s\) \(\[0\] 'a.txt'\)"):
         load_recipe(base, ["data.weights=[1, 1]"])
     load_recipe(base, ["data.weights=[1]"])

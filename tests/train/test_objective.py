@@ -174,7 +174,7 @@ def test_target_mode_coefficients_stay_within_their_bounds():
 
 def test_target_recipe_keys_parse_and_bad_values_are_listed_together(tmp_path):
     from sparsify.errors import SparsifyError
-    from sparsify.train.config import load_recipe
+    from sparsify.train.preflight import load_recipe
 
     base = {"data": {"train": ["x.txt"]}, "train": {"max_steps": 5}}
     assert load_recipe(base, ["sparsity.target=0.95"], check_paths=False).sparsity.target == 0.95
@@ -230,7 +230,7 @@ def test_activation_blend_moves_from_silu_to_relu_and_gives_the_relus_back():
 
 def test_blend_recipe_problems():
     from sparsify.errors import SparsifyError
-    from sparsify.train.config import load_recipe
+    from sparsify.train.preflight import load_recipe
 
     base = {"data": {"train": ["x.txt"]}, "train": {"max_steps": 5}}
     with pytest.raises(SparsifyError) as e:

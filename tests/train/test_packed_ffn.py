@@ -21,6 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from sparsify.errors import SparsifyError
 from sparsify.kernels.train import twell_train as tt
+from sparsify.train.model import checkpoint_activations
 from sparsify.train.objective import SparsityProbe
 from sparsify.train.packed_ffn import (AUTO_OFF, AUTO_ON, capacity_grid, dense_saved_bytes, install_packed_ffn,
                                     saved_bytes)
@@ -252,7 +253,7 @@ def tiny_llama(layers=2, hidden=16, f=48, seed=0):
 def train_steps(model, mode, steps=3, capacity=None, checkpointing=False, normalization="sum_hidden"):
     """A finetune-like loop (probe, CE + coef * L1, AdamW); returns per-step (loss, grads, stats)."""
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_activations(model)  # finetune's own switch (non-reentrant)
     model.train()
     probe = SparsityProbe(model, normalization)
     packed = install_packed_ffn(model, probe, mode)

@@ -1,0 +1,54 @@
+"""The end of a run: OUT/model, the trained weights (LoRA merged) as a model folder in the convert format."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sparsify.train.checkpoint import full_state
+from sparsify.train.config import dump_recipe
+from sparsify.train.step import Run
+
+
+def export(run: Run, model_dir: Path, out: Path, tokenizer: Any, history: list[dict]) -> Path:
+    """OUT/model: the trained weights (LoRA merged) in the convert format, recipe.yaml and sparsity.json inside."""
+    from sparsify.folder.format import save_model_folder
+
+    fsdp = run.dist.world > 1 and run.recipe.train.distributed == "fsdp"
+    model_sd, _ = full_state(run) if fsdp else (None, None)  # collective: every rank takes part
+    target = out / "model"
+    if run.dist.main:
+        model = _plain_model(run, model_dir, model_sd)
+        config = json.loads((model_dir / "config.json").read_text())
+        dtype = getattr(torch, config.get("dtype") or config.get("torch_dtype") or "float32")
+        model = model.to("cpu", dtype)
+        train_lines = [h for h in history if "sparsity" in h]
+        last = train_lines[-1] if train_lines else {}
+        provenance = {"finetuned": True, "finetuned_from": str(model_dir), "steps": run.state.step,
+                      "tokens": run.state.tokens, "sparsity": last.get("sparsity"), "stopped": run.state.stopped,
+                      "l1": run.recipe.sparsity.l1, "normalization": run.recipe.sparsity.normalization,
+                      "target": run.recipe.sparsity.target}
+        sparsity = {"step": run.state.step, "tokens": run.state.tokens, "per_layer": last.get("per_layer"),
+                    "sparsity": last.get("sparsity"), "nonzeros": last.get("nonzeros"),
+                    "evaluations": [h for h in history if "val_loss" in h]}
+        save_model_folder(model, tokenizer, target, provenance=provenance, overwrite=True, extra_files={
+            "recipe.yaml": dump_recipe(run.recipe), "sparsity.json": json.dumps(sparsity, indent=2) + "\n"})
+    run.dist.barrier()
+    return target
+
+
+def _plain_model(run: Run, model_dir: Path, model_sd: dict | None) -> torch.nn.Module:
+    """One whole model on rank 0: DDP replicas already are; FSDP shards are rebuilt from the gathered state
+    (FSDP excludes LoRA); LoRA adapters are merged into the weights."""
+    from transformers import AutoModelForCausalLM
+
+    model = run.model
+    if model_sd is not None:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model.load_state_dict(model_sd)
+    if run.recipe.lora.r > 0:
+        model = model.merge_and_unload()
+    return model

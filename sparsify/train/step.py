@@ -1,0 +1,230 @@
+"""One optimizer step and one evaluation pass: the run's objects (Run), the loss terms, the compute context."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sparsify.train.config import Recipe
+from sparsify.train.distributed import Dist
+from sparsify.train.model import load_teacher
+from sparsify.train.objective import ActivationBlend, L1Control, Plateau, SparsityProbe
+
+
+@dataclass
+class TrainState:
+    """Everything about progress that is not a tensor; saved in every checkpoint."""
+
+    step: int = 0  # optimizer steps done
+    samples: int = 0  # training sequences consumed, all processes together: the data position
+    tokens: int = 0  # training tokens consumed (samples * seq_len)
+    stopped: str = ""  # why the run ended (budget / plateau)
+
+
+@dataclass
+class Run:
+    """The objects of one run, passed around instead of a dozen arguments."""
+
+    recipe: Recipe
+    dist: Dist
+    model: nn.Module  # unwrapped (peft model when LoRA)
+    train_model: nn.Module  # what forward/backward go through (DDP / FSDP / compiled)
+    teacher: nn.Module | None
+    probe: SparsityProbe
+    data: Any  # sparsify.train.data.TokenData
+    opt: torch.optim.Optimizer
+    sched: Any
+    state: TrainState
+    plateau: Plateau
+    loss_fn: Any
+    l1: L1Control  # the per-layer L1 coefficients (fixed, or driven to sparsity.target)
+    ffn: Any = None  # sparsify.train.packed_ffn.PackedFFN: which layers train on the packed FFN kernels
+    blend: ActivationBlend | None = None  # sparsity.blend_steps: source activation -> ReLU over the first steps
+    model_dir: Path | None = None  # the ReLU folder trained (the original dense model is rebuilt from it)
+    reference: dict[str, float] = field(default_factory=dict)  # the original model's loss per evaluated text
+    verbose: bool = True  # a line per logged step (when no progress bar) and per validation, on stderr
+
+
+def losses(logits: torch.Tensor, targets: torch.Tensor, teacher_logits: torch.Tensor | None,
+           temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy and KL(teacher || student), both fp32, averaged over tokens. logits: [B, T, V]."""
+    flat = logits.flatten(0, 1).float()  # [B*T, V]
+    ce = F.cross_entropy(flat, targets.flatten())
+    if teacher_logits is None:
+        return ce, torch.zeros((), device=ce.device)
+    s = F.log_softmax(flat / temperature, -1)  # [B*T, V]
+    t = F.log_softmax(teacher_logits.flatten(0, 1).float() / temperature, -1)  # [B*T, V]
+    kd = F.kl_div(s, t, log_target=True, reduction="batchmean") * temperature**2
+    return ce, kd
+
+
+def compute_context(run: Run) -> contextlib.ExitStack:
+    """bf16 autocast and the attention kernel order of the recipe, around every forward (and its backward)."""
+    stack = contextlib.ExitStack()
+    if run.dist.device.type == "cuda":
+        if run.recipe.train.bf16:
+            stack.enter_context(torch.autocast("cuda", dtype=torch.bfloat16))
+        order = attention_order(run.recipe.train.attention, run.dist.device)
+        if order is not None:
+            from torch.nn.attention import sdpa_kernel
+
+            stack.enter_context(sdpa_kernel(order, set_priority=True))
+    return stack
+
+
+def attention_order(choice: str, device: torch.device) -> list | None:
+    """SDPA backends, preferred first (all kept: one that cannot serve a shape falls through); None = torch's."""
+    from torch.nn.attention import SDPBackend
+
+    if choice == "auto":
+        # cuDNN's fused attention beats the FlashAttention-2 backend on training shapes on Hopper only
+        # (transformers PR #48163)
+        hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+        choice = "cudnn" if hopper else None
+    if choice is None:
+        return None
+    first = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[choice]
+    rest = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return [first] + [b for b in rest if b != first]
+
+
+def train_step(run: Run) -> dict[str, torch.Tensor]:
+    """One optimizer step over grad_accum micro-batches; returns the step's mean loss terms (device tensors)."""
+    t, dist = run.recipe.train, run.dist
+    run.blend.set_step(run.state.step)
+    coef = run.l1.coefficients(run.state.step)  # [L]
+    sums = {k: torch.zeros((), device=dist.device) for k in ("loss", "ce", "l1", "kd")}
+    for micro in range(t.grad_accum):
+        first = run.state.samples + (micro * dist.world + dist.rank) * t.batch_size
+        batch = run.data.train_batch(first, t.batch_size)  # [B, T+1]
+        if dist.device.type == "cuda":  # pinned: the copy overlaps the previous micro-batch's kernels
+            batch = batch.pin_memory().to(dist.device, non_blocking=True)
+        inputs, targets = batch[:, :-1], batch[:, 1:]  # [B, T]
+        last = micro == t.grad_accum - 1
+        sync = contextlib.nullcontext() if last or not hasattr(run.train_model, "no_sync") else run.train_model.no_sync()
+        with sync, compute_context(run):
+            teacher_logits = None
+            if run.teacher is not None:
+                with torch.no_grad():
+                    teacher_logits = run.teacher(input_ids=inputs).logits  # [B, T, V]
+            run.probe.start()
+            logits = run.train_model(input_ids=inputs).logits  # [B, T, V]
+            l1 = run.probe.take(tokens=inputs.numel())  # [L]
+            ce, kd = run.loss_fn(logits, targets, teacher_logits, run.recipe.distill.temperature)
+            loss = ce + (coef * l1).mean() + run.recipe.distill.kd * kd
+            l1 = l1.mean()  # logged: the penalty before weighting, mean over layers
+            (loss / t.grad_accum).backward()
+        for k, v in (("loss", loss), ("ce", ce), ("l1", l1), ("kd", kd)):
+            sums[k] += v.detach() / t.grad_accum
+    if t.clip > 0:
+        sums["grad_norm"] = _clip(run, t.clip)
+    run.opt.step()
+    run.sched.step()
+    run.opt.zero_grad(set_to_none=True)
+    run.state.step += 1
+    run.state.samples += t.batch_size * t.grad_accum * dist.world
+    run.state.tokens += t.batch_size * t.grad_accum * dist.world * t.seq_len
+    return sums
+
+
+def _clip(run: Run, clip: float) -> torch.Tensor:
+    norm = torch.nn.utils.clip_grad_norm_([p for p in run.model.parameters() if p.requires_grad], clip)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
+
+
+@torch.no_grad()
+def evaluate(run: Run, model: nn.Module, domain: str | None = None) -> float:
+    """Mean next-token cross-entropy over eval_batches micro-batches per rank (a fixed set, split over ranks), on
+    the validation text, or on held-out domain `domain` (data.heldout).
+
+    The windows are the training ones: non-overlapping, seq_len tokens, so a token has seq_len/2 tokens of
+    context on average. `sparsify eval` scores the same text with sliding windows (>= window/2 context), so
+    its perplexity reads lower. Both are right for what they measure; compare runs with the same one."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros(2, device=run.dist.device, dtype=torch.float64)  # [loss sum, token count]
+    t, dist = run.recipe.train, run.dist
+    batches = run.data.validation_batches(t.batch_size, t.eval_batches, dist.rank, dist.world) if domain is None \
+        else run.data.heldout_batches(domain, t.batch_size, t.eval_batches, dist.rank, dist.world)
+    for batch in batches:
+        batch = batch.to(run.dist.device)  # [B, T+1]
+        with compute_context(run):
+            logits = model(input_ids=batch[:, :-1]).logits  # [B, T, V]
+        total[0] += F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum").double()
+        total[1] += batch[:, 1:].numel()
+    total = dist.reduce(total, "sum")
+    model.train(was_training)
+    return float(total[0] / total[1])
+
+
+def evaluate_all(run: Run, log: Any, history: list[dict], first: bool = False) -> None:
+    """Validation loss of the model being trained, and its loss on every held-out domain (data.heldout), each
+    also as a perplexity ratio to the original dense model, which is evaluated on the same text once, on the
+    first call (a resumed run reads those numbers back from metrics.jsonl). `log` is the run's MetricsLog."""
+    loss = evaluate(run, run.model)
+    record = {"step": run.state.step, "tokens": run.state.tokens, "val_loss": loss, "val_ppl": math.exp(loss)}
+    if first:
+        record.update(_reference_record(run))
+    elif not run.reference:
+        run.reference = _reference_from(history)
+    if "validation" in run.reference:
+        record["val_ppl_ratio"] = math.exp(loss - run.reference["validation"])
+    if run.data.domains:
+        record["heldout"] = {}
+        for name in run.data.domains:
+            dl = evaluate(run, run.model, name)
+            record["heldout"][name] = {"loss": dl, "ppl": math.exp(dl)}
+            if name in run.reference:
+                record["heldout"][name]["ratio"] = math.exp(dl - run.reference[name])
+    log.write(record)
+    history.append(record)
+    if run.dist.main and run.verbose:
+        print(_evaluation_line(record), file=sys.stderr)
+
+
+def _evaluation_line(record: dict) -> str:
+    ratio = f" ({record['val_ppl_ratio']:.3f}x the original)" if "val_ppl_ratio" in record else ""
+    extra = f", original dense model {record['teacher_val_ppl']:.2f}" if "teacher_val_ppl" in record else ""
+    domains = "".join(f"; {name} {d['ppl']:.2f}" + (f" ({d['ratio']:.3f}x)" if "ratio" in d else "")
+                      for name, d in record.get("heldout", {}).items())
+    return f"[step {record['step']}] validation perplexity {record['val_ppl']:.2f}{ratio}{extra}{domains}"
+
+
+def _reference_record(run: Run) -> dict:
+    """The original dense model's validation and held-out losses, as first-evaluation fields; sets run.reference.
+
+    The teacher when distilling; otherwise, when there are held-out domains to compare, the original is rebuilt
+    from the trained folder for this one evaluation (without domains, a kd = 0 run skips it)."""
+    teacher = run.teacher
+    if teacher is None and run.data.domains and run.model_dir is not None:
+        teacher = load_teacher(run.model_dir, run.dist, run.recipe.train.seq_len)
+    if teacher is None:
+        return {}
+    run.reference = {"validation": evaluate(run, teacher)}
+    run.reference.update({name: evaluate(run, teacher, name) for name in run.data.domains})
+    if teacher is not run.teacher:
+        del teacher
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    fields = {"teacher_val_loss": run.reference["validation"], "teacher_val_ppl": math.exp(run.reference["validation"])}
+    if run.data.domains:
+        fields["teacher_heldout"] = {name: {"loss": run.reference[name], "ppl": math.exp(run.reference[name])}
+                                     for name in run.data.domains}
+    return fields
+
+
+def _reference_from(history: list[dict]) -> dict[str, float]:
+    """run.reference as the first evaluation of this run recorded it (for a resumed run)."""
+    first = next((h for h in history if "teacher_val_loss" in h), None)
+    if first is None:
+        return {}
+    return {"validation": first["teacher_val_loss"],
+            **{name: d["loss"] for name, d in first.get("teacher_heldout", {}).items()}}
