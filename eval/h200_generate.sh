@@ -11,6 +11,8 @@
 #        and the decode FFN grid at 90% zeros (M = 1, 8, 32 on the three target shapes)
 #   bash eval/h200_generate.sh e2e                   end to end: synth Llama-3.1-8B at batch 1 and a SmolLM2-135M-
 #        shaped synth at 95.8% zeros (the default recipe's) with the step check, compiled regime
+#   bash eval/h200_generate.sh recipe-zeros          the GPU tests outside tests/kernels, then synth 1B / 8B /
+#        SmolLM2-shaped folders at the default recipe's 95.7% zeros, benched batch 1, 512-token prompt, compiled
 #   results go to $OUT (the device tool's folder) or eval/results/generate-h200/ (RESULTS=...)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -53,6 +55,14 @@ e2e() {
   timeout 150 bash "$0" synth smollm2 eval/configs/smollm2-135m.json 0.958 --batch 1 --prompt 512 --regimes compiled
 }
 
+recipe_zeros() {
+  timeout 200 python3 -m pytest -q -m gpu tests --ignore=tests/kernels > "$RESULTS/gpu-tests-other.log" 2>&1
+  echo "gpu tests (outside tests/kernels) rc $?"; tail -3 "$RESULTS/gpu-tests-other.log"
+  timeout 150 bash "$0" synth llama-1b-0957 eval/configs/llama-3.2-1b.json 0.957 --batch 1 --prompt 512 --regimes compiled
+  timeout 260 bash "$0" synth llama-8b-0957 eval/configs/llama-3.1-8b.json 0.957 --batch 1 --prompt 512 --regimes compiled
+  timeout 100 bash "$0" synth smollm2-0957 eval/configs/smollm2-135m.json 0.957 --batch 1 --prompt 512 --regimes compiled
+}
+
 cmd=${1:-}
 shift || true
 case "$cmd" in
@@ -60,5 +70,6 @@ case "$cmd" in
   synth) synth "$@" ;;
   pending) pending ;;
   e2e) e2e ;;
-  *) echo "usage: $0 tests | synth NAME CONFIG ZEROS [bench args] | pending | e2e" >&2; exit 2 ;;
+  recipe-zeros) recipe_zeros ;;
+  *) echo "usage: $0 tests | synth NAME CONFIG ZEROS [bench args] | pending | e2e | recipe-zeros" >&2; exit 2 ;;
 esac
