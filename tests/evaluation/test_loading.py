@@ -3,8 +3,10 @@ runs unless asked (security)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -87,9 +89,25 @@ def test_other_remote_code_is_refused_without_the_flag(tmp_path, tiny_folders, c
     assert "--trust-remote-code" in err and "Traceback" not in err
     assert not marker.exists() and not (tmp_path / "r").exists()
     monkeypatch.setattr(dyn, "HF_MODULES_CACHE", str(tmp_path / "hf_modules"))  # keep the copy out of ~/.cache
-    with pytest.raises(SparsifyError):  # the planted module defines no model: loading fails after it ran
+    with own_transformers_modules(), pytest.raises(SparsifyError):  # no model defined: loading fails after it ran
         ld.load_model(ld.ModelSpec("c", str(folder)), "cpu", "auto", trust_remote_code=True)
     assert marker.read_text() == "planted code ran"
+
+
+@contextlib.contextmanager
+def own_transformers_modules():
+    """Remote code imported from a temporary modules cache leaves that folder on sys.path and
+    `transformers_modules` in sys.modules pointing into it, so later remote-code loads in the process would not
+    find their siblings: put the process's own path and entries back afterwards."""
+    before = {k: v for k, v in sys.modules.items() if k.split(".")[0] == "transformers_modules"}
+    path = list(sys.path)
+    try:
+        yield
+    finally:
+        sys.path[:] = path
+        for k in [k for k in sys.modules if k.split(".")[0] == "transformers_modules"]:
+            del sys.modules[k]
+        sys.modules.update(before)
 
 
 def test_known_family_with_its_own_code_loads_stock_and_says_so(tmp_path, tiny_folders, caplog):
