@@ -13,16 +13,18 @@ import signal
 import sys
 import threading
 
-from sparsify import __version__
+from sparsify.version import __version__
 from sparsify.errors import SparsifyError
 
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("sparsify.folder.convert", "turn a SiLU-gated checkpoint (Hub id, folder, .gguf) into a ReLU model folder"),
+    "gendata": ("sparsify.train.gendata", "sample training text from the original model (teacher data for finetune)"),
     "finetune": ("sparsify.train.finetune", "continued pretraining with an L1 penalty until sparsity stabilises"),
     "eval": ("sparsify.evaluation.evaluate", "accuracy, perplexity, sparsity and speed reports for one or more models"),
     "synth": ("sparsify.folder.synth", "a random-weight model folder of any config at a chosen sparsity (speed, not quality)"),
-    "bench": ("sparsify.evaluation.bench", "end-to-end generation speed (time to first token, decode tokens/s), dense vs sparse"),
+    "bench": ("sparsify.evaluation.bench", "(CUDA GPU only) end-to-end generation speed (time to first token, decode "
+              "tokens/s), dense vs sparse"),
     "push": ("sparsify.folder.push", "upload a model folder to the Hugging Face Hub with a model card"),
     "demo": ("sparsify.demo", "the whole pipeline offline on the embedded SmolLM2-135M"),
 }

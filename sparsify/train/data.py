@@ -396,8 +396,11 @@ def resolve_source(entry: str) -> Source:
 
 
 def match_files(entry: str) -> list[str]:
-    """The files a local data entry names (a glob's matches, sorted; `**` recurses)."""
+    """The files a local data entry names (a glob's matches, sorted; `**` recurses; a `sparsify gendata` folder:
+    its text shards)."""
     path = os.path.expanduser(entry)
+    if os.path.isfile(os.path.join(path, "gendata.json")):
+        return sorted(glob.glob(os.path.join(path, "text-*.jsonl")))
     files = sorted(glob.glob(path, recursive=True)) if any(c in path for c in "*?[") else [path]
     return [f for f in files if os.path.isfile(f)]
 
@@ -406,8 +409,9 @@ def missing_reason(entry: str) -> str:
     """Why an entry matched nothing, with the fix (a recipe's data.fetch is offered by preflight, which knows it)."""
     path = Path(entry).expanduser()
     if path.is_dir():
-        return (f"is a folder: name its files with a glob (e.g. {entry.rstrip('/')}/**/*.txt), or give a folder "
-                "prepared by an earlier run (OUTPUT/data) as the only data.train entry.")
+        return (f"is a folder: name its files with a glob (e.g. {entry.rstrip('/')}/**/*.txt), give a folder "
+                "written by `sparsify gendata`, or a folder prepared by an earlier run (OUTPUT/data) as the only "
+                "data.train entry.")
     return (f"matches no file{relative_note(path)}; give existing files or globs (e.g. data/text/*.txt), or "
             "hub:NAME for a Hub dataset.")
 

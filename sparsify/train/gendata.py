@@ -1,0 +1,232 @@
+"""`sparsify gendata`: text sampled from the original model, as training data for its sparse student.
+
+Teaching the student on what the teacher itself says keeps what the teacher knows better than any one corpus
+does (LLM-QAT found the same for quantisation-aware training). The output folder holds `text-NNNNN.jsonl`
+shards (one {"text": ...} document per sample) and `gendata.json` (model, settings, token count): give the
+folder as a `data.train` entry, mixed with real text by `data.weights`.
+
+Batch k is sampled with its own seed (derived from --seed and k), so the same command writes the same text,
+and a killed run continues from its last whole batch: batches land one file each in a work folder beside OUT,
+which becomes OUT only when the token budget is reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from sparsify.errors import SparsifyError
+from sparsify.version import __version__
+
+FORMAT = "sparsify-gendata/1"
+SHARD_BYTES = 64 * 2**20  # finished output: shards of about this size
+
+
+@dataclass
+class GenSettings:
+    """Everything that decides the text written: a continued run must match all of it but `tokens` (more tokens
+    extend a run: batch k's text does not depend on the budget)."""
+
+    model: str
+    tokens: int
+    seq_len: int = 512
+    temperature: float = 1.0
+    top_p: float = 1.0
+    prompts: str | None = None
+    batch_size: int = 8
+    seed: int = 0
+
+
+def settings_problems(s: GenSettings) -> list[str]:
+    """Every bad value at once, each with the flag to fix."""
+    problems = []
+    if s.tokens < 1:
+        problems.append(f"--tokens {s.tokens}: give at least 1 token to generate.")
+    if s.seq_len < 1:
+        problems.append(f"--seq-len {s.seq_len}: the length of each sample in new tokens must be at least 1.")
+    if s.batch_size < 1:
+        problems.append(f"--batch-size {s.batch_size}: at least 1 sample per batch.")
+    if not s.temperature > 0:
+        problems.append(f"--temperature {s.temperature}: must be above 0 (sampling; 1.0 is the model's own "
+                        "distribution).")
+    if not 0 < s.top_p <= 1:
+        problems.append(f"--top-p {s.top_p}: must be in (0, 1] (1.0 keeps every token).")
+    if s.prompts is not None and not Path(s.prompts).is_file():
+        problems.append(f"--prompts {s.prompts}: no such file (one prompt per line).")
+    return problems
+
+
+def work_dir(out: Path) -> Path:
+    """Where an unfinished run keeps its batches: beside OUT, hidden, found again by the same command."""
+    return out.parent / f".{out.name}.gendata-partial"
+
+
+def gendata(model: str, out: str | os.PathLike, *, tokens: int, seq_len: int = 512, temperature: float = 1.0,
+            top_p: float = 1.0, prompts: str | os.PathLike | None = None, batch_size: int = 8, seed: int = 0,
+            device: str | None = None, progress: bool = True) -> Path:
+    """Sample `tokens` new tokens of text from `model` into the folder `out`; returns `out`.
+
+    Refuses an existing `out`; continues an unfinished run of the same settings; refuses one of other settings."""
+    out = Path(out).absolute()
+    settings = GenSettings(str(model), tokens, seq_len, temperature, top_p,
+                           str(prompts) if prompts is not None else None, batch_size, seed)
+    problems = settings_problems(settings)
+    if out.exists():
+        problems.insert(0, f"output folder {out} already exists; choose another -o (gendata never overwrites).")
+    if problems:
+        raise SparsifyError("\n  ".join(["gendata cannot start:", *problems]))
+    work = _open_work(work_dir(out), settings)
+    done, have = _done_batches(work)
+    if have < tokens:
+        _sample(settings, work, done, have, device, progress)
+    _finish(work, out, settings)
+    return out
+
+
+def _open_work(work: Path, settings: GenSettings) -> Path:
+    """The work folder, new or from an unfinished run with the same settings."""
+    path = work / "settings.json"
+    if path.exists():
+        saved, now = json.loads(path.read_text()), _identity(settings)
+        if saved != now:
+            diff = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
+            raise SparsifyError(f"an unfinished gendata run in {work} used other settings ({diff}: saved, now); "
+                                "run the same command again to continue it, or delete that folder to start over.")
+        return work
+    work.mkdir(parents=True, exist_ok=True)
+    _write_atomic(path, json.dumps(_identity(settings), indent=2) + "\n")
+    return work
+
+
+def _identity(settings: GenSettings) -> dict:
+    return {k: v for k, v in asdict(settings).items() if k != "tokens"}
+
+
+def _done_batches(work: Path) -> tuple[int, int]:
+    """(batches written, tokens in them): whole batch files from 0 up; a half-written one never has its name."""
+    k, total = 0, 0
+    while (path := work / f"batch-{k:06d}.jsonl").exists():
+        total += sum(json.loads(line)["tokens"] for line in path.read_text().splitlines())
+        k += 1
+    return k, total
+
+
+def _sample(s: GenSettings, work: Path, start: int, have: int, device: str | None, progress: bool) -> None:
+    import torch
+    from tqdm.auto import tqdm
+
+    from sparsify.evaluation.loading import load_model, parse_models, pick_device
+
+    device = pick_device(device)
+    model, tok = load_model(parse_models([s.model])[0], device, "auto")
+    prompts = _read_prompts(s.prompts)
+    bar = tqdm(total=s.tokens, initial=min(have, s.tokens), unit="tok", disable=not progress, desc="gendata")
+    k = start
+    while have < s.tokens:
+        torch.manual_seed(s.seed * 1_000_003 + k)  # batch k's own seed: the same text whatever ran before it
+        rows = _sample_batch(model, tok, s, _batch_prompts(prompts, k, s.batch_size), device)
+        lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+        _write_atomic(work / f"batch-{k:06d}.jsonl", lines)
+        new = sum(r["tokens"] for r in rows)
+        have += new
+        bar.update(new)
+        k += 1
+    bar.close()
+
+
+def _read_prompts(path: str | None) -> list[str]:
+    if path is None:
+        return []
+    lines = [line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not lines:
+        raise SparsifyError(f"--prompts {path}: the file holds no prompt (one per line).")
+    return lines
+
+
+def _batch_prompts(prompts: list[str], k: int, size: int) -> list[str]:
+    """Batch k's prompts, cycling through the file ("" = start from the beginning-of-text token)."""
+    if not prompts:
+        return [""] * size
+    return [prompts[(k * size + i) % len(prompts)] for i in range(size)]
+
+
+def _sample_batch(model: Any, tok: Any, s: GenSettings, prompts: list[str], device: str) -> list[dict]:
+    """One batch of samples: each prompt (left-padded) continued by `seq_len` sampled tokens, cut at EOS."""
+    import torch
+
+    start = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+    encoded = [[start] + tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    width = max(len(e) for e in encoded)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    ids = torch.tensor([[pad] * (width - len(e)) + e for e in encoded], device=device)
+    mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded], device=device)
+    with torch.inference_mode():
+        gen = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=s.temperature,
+                             top_p=s.top_p, top_k=0, max_new_tokens=s.seq_len, min_new_tokens=1, pad_token_id=pad)
+    rows = []
+    for prompt, row in zip(prompts, gen[:, width:].tolist()):
+        if tok.eos_token_id in row:
+            row = row[: row.index(tok.eos_token_id)]
+        rows.append({"text": tok.decode(row, skip_special_tokens=True), "prompt": prompt, "tokens": len(row)})
+    return rows
+
+
+def _finish(work: Path, out: Path, s: GenSettings) -> None:
+    """Batches -> shards + gendata.json in a folder beside OUT, renamed to OUT; then the work folder goes."""
+    batches, total = _done_batches(work)
+    final = work.parent / f".{out.name}.gendata-final"
+    shutil.rmtree(final, ignore_errors=True)
+    final.mkdir()
+    shard, size, n = None, 0, 0
+    for k in range(batches):
+        data = (work / f"batch-{k:06d}.jsonl").read_bytes()
+        if shard is None or size + len(data) > SHARD_BYTES:
+            shard = final / f"text-{n:05d}.jsonl"
+            n, size = n + 1, 0
+        with open(shard, "ab") as f:
+            f.write(data)
+        size += len(data)
+    meta = {"format": FORMAT, "settings": asdict(s), "tokens": total, "batches": batches, "shards": n,
+            "sparsify": __version__, "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    (final / "gendata.json").write_text(json.dumps(meta, indent=2) + "\n")
+    os.replace(final, out)
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = ("Sample text from a model (the original, before conversion) as training data for its sparse "
+                     "student: give OUT as a data.train entry, mixed with real text by data.weights. Same seed, same "
+                     "text; a killed run continues when the same command runs again. Fast on CUDA; tiny models "
+                     "work on CPU.")
+    p.add_argument("model", help="Hub id, local model folder, or smollm2-135m-gguf (the embedded default)")
+    p.add_argument("-o", "--output", required=True, help="output folder (must not exist)")
+    p.add_argument("--tokens", type=int, required=True, help="new tokens to sample in all")
+    p.add_argument("--seq-len", type=int, default=512, help="new tokens per sample at most (default 512)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
+    p.add_argument("--prompts", help="text file, one prompt per line, cycled (default: start from the BOS token)")
+    p.add_argument("--batch-size", type=int, default=8, help="samples per generate() call (default 8)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+
+
+def main(args: argparse.Namespace) -> int:
+    out = gendata(args.model, args.output, tokens=args.tokens, seq_len=args.seq_len, temperature=args.temperature,
+                  top_p=args.top_p, prompts=args.prompts, batch_size=args.batch_size, seed=args.seed,
+                  device=args.device, progress=not args.quiet)
+    meta = json.loads((out / "gendata.json").read_text())
+    print(f"wrote {meta['tokens']:,} tokens in {meta['shards']} shard(s) to {out}")
+    return 0

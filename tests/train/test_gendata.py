@@ -1,0 +1,74 @@
+"""sparsify gendata on a tiny model, CPU: same seed same text, refuses an existing output, continues a killed run,
+and its folder trains as a data.train entry beside a text file."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from sparsify.errors import SparsifyError
+from sparsify.train.gendata import gendata, work_dir
+from tests.tiny import tiny_model_folder
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return tiny_model_folder(tmp_path_factory.mktemp("gendata") / "tiny")
+
+
+def texts(folder):
+    return [json.loads(line)["text"] for f in sorted(folder.glob("text-*.jsonl")) for line in f.read_text().splitlines()]
+
+
+def test_same_seed_same_text_and_a_record(model, tmp_path):
+    a = gendata(model, tmp_path / "a", tokens=40, seq_len=8, batch_size=2, seed=3, device="cpu", progress=False)
+    b = gendata(model, tmp_path / "b", tokens=40, seq_len=8, batch_size=2, seed=3, device="cpu", progress=False)
+    c = gendata(model, tmp_path / "c", tokens=40, seq_len=8, batch_size=2, seed=4, device="cpu", progress=False)
+    assert texts(a) == texts(b) and texts(a) != texts(c)
+    meta = json.loads((a / "gendata.json").read_text())
+    assert meta["tokens"] >= 40 and meta["settings"]["seed"] == 3 and meta["settings"]["model"] == str(model)
+    assert sum(len(t) > 0 for t in texts(a)) >= len(texts(a)) // 2  # text, not empty samples
+    assert not work_dir(a).exists()
+
+
+def test_refuses_an_existing_output_and_bad_settings_together(model, tmp_path):
+    (tmp_path / "out").mkdir()
+    with pytest.raises(SparsifyError) as e:
+        gendata(model, tmp_path / "out", tokens=0, seq_len=8, top_p=1.5, device="cpu", progress=False)
+    msg = str(e.value)
+    assert "already exists" in msg and "--tokens 0" in msg and "--top-p 1.5" in msg
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_a_killed_run_continues_where_it_stopped(model, tmp_path):
+    """SIGKILL mid-run leaves no OUT, only whole batches in the work folder; the same command continues them and
+    writes the text an uninterrupted run writes."""
+    whole = gendata(model, tmp_path / "whole", tokens=200, seq_len=8, batch_size=2, device="cpu", progress=False)
+    out = tmp_path / "out"
+    code = (f"from sparsify.train.gendata import gendata; gendata({str(model)!r}, {str(out)!r}, tokens=10**9, "
+            "seq_len=8, batch_size=2, device='cpu', progress=False)")
+    proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    try:
+        deadline = time.time() + 120
+        while not (work_dir(out) / "batch-000002.jsonl").exists():
+            assert proc.poll() is None and time.time() < deadline, "the background run never wrote a batch"
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert not out.exists() and not list(work_dir(out).glob("*.tmp"))
+    gendata(model, out, tokens=200, seq_len=8, batch_size=2, device="cpu", progress=False)
+    n = len(texts(whole))
+    assert texts(out)[:n] == texts(whole) and not work_dir(out).exists()
+
+
+def test_a_continued_run_must_keep_its_settings(model, tmp_path):
+    out = tmp_path / "out"
+    work_dir(out).mkdir()
+    (work_dir(out) / "settings.json").write_text(json.dumps({"model": str(model), "seed": 9}))
+    with pytest.raises(SparsifyError, match="other settings"):
+        gendata(model, out, tokens=10, seq_len=8, device="cpu", progress=False)
