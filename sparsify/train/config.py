@@ -47,7 +47,8 @@ class DataSection:
     train: list[str] = doc(
         [],
         "Training text: local files or globs (.txt, .jsonl, .json, .parquet; `**` recurses), Hub dataset names "
-        "(`hub:NAME[:CONFIG]`, streamed), or a folder written by an earlier run (OUTPUT/data, already tokenised).",
+        "(`hub:NAME[:CONFIG]`, streamed), a folder written by `sparsify gendata` (text sampled from the original "
+        "model), or a folder written by an earlier run (OUTPUT/data, already tokenised).",
     )
     validation: list[str] = doc(
         [], "Held-out text, same forms as `train`. Empty: hold out `validation_fraction` of the training text."
@@ -76,6 +77,13 @@ class DataSection:
         "Named held-out domains, never trained on, e.g. {general: [corpus/heldout/*.txt], docs: [docs.txt]}: each "
         "is tokenised into its own stream (OUTPUT/data/heldout-NAME.bin). Names are identifiers; files are given "
         "as in `train` and must not also be training or validation files.",
+    )
+    ood: list[str] = doc(
+        [],
+        "Which data.heldout domains are out of distribution: kinds of text from sources the training mixture never "
+        "touches (novels, reports, dialogue, other software's docs). Their geometric-mean perplexity ratio to the "
+        "original model is the run's headline `ood_ratio`; the other domains are reported as in-distribution "
+        "(`id_ratio`), which adaptation to the training sources can flatter.",
     )
 
 
@@ -124,6 +132,11 @@ class SparsitySection:
         "Target mode: change of log(coefficient) per step per unit of zeros below (above) the target; the error "
         "is clamped to +-0.05, so a coefficient moves by at most a factor exp(0.05 * target_gain) per step.",
     )
+    target_ramp: int = doc(
+        0,
+        "Target mode: tokens over which every layer's target rises linearly from the zeros it had at the first step "
+        "(the bare swap's) to its final value. 0: the final targets from the start.",
+    )
     l1_min: float = doc(1e-4, "Target mode: the smallest coefficient a layer may get.")
     l1_max: float = doc(10.0, "Target mode: the largest coefficient a layer may get.")
 
@@ -136,7 +149,13 @@ class DistillSection:
         "Measured on SmolLM2-135M: it cuts the out-of-domain perplexity loss markedly at the same sparsity. 0 = off.",
     )
     temperature: float = doc(1.0, "Softmax temperature of the distillation (the KL is scaled by T^2).")
-
+    mlp: float = doc(
+        0.0,
+        "Weight of layer-wise FFN distillation: for every layer, the squared error between the student's sparse MLP "
+        "output and the original dense MLP's output on the same input (the student's own MLP input), normalised "
+        "by the original output's squared norm, averaged over layers. Each sparse MLP learns to compute the "
+        "original function on the inputs it really gets. 0 = off.",
+    )
 
 
 @dataclass

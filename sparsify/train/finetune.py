@@ -50,7 +50,7 @@ from sparsify.train.export import export
 from sparsify.train.metrics import MetricsLog, flops_per_token, plot, read_history, step_record
 from sparsify.train.model import (build_optimizer, load_student, load_teacher, source_activation, total_steps_of,
                                   wrap_model)
-from sparsify.train.objective import ActivationBlend, L1Control, Plateau, SparsityProbe, reinit_dead
+from sparsify.train.objective import ActivationBlend, L1Control, MlpDistill, Plateau, SparsityProbe, reinit_dead
 from sparsify.train.preflight import load_recipe, raise_problems, recipe_problems
 from sparsify.train.profiling import StepProfiler
 from sparsify.train.step import Run, TrainState, evaluate_all, losses, train_step
@@ -154,9 +154,10 @@ def _data(recipe: Recipe, tokenizer: Any, out: Path, dist: Dist, progress: bool,
 
 def _setup(recipe: Recipe, dist: Dist, model_dir: Path, data: TokenData) -> Run:
     model = load_student(model_dir, recipe, dist)
-    teacher = load_teacher(model_dir, dist, recipe.train.seq_len) if recipe.distill.kd > 0 else None
-    if teacher is not None and recipe.train.compile:
-        teacher.compile()
+    wants_teacher = recipe.distill.kd > 0 or recipe.distill.mlp > 0
+    teacher = load_teacher(model_dir, dist, recipe.train.seq_len) if wants_teacher else None
+    if teacher is not None and recipe.train.compile and recipe.distill.kd > 0:
+        teacher.compile()  # (distill.mlp alone runs only the teacher's MLPs, from the student's hooks)
     probe = SparsityProbe(model, recipe.sparsity.normalization)
     from sparsify.train.packed_ffn import install_packed_ffn  # patches the MLPs before compile / DDP wrap them
 
@@ -174,8 +175,9 @@ def _setup(recipe: Recipe, dist: Dist, model_dir: Path, data: TokenData) -> Run:
                       after=max(sp.ramp_steps if sp.schedule == "ramp" else 0, sp.blend_steps))
     loss_fn = torch.compile(losses) if recipe.train.compile else losses
     l1 = L1Control(sp, len(probe.mlps), dist.device)
+    mlp = MlpDistill(model, teacher) if recipe.distill.mlp > 0 else None
     return Run(recipe, dist, model, train_model, teacher, probe, data, opt, sched, TrainState(), plateau, loss_fn, l1,
-               ffn, blend, model_dir)
+               ffn, blend, model_dir, mlp=mlp)
 
 
 def _loop(run: Run, log: MetricsLog, history: list[dict], progress: bool, stop: StopRequest | None = None) -> None:
@@ -232,7 +234,7 @@ def _after_step(run: Run, logging_now: bool):
     if run.recipe.sparsity.reinit_dead:
         reinit_dead(run.model, stats.inactive, run.state.step, run.recipe.train.seed)
     if not run.blend.active(run.state.step - 1):  # the blend's zeros say nothing about the targets
-        run.l1.update(stats)
+        run.l1.update(stats, run.state.tokens)
     if logging_now:
         run.ffn.update(stats.zeros, stats.nonzeros)  # train.kernels: which layers pack, and their capacity
         if run.ffn.changes and run.dist.main and run.verbose:

@@ -125,8 +125,9 @@ def step_record(run: Run, sums: dict, stats: StepStats, seconds: float, steps: i
 
 
 def plot(out: Path, history: list[dict]) -> None:
-    """loss.png (loss terms vs tokens, validation perplexity) and sparsity.png (zeros and L1 coefficient per
-    layer vs tokens); nothing without matplotlib."""
+    """loss.png (loss terms vs tokens, validation perplexity), sparsity.png (zeros and L1 coefficient per layer vs
+    tokens) and, with out-of-distribution domains, ood.png (the OOD ratio and zeros vs tokens); nothing without
+    matplotlib."""
     if importlib.util.find_spec("matplotlib") is None:
         return
     import matplotlib
@@ -138,14 +139,33 @@ def plot(out: Path, history: list[dict]) -> None:
     if train:
         _plot_loss(plt, train, [h for h in history if "val_ppl" in h], out / "loss.png")
         _plot_sparsity(plt, train, out / "sparsity.png")
+    ood = [h for h in history if "ood_ratio" in h]
+    if train and ood:
+        _plot_ood(plt, train, ood, out / "ood.png")
     plt.close("all")
+
+
+def _plot_ood(plt, train: list[dict], evals: list[dict], path: Path) -> None:
+    """The headline against its price: the OOD ratio (and in-distribution ratio) and the zeros, vs tokens."""
+    fig, a = plt.subplots(figsize=(7, 4))
+    for key, label in (("ood_ratio", "out-of-distribution ratio"), ("id_ratio", "in-distribution ratio")):
+        points = [(h["tokens"] / 1e6, h[key]) for h in evals if key in h]
+        a.plot(*zip(*points), "o-", label=label)
+    a.set(xlabel="tokens (M)", ylabel="perplexity / original's", title="quality kept vs zeros")
+    a.legend(loc="upper left")
+    b = a.twinx()
+    b.plot([h["tokens"] / 1e6 for h in train], [h["sparsity"] for h in train], color="gray", alpha=0.6)
+    b.set_ylabel("fraction of zeros (gray)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def _plot_loss(plt, train: list[dict], evals: list[dict], path: Path) -> None:
     tokens = [h["tokens"] / 1e6 for h in train]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for key in ("loss", "ce", "kd"):
-        a.plot(tokens, [h[key] for h in train], label=key)
+    for key in ("loss", "ce", "kd", "mlp"):
+        if key in train[-1]:
+            a.plot(tokens, [h.get(key, float("nan")) for h in train], label=key)
     a.set(xlabel="tokens (M)", ylabel="loss", title="training loss")
     a.legend()
     b.plot([h["tokens"] / 1e6 for h in evals], [h["val_ppl"] for h in evals], "o-")

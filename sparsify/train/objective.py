@@ -167,6 +167,9 @@ class L1Control:
     took the others to 91%); the clamp on the error keeps the far-off start (the bare swap's ~60% zeros) from
     winding the coefficient up faster than the weights can follow. Every step moves log c by at most
     0.05 * target_gain: 0.005 with the default gain of 0.1, an e-fold in 200 steps at the most.
+
+    With sparsity.target_ramp, target_l rises linearly from layer l's zeros at the first update (the bare swap's)
+    to its final value over that many training tokens.
     """
 
     def __init__(self, cfg: SparsitySection, layers: int, device: torch.device):
@@ -176,6 +179,7 @@ class L1Control:
             raise ValueError(f"sparsity.target lists {len(targets)} values for a model of {layers} layers")
         self.target = None if targets is None else torch.tensor(targets, device=device, dtype=torch.float32)
         self.log_coef = torch.full((layers,), math.log(max(cfg.l1, cfg.l1_min)), device=device, dtype=torch.float32)
+        self.start: torch.Tensor | None = None  # [L] zeros at the first update: where a target ramp begins
 
     @property
     def adaptive(self) -> bool:
@@ -188,20 +192,77 @@ class L1Control:
         return torch.full_like(self.log_coef, l1_coefficient(self.cfg, step))
 
     @torch.no_grad()
-    def update(self, stats: StepStats) -> None:
-        """After an optimizer step: one dual-ascent step on every layer's coefficient (target mode only)."""
+    def update(self, stats: StepStats, tokens: int = 0) -> None:
+        """After an optimizer step (`tokens` trained so far): one dual-ascent step on every layer's coefficient
+        (target mode only)."""
         if not self.adaptive:
             return
         zeros = (1 - stats.per_token / stats.width).float()  # [L]
-        error = (self.target - zeros).clamp(-0.05, 0.05)
+        if self.start is None:
+            self.start = torch.minimum(zeros, self.target)  # a layer already past its target ramps from there
+        error = (self.targets_at(tokens) - zeros).clamp(-0.05, 0.05)
         lo, hi = math.log(self.cfg.l1_min), math.log(self.cfg.l1_max)
         self.log_coef.add_(self.cfg.target_gain * error).clamp_(lo, hi)
 
+    def targets_at(self, tokens: int) -> torch.Tensor:
+        """[L] the targets in force after `tokens` training tokens (the final ones without a ramp)."""
+        ramp = self.cfg.target_ramp
+        if ramp <= 0 or self.start is None:
+            return self.target
+        return self.start + (self.target - self.start) * min(1.0, tokens / ramp)
+
     def state_dict(self) -> dict:
-        return {"log_coef": self.log_coef.tolist()}
+        return {"log_coef": self.log_coef.tolist(), "start": None if self.start is None else self.start.tolist()}
 
     def load_state_dict(self, state: dict) -> None:
         self.log_coef.copy_(torch.tensor(state["log_coef"], dtype=torch.float32))
+        if state.get("start") is not None:
+            self.start = torch.tensor(state["start"], dtype=torch.float32, device=self.log_coef.device)
+
+
+class MlpDistill:
+    """Layer-wise FFN distillation (distill.mlp): forward hooks on the student's MLPs run the original dense MLP of
+    the same layer on the student's own MLP input and keep, per layer, ||out - out_orig||^2 / ||out_orig||^2.
+
+    The student's input, not the teacher's: each sparse MLP is taught the original function on the inputs it
+    really receives, so one layer's error is not charged to the next, and only the teacher's MLP weights run
+    (no second full forward). Like SparsityProbe, the hook redoes its ops under gradient-checkpoint
+    recomputation but records only between start() and take()."""
+
+    def __init__(self, student: nn.Module, teacher: nn.Module):
+        self.teachers = mlp_modules(teacher)
+        self.mlps = mlp_modules(student)
+        if len(self.teachers) != len(self.mlps):
+            raise ValueError(f"teacher has {len(self.teachers)} MLPs, student {len(self.mlps)}")
+        self.recording = False
+        self.terms: list[torch.Tensor] = []  # per layer, this forward: scalar with grad
+        self.handles = [m.register_forward_hook(self._hook(i)) for i, m in enumerate(self.mlps)]
+
+    def _hook(self, layer: int):
+        def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+            if not torch.is_grad_enabled():  # evaluation
+                return
+            x = args[0]  # [B, T, d]
+            with torch.no_grad():
+                ref = self.teachers[layer](x).float()  # [B, T, d]
+            term = (out.float() - ref).pow(2).sum() / ref.pow(2).sum().clamp_min(1e-12)
+            if self.recording:
+                self.terms.append(term)
+        return hook
+
+    def start(self) -> None:
+        self.terms, self.recording = [], True
+
+    def take(self) -> torch.Tensor:
+        """Stops recording; the mean over layers of this forward's terms (a scalar with grad)."""
+        self.recording = False
+        if len(self.terms) != len(self.mlps):
+            raise RuntimeError(f"distill.mlp captured {len(self.terms)} of {len(self.mlps)} MLP outputs")
+        return torch.stack(self.terms).mean()
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
 
 
 class Plateau:

@@ -59,6 +59,7 @@ def _check_train(r: Recipe) -> Problems:
                     "train.profile_steps": t.profile_steps,
                     "sparsity.l1": r.sparsity.l1, "sparsity.ramp_steps": r.sparsity.ramp_steps,
                     "sparsity.plateau_tolerance": r.sparsity.plateau_tolerance, "distill.kd": r.distill.kd,
+                    "distill.mlp": r.distill.mlp, "sparsity.target_ramp": r.sparsity.target_ramp,
                     "lora.r": r.lora.r, "data.num_proc": r.data.num_proc}
     e += [((k,), f"{k}: got {v}; must be >= 0") for k, v in non_negative.items() if v < 0]
     if t.max_steps is None and t.max_tokens is None:
@@ -79,6 +80,11 @@ def _check_data(d: DataSection) -> Problems:
     if not 0 <= d.validation_fraction < 0.5:
         e.append((("data.validation_fraction",),
                   f"data.validation_fraction: got {d.validation_fraction}; must be in [0, 0.5)"))
+    unknown = [name for name in d.ood if name not in d.heldout]
+    if unknown:
+        e.append((("data.ood", "data.heldout"),
+                  f"data.ood: {unknown} not among the data.heldout domains ({sorted(d.heldout) or 'none'}); data.ood "
+                  "names which held-out domains are out of distribution, so each needs its files in data.heldout"))
     heldout_entries = [x for files in d.heldout.values() for x in files]
     if d.max_tokens is None and any(x.startswith("hub:") for x in d.train + d.validation + heldout_entries):
         e.append((("data.max_tokens", "data.train", "data.validation", "data.heldout"),
@@ -114,6 +120,10 @@ def _check_sparsity(r: Recipe) -> Problems:
                       f"sparsity.l1_min / l1_max: got {sp.l1_min} / {sp.l1_max}; need 0 < l1_min <= l1_max"))
         if sp.target_gain <= 0:
             e.append((("sparsity.target_gain",), f"sparsity.target_gain: got {sp.target_gain}; must be > 0"))
+    elif sp.target_ramp > 0:
+        e.append((("sparsity.target_ramp", "sparsity.target"),
+                  f"sparsity.target_ramp: {sp.target_ramp} without sparsity.target; the ramp raises the targets of "
+                  "target mode: set sparsity.target (e.g. 0.95), or sparsity.target_ramp=0"))
     return e
 
 

@@ -16,7 +16,7 @@ from torch import nn
 from sparsify.train.config import Recipe
 from sparsify.train.distributed import Dist
 from sparsify.train.model import load_teacher
-from sparsify.train.objective import ActivationBlend, L1Control, Plateau, SparsityProbe
+from sparsify.train.objective import ActivationBlend, L1Control, MlpDistill, Plateau, SparsityProbe
 
 
 @dataclass
@@ -49,6 +49,7 @@ class Run:
     ffn: Any = None  # sparsify.train.packed_ffn.PackedFFN: which layers train on the packed FFN kernels
     blend: ActivationBlend | None = None  # sparsity.blend_steps: source activation -> ReLU over the first steps
     model_dir: Path | None = None  # the ReLU folder trained (the original dense model is rebuilt from it)
+    mlp: MlpDistill | None = None  # distill.mlp > 0: each sparse MLP against the original dense one
     reference: dict[str, float] = field(default_factory=dict)  # the original model's loss per evaluated text
     verbose: bool = True  # a line per logged step (when no progress bar) and per validation, on stderr
 
@@ -102,7 +103,9 @@ def train_step(run: Run) -> dict[str, torch.Tensor]:
     t, dist = run.recipe.train, run.dist
     run.blend.set_step(run.state.step)
     coef = run.l1.coefficients(run.state.step)  # [L]
-    sums = {k: torch.zeros((), device=dist.device) for k in ("loss", "ce", "l1", "kd")}
+    terms = ("loss", "ce", "l1", "kd") + (("mlp",) if run.mlp is not None else ())
+    sums = {k: torch.zeros((), device=dist.device) for k in terms}
+    kd_on = run.teacher is not None and run.recipe.distill.kd > 0
     for micro in range(t.grad_accum):
         first = run.state.samples + (micro * dist.world + dist.rank) * t.batch_size
         batch = run.data.train_batch(first, t.batch_size)  # [B, T+1]
@@ -113,17 +116,22 @@ def train_step(run: Run) -> dict[str, torch.Tensor]:
         sync = contextlib.nullcontext() if last or not hasattr(run.train_model, "no_sync") else run.train_model.no_sync()
         with sync, compute_context(run):
             teacher_logits = None
-            if run.teacher is not None:
+            if kd_on:
                 with torch.no_grad():
                     teacher_logits = run.teacher(input_ids=inputs).logits  # [B, T, V]
             run.probe.start()
+            if run.mlp is not None:
+                run.mlp.start()
             logits = run.train_model(input_ids=inputs).logits  # [B, T, V]
             l1 = run.probe.take(tokens=inputs.numel())  # [L]
             ce, kd = run.loss_fn(logits, targets, teacher_logits, run.recipe.distill.temperature)
             loss = ce + (coef * l1).mean() + run.recipe.distill.kd * kd
-            l1 = l1.mean()  # logged: the penalty before weighting, mean over layers
+            terms = {"ce": ce, "l1": l1.mean(), "kd": kd}  # l1 logged before weighting, mean over layers
+            if run.mlp is not None:
+                terms["mlp"] = run.mlp.take()
+                loss = loss + run.recipe.distill.mlp * terms["mlp"]
             (loss / t.grad_accum).backward()
-        for k, v in (("loss", loss), ("ce", ce), ("l1", l1), ("kd", kd)):
+        for k, v in {"loss": loss, **terms}.items():
             sums[k] += v.detach() / t.grad_accum
     if t.clip > 0:
         sums["grad_norm"] = _clip(run, t.clip)
@@ -185,10 +193,22 @@ def evaluate_all(run: Run, log: Any, history: list[dict], first: bool = False) -
             record["heldout"][name] = {"loss": dl, "ppl": math.exp(dl)}
             if name in run.reference:
                 record["heldout"][name]["ratio"] = math.exp(dl - run.reference[name])
+        record.update(headline_ratios(record["heldout"], run.recipe.data.ood))
     log.write(record)
     history.append(record)
     if run.dist.main and run.verbose:
         print(_evaluation_line(record), file=sys.stderr)
+
+
+def headline_ratios(heldout: dict, ood: list[str]) -> dict:
+    """`ood_ratio` (the headline) and `id_ratio`: geometric means of the perplexity ratios to the original model
+    over the out-of-distribution domains (data.ood) and over the other, in-distribution held-out domains."""
+    out = {}
+    for key, names in (("ood_ratio", [n for n in heldout if n in ood]), ("id_ratio", [n for n in heldout if n not in ood])):
+        ratios = [heldout[n]["ratio"] for n in names if "ratio" in heldout[n]]
+        if ratios and len(ratios) == len(names):
+            out[key] = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+    return out
 
 
 def _evaluation_line(record: dict) -> str:
@@ -196,7 +216,10 @@ def _evaluation_line(record: dict) -> str:
     extra = f", original dense model {record['teacher_val_ppl']:.2f}" if "teacher_val_ppl" in record else ""
     domains = "".join(f"; {name} {d['ppl']:.2f}" + (f" ({d['ratio']:.3f}x)" if "ratio" in d else "")
                       for name, d in record.get("heldout", {}).items())
-    return f"[step {record['step']}] validation perplexity {record['val_ppl']:.2f}{ratio}{extra}{domains}"
+    headline = "".join(f"; {label} {record[key]:.3f}x" for key, label in (("ood_ratio", "OOD ratio"),
+                                                                          ("id_ratio", "in-distribution ratio"))
+                       if key in record)
+    return f"[step {record['step']}] validation perplexity {record['val_ppl']:.2f}{ratio}{extra}{headline}{domains}"
 
 
 def _reference_record(run: Run) -> dict:

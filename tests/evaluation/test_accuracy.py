@@ -22,9 +22,24 @@ def test_local_task_yaml_resolves_data_files_to_absolute_paths(tmp_path):
     text = copied.read_text()
     assert str((TASKS / "tech_qa.jsonl").resolve()) in text
     folder = acc.resolve_tasks([str(TASKS)], tmp_path / "b")
-    assert sorted(folder.names) == ["sparsify_tech_qa", "sparsify_tech_text"]
+    assert sorted(folder.names) == ["sparsify_cloze_austen", "sparsify_tech_qa", "sparsify_tech_text"]
     assert acc.resolve_tasks(["none"], tmp_path / "c").names == []
     acc.check_tasks(folder)  # the shipped tasks load offline
+
+
+def test_cloze_task_on_unseen_prose_scores_a_model_offline(tmp_path, tiny_folders):
+    """The out-of-distribution cloze task: >= 500 passages, each target a word of the passage seen before its
+    end; it loads offline and scores accuracy with its standard error."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    rows = [json.loads(line) for line in (TASKS / "cloze_austen.jsonl").read_text().splitlines()]
+    assert len(rows) >= 500
+    assert all(r["target"].startswith(" ") and r["target"].strip().lower() in r["context"].lower() for r in rows)
+    spec = acc.resolve_tasks([str(TASKS / "cloze_austen.yaml")], tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tiny_folders[0]).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_folders[0])
+    got = acc.accuracy(model, tok, spec, limit=8, batch_size=4)["sparsify_cloze_austen"]
+    assert got["samples"] == 8 and 0 <= got["acc"] <= 1 and "acc_stderr" in got
 
 
 def test_shipped_multiple_choice_task_is_well_formed():

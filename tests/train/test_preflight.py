@@ -46,14 +46,17 @@ def test_missing_data_that_the_fetch_gets_is_one_problem_with_the_command(tmp_pa
     msg = str(e.value)
     assert msg.startswith(f"recipe {SMOLLM2} has 1 problem(s):\n  - data.train 'data/docs/train/*.txt', "
                           "'data/general/train/*.txt'; data.heldout.general 'data/general/heldout/*.txt'; "
-                          "data.heldout.docs 'data/docs/heldout/*.txt': 4 entries match no file yet"), msg
+                          "data.heldout.docs 'data/docs/heldout/*.txt'; data.heldout.fiction "
+                          "'data/ood/text/fiction_austen.txt'; data.heldout.news 'data/ood/text/news_reports.txt'; "
+                          "data.heldout.dialogue 'data/ood/text/dialogue_wesnoth.txt'; data.heldout.postgres_docs "
+                          "'data/ood/text/docs_postgresql.txt': 8 entries match no file yet"), msg
     assert f"This recipe's data.fetch gets all of them: run it once from {tmp_path}, then run this command again" in msg
     assert "\n      mkdir -p data/debian" in msg and msg.count("data.fetch") == 1
     assert "give existing files" not in msg and "hub:NAME" not in msg
     with pytest.raises(SparsifyError) as e:
         load_recipe(SMOLLM2, ["data.train=[data/docs/train/*.txt, mytext/*.txt]", "data.weights=[1, 1]"])
     msg = str(e.value)
-    assert "has 2 problem(s)" in msg and "3 entries match no file yet" in msg, msg
+    assert "has 2 problem(s)" in msg and "7 entries match no file yet" in msg, msg
     assert "data.train: 'mytext/*.txt' matches no file" in msg and "give existing files or globs" in msg
 
 

@@ -1,0 +1,80 @@
+"""The levers that protect what the original model knows (issue 21), on a tiny model on CPU: layer-wise FFN
+distillation, the target ramp, teacher-generated data as a training source, and the out-of-distribution headline."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from sparsify.errors import SparsifyError
+from sparsify.train.config import SparsitySection
+from sparsify.train.objective import L1Control, StepStats
+from sparsify.train.preflight import load_recipe
+from tests.train.test_finetune import TRAIN_TEXT, VALID_TEXT, metrics, recipe_dict, tiny_silu  # noqa: F401 (a fixture)
+
+
+def test_mlp_distillation_trains_with_a_finite_logged_term_and_the_ood_headline(tiny_silu, tmp_path):
+    """distill.mlp alone (kd = 0): every logged step carries a finite, positive `mlp` term; every evaluation
+    carries ood_ratio over the data.ood domains and id_ratio over the others, as geometric means of their ratios."""
+    from sparsify.train.finetune import finetune
+
+    general = tmp_path / "general.txt"
+    general.write_text(TRAIN_TEXT.read_text()[-6000:])
+    novel = tmp_path / "novel.txt"
+    novel.write_text(VALID_TEXT.read_text()[:6000])
+    overrides = [f"data.heldout={{general: [{general}], novel: [{novel}], docs: [{VALID_TEXT}]}}",
+                 "data.ood=[novel, docs]", "data.validation=[]", "distill.kd=0", "distill.mlp=1.0",
+                 "train.log_every=2", "train.eval_every=2"]
+    finetune(load_recipe(recipe_dict(tiny_silu, tmp_path / "run", max_steps=4), overrides), progress=False)
+    records = metrics(tmp_path / "run")
+    steps = [m for m in records if "sparsity" in m]
+    assert steps and all(math.isfinite(m["mlp"]) and m["mlp"] > 0 for m in steps)
+    evals = [m for m in records if "val_loss" in m]
+    for m in evals:
+        ratios = {name: d["ratio"] for name, d in m["heldout"].items()}
+        assert m["ood_ratio"] == pytest.approx(math.sqrt(ratios["novel"] * ratios["docs"]))
+        assert m["id_ratio"] == pytest.approx(ratios["general"])
+
+
+def test_lever_problems_are_listed_with_the_others_before_any_work(tmp_path):
+    with pytest.raises(SparsifyError) as e:
+        load_recipe({"data": {"train": ["x.txt"], "heldout": {"docs": ["y.txt"]}, "ood": ["novel"]},
+                     "distill": {"mlp": -1}, "sparsity": {"target_ramp": 1000}, "train": {"lr": -1, "max_steps": 2}},
+                    check_paths=False)
+    msg = str(e.value)
+    assert "distill.mlp: got -1" in msg and "train.lr: got -1" in msg
+    assert "data.ood: ['novel'] not among the data.heldout domains" in msg
+    assert "sparsity.target_ramp: 1000 without sparsity.target" in msg
+
+
+def test_target_ramp_rises_from_the_first_steps_zeros_to_the_targets():
+    cfg = SparsitySection(target=[0.9, 0.95], target_ramp=1000, l1=0.01)
+    control = L1Control(cfg, layers=2, device=torch.device("cpu"))
+    first = StepStats(per_token=torch.tensor([40.0, 10.0]), inactive=torch.zeros(2, 100, dtype=torch.bool))
+    control.update(first, tokens=0)  # zeros 0.60 and 0.90: the ramp starts there
+    assert control.targets_at(0).tolist() == pytest.approx([0.6, 0.9])
+    assert control.targets_at(500).tolist() == pytest.approx([0.75, 0.925])
+    assert control.targets_at(5000).tolist() == pytest.approx([0.9, 0.95])
+    restored = L1Control(cfg, layers=2, device=torch.device("cpu"))
+    restored.load_state_dict(json.loads(json.dumps(control.state_dict())))
+    assert restored.targets_at(500).tolist() == pytest.approx([0.75, 0.925])
+    no_ramp = L1Control(SparsitySection(target=0.9, l1=0.01), layers=2, device=torch.device("cpu"))
+    no_ramp.update(first, tokens=0)
+    assert no_ramp.targets_at(0).tolist() == pytest.approx([0.9, 0.9])
+
+
+def test_a_gendata_folder_trains_beside_a_text_file_by_weight(tiny_silu, tmp_path):
+    """`sparsify gendata` output is a data.train entry like any other, mixed with real text by data.weights."""
+    from sparsify.train.data import TokenData
+    from sparsify.train.finetune import finetune
+    from sparsify.train.gendata import gendata
+
+    gen = gendata(tiny_silu, tmp_path / "gen", tokens=300, seq_len=16, batch_size=4, device="cpu", progress=False)
+    overrides = [f"data.train=[{gen}, {TRAIN_TEXT}]", "data.weights=[0.5, 0.5]", "distill.kd=0"]
+    recipe = load_recipe(recipe_dict(tiny_silu, tmp_path / "run", max_steps=2), overrides)
+    finetune(recipe, progress=False)
+    meta = json.loads((tmp_path / "run" / "data" / "meta.json").read_text())
+    assert len(meta["sources"]) == 2
+    data = TokenData(tmp_path / "run" / "data", 32, 0, [0.5, 0.5])
+    assert data.n_train > 0 and (tmp_path / "run" / "model" / "config.json").is_file()
