@@ -82,10 +82,10 @@ def gendata(model: str, out: str | os.PathLike, *, tokens: int, seq_len: int = 5
     if problems:
         raise SparsifyError("\n  ".join(["gendata cannot start:", *problems]))
     work = _open_work(work_dir(out), settings)
-    done, have = _done_batches(work)
+    batches, have = _done_batches(work)
     if have < tokens:
-        _sample(settings, work, done, have, device, progress)
-    _finish(work, out, settings)
+        batches, have = _sample(settings, work, batches, have, device, progress)
+    _finish(work, out, settings, batches, have)
     return out
 
 
@@ -117,7 +117,9 @@ def _done_batches(work: Path) -> tuple[int, int]:
     return k, total
 
 
-def _sample(s: GenSettings, work: Path, start: int, have: int, device: str | None, progress: bool) -> None:
+def _sample(s: GenSettings, work: Path, start: int, have: int, device: str | None,
+            progress: bool) -> tuple[int, int]:
+    """Batches from `start` on until `have` reaches the budget; returns (batches written, tokens in them)."""
     import torch
     from tqdm.auto import tqdm
 
@@ -138,6 +140,7 @@ def _sample(s: GenSettings, work: Path, start: int, have: int, device: str | Non
         bar.update(new)
         k += 1
     bar.close()
+    return k, have
 
 
 def _read_prompts(path: str | None) -> list[str]:
@@ -177,9 +180,8 @@ def _sample_batch(model: Any, tok: Any, s: GenSettings, prompts: list[str], devi
     return rows
 
 
-def _finish(work: Path, out: Path, s: GenSettings) -> None:
+def _finish(work: Path, out: Path, s: GenSettings, batches: int, total: int) -> None:
     """Batches -> shards + gendata.json in a folder beside OUT, renamed to OUT; then the work folder goes."""
-    batches, total = _done_batches(work)
     final = work.parent / f".{out.name}.gendata-final"
     shutil.rmtree(final, ignore_errors=True)
     final.mkdir()

@@ -103,8 +103,8 @@ def train_step(run: Run) -> dict[str, torch.Tensor]:
     t, dist = run.recipe.train, run.dist
     run.blend.set_step(run.state.step)
     coef = run.l1.coefficients(run.state.step)  # [L]
-    terms = ("loss", "ce", "l1", "kd") + (("mlp",) if run.mlp is not None else ())
-    sums = {k: torch.zeros((), device=dist.device) for k in terms}
+    keys = ("loss", "ce", "l1", "kd") + (("mlp",) if run.mlp is not None else ())
+    sums = {k: torch.zeros((), device=dist.device) for k in keys}
     kd_on = run.teacher is not None and run.recipe.distill.kd > 0
     for micro in range(t.grad_accum):
         first = run.state.samples + (micro * dist.world + dist.rank) * t.batch_size
