@@ -93,7 +93,7 @@ case "${1:-}" in
     set +e
     timeout -s TERM -k 30 "${LEG_S:-530}" torchrun --standalone --nproc_per_node="$GPUS" -m sparsify finetune \
         --no-progress $resume recipes/smollm2-135m.yaml model.source="$WORK/converted" "data.train=[$WORK/tok]" \
-        "data.heldout={}" output.dir="$RUN" output.keep_checkpoints_when_done=true ${EXTRA:-} >> "$OUT/train.log" 2>&1
+        "data.heldout={}" "data.ood=[]" output.dir="$RUN" output.keep_checkpoints_when_done=true ${EXTRA:-} >> "$OUT/train.log" 2>&1
     rc=$?
     set -e
     echo "leg exit status $rc ($([ $rc = 124 ] && echo 'stopped at LEG_S; resume with another train call' || echo done))"
@@ -120,7 +120,7 @@ case "${1:-}" in
             # SIGTERM at the deadline: the run checkpoints the step it is at; the next sweep call resumes it
             CUDA_VISIBLE_DEVICES=$((s % GPUS)) timeout -s TERM -k 60 "$left" python -m sparsify finetune \
                 --no-progress $again recipes/smollm2-135m.yaml model.source="$WORK/converted" "data.train=[$WORK/tok]" \
-                "data.heldout={}" output.dir="$dir" output.overwrite=true train.max_tokens="${TOKENS:-40_000_000}" \
+                "data.heldout={}" "data.ood=[]" output.dir="$dir" output.overwrite=true train.max_tokens="${TOKENS:-40_000_000}" \
                 train.eval_every="${EVAL_EVERY:-0}" train.save_every=0 "${overrides[@]}" "${extra[@]}" \
                 >> "$OUT/sweep-$name.log" 2>&1 \
                 || { rc=$?; [ $rc = 124 ] && echo "$name: stopped at the deadline, checkpointed (the next sweep call resumes it)" \

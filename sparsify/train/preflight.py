@@ -84,7 +84,8 @@ def _check_data(d: DataSection) -> Problems:
     if unknown:
         e.append((("data.ood", "data.heldout"),
                   f"data.ood: {unknown} not among the data.heldout domains ({sorted(d.heldout) or 'none'}); data.ood "
-                  "names which held-out domains are out of distribution, so each needs its files in data.heldout"))
+                  "names which held-out domains are out of distribution, so each needs its files in data.heldout "
+                  "(to drop the held-out domains: data.heldout={} data.ood=[])"))
     heldout_entries = [x for files in d.heldout.values() for x in files]
     if d.max_tokens is None and any(x.startswith("hub:") for x in d.train + d.validation + heldout_entries):
         e.append((("data.max_tokens", "data.train", "data.validation", "data.heldout"),
