@@ -3,8 +3,11 @@
     python eval/frontier.py RUN_DIR_OR_METRICS [...] --out DIR [--trajectory]
 
 One point per run (its last evaluation, with the zeros of the training step logged nearest before it): mean
-zeros over layers, the least sparse layer, and the perplexity ratio to the original SiLU model on the
-validation text and on every held-out domain (data.heldout), as `sparsify finetune` logs them. With
+zeros over layers, the least sparse layer, the headline `ood_ratio` (geometric mean over the out-of-distribution
+domains, data.ood) and `id_ratio` (over the other held-out domains), and the perplexity ratio to the original
+SiLU model on the validation text and on every held-out domain (data.heldout), as `sparsify finetune` logs them.
+--cloze cloze.json (eval/cloze.py over the same runs, named as the run folders, plus the original) adds the
+cloze accuracy and its difference from the first model in that file. With
 --trajectory every evaluation of every run is a point too (a run's path through the plane: how quality comes
 back as training goes on at the sparsity its target holds).
 """
@@ -29,10 +32,19 @@ def points(metrics: Path, trajectory: bool) -> list[dict]:
         zeros = t["per_layer"]["zeros"]
         row = {"run": metrics.parent.name, "step": e["step"], "tokens": e["tokens"], "zeros": t["sparsity"],
                "min_layer_zeros": min(zeros), "min_layer": zeros.index(min(zeros)),
-               "validation": e.get("val_ppl_ratio")}
+               "ood_ratio": e.get("ood_ratio"), "id_ratio": e.get("id_ratio"), "validation": e.get("val_ppl_ratio")}
         row.update({name: d.get("ratio") for name, d in e.get("heldout", {}).items()})
         rows.append(row)
     return rows
+
+
+def add_cloze(rows: list[dict], models: dict) -> None:
+    """cloze acc of each row's run (by folder name), and its difference from the first model of the file."""
+    first = next(iter(models.values()))["acc"]
+    for r in rows:
+        if r["run"] in models:
+            m = models[r["run"]]
+            r.update(cloze=m["acc"], cloze_stderr=m["acc_stderr"], cloze_delta=m["acc"] - first)
 
 
 def main() -> int:
@@ -40,22 +52,30 @@ def main() -> int:
     p.add_argument("runs", nargs="+", help="run folders (OUTPUT of sparsify finetune) or metrics.jsonl files")
     p.add_argument("--out", required=True, help="folder for frontier.md, frontier.json, frontier.png")
     p.add_argument("--trajectory", action="store_true", help="every evaluation of a run is a point")
+    p.add_argument("--cloze", type=Path, help="cloze.json of eval/cloze.py over the same runs (adds acc columns)")
     args = p.parse_args()
     rows = []
     for run in map(Path, args.runs):
         rows += points(run / "metrics.jsonl" if run.is_dir() else run, args.trajectory)
     if not rows:
         raise SystemExit("no evaluation after step 0 in the given runs")
-    domains = [k for k in rows[0] if k not in ("run", "step", "tokens", "zeros", "min_layer_zeros", "min_layer")]
+    fixed = ("run", "step", "tokens", "zeros", "min_layer_zeros", "min_layer")
+    domains = list(dict.fromkeys(k for r in rows for k in r if k not in fixed and any(x.get(k) for x in rows)))
+    if args.cloze:
+        add_cloze(rows, json.loads(args.cloze.read_text())["models"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "frontier.json").write_text(json.dumps(rows, indent=1) + "\n")
-    head = ["run", "tokens", "zeros (mean)", "least sparse layer"] + [f"ppl ratio: {d}" for d in domains]
+    cloze = ["cloze acc", "cloze vs original"] if args.cloze else []
+    head = ["run", "tokens", "zeros (mean)", "least sparse layer"] + [f"ppl ratio: {d}" for d in domains] + cloze
     md = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["run"], f"{r['tokens'] / 1e6:.0f}M", f"{r['zeros']:.2%}",
                  f"{r['min_layer_zeros']:.2%} (layer {r['min_layer']})"]
         cells += ["-" if r.get(d) is None else f"{r[d]:.3f}x" for d in domains]
+        if cloze:
+            cells += ["-", "-"] if r.get("cloze") is None else [f"{r['cloze']:.3f} +- {r['cloze_stderr']:.3f}",
+                                                                 f"{100 * r['cloze_delta']:+.1f} pts"]
         md.append("| " + " | ".join(cells) + " |")
     (out / "frontier.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))

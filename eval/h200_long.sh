@@ -8,7 +8,8 @@
 #                                        at the next call): GGUF split parts gguf.part.*, wheels (gguf), the
 #                                        token folder tok/ (train.bin.xz or train.bin split as train.bin.xz.*,
 #                                        meta.json, validation.bin, heldout-*.bin), heldout.tar.xz (the held-out
-#                                        text files, for sparsify eval)
+#                                        text files, for sparsify eval); or all of these as one tar split in parts,
+#                                        bundle.tar.part.* (one part per call: a call sends at most 64 MiB)
 #   bash eval/h200_long.sh train         start, or resume, the run; stops after LEG_S seconds (default 530) or at
 #                                        its token budget, whichever comes first; prints the last logged steps
 #   bash eval/h200_long.sh sweep         short experiment runs side by side (SLOTS at a time) from the same inputs:
@@ -16,6 +17,8 @@
 #                                        40_000_000, and the recipe's other keys); a run cut at LEG_S checkpoints
 #                                        and the next sweep call resumes it; then frontier.md/.png over the runs'
 #                                        last evaluations in sweep/
+#   bash eval/h200_long.sh cloze         the cloze task (eval/cloze.py: lm-eval's acc, without lm_eval) on the
+#                                        original and every finished sweep run; frontier.md gains its columns
 #   bash eval/h200_long.sh finish        after the run or sweep: sparsify bench (generate speed, sparse vs dense
 #                                        FFN), eval/ppl_gap.py (the finetune log's measure vs sparsify eval's),
 #                                        sparsify eval original vs the fine-tuned models on the held-out text,
@@ -42,6 +45,9 @@ GPUS=${GPUS:-$(python -c "import torch; print(max(1, torch.cuda.device_count()))
 RUN=$WORK/run
 
 inputs() {  # the carried inputs, assembled once: GGUF, wheels, token folder, held-out text, converted model
+    if ls "$WORK"/in/bundle.tar.part.* >/dev/null 2>&1 && [ ! -e "$WORK/in/.bundle-done" ]; then  # all of it, in parts
+        cat "$WORK"/in/bundle.tar.part.* | tar -x -C "$WORK/in" && touch "$WORK/in/.bundle-done"
+    fi
     if [ ! -f "$WORK/smollm2.gguf" ]; then
         cat "$WORK"/in/gguf.part.* > "$WORK/smollm2.gguf.part" && mv "$WORK/smollm2.gguf.part" "$WORK/smollm2.gguf"
     fi
@@ -61,6 +67,12 @@ inputs() {  # the carried inputs, assembled once: GGUF, wheels, token folder, he
     if [ ! -f "$WORK/converted/config.json" ]; then
         python -m sparsify convert "$WORK/smollm2.gguf" -o "$WORK/converted" --overwrite -q 2>&1 | tail -2
     fi
+}
+
+heldout_args() {  # a token folder prepared from the recipe carries its held-out domains (heldout-NAME.bin): keep the
+    # recipe's data.heldout / data.ood then (their entries must match the folder's); an older folder has none: drop them
+    python -c "import json, sys; sys.exit(0 if json.load(open(sys.argv[1])).get('heldout') else 1)" "$WORK/tok/meta.json" \
+        || echo "data.heldout={} data.ood=[]"
 }
 
 summary() {  # the last training lines and every evaluation so far
@@ -93,7 +105,7 @@ case "${1:-}" in
     set +e
     timeout -s TERM -k 30 "${LEG_S:-530}" torchrun --standalone --nproc_per_node="$GPUS" -m sparsify finetune \
         --no-progress $resume recipes/smollm2-135m.yaml model.source="$WORK/converted" "data.train=[$WORK/tok]" \
-        "data.heldout={}" "data.ood=[]" output.dir="$RUN" output.keep_checkpoints_when_done=true ${EXTRA:-} >> "$OUT/train.log" 2>&1
+        $(heldout_args) output.dir="$RUN" output.keep_checkpoints_when_done=true ${EXTRA:-} >> "$OUT/train.log" 2>&1
     rc=$?
     set -e
     echo "leg exit status $rc ($([ $rc = 124 ] && echo 'stopped at LEG_S; resume with another train call' || echo done))"
@@ -108,6 +120,7 @@ case "${1:-}" in
     slots=${SLOTS:-$GPUS}  # runs at a time; several share a GPU (time-sliced), slot s on GPU s % GPUS
     end=$(( T0 + ${LEG_S:-530} ))  # this call's deadline from its start, for all its runs together
     read -ra extra <<< "${EXTRA:-}"  # words, never file patterns: train.freeze=['*.self_attn.*']
+    read -ra held <<< "$(heldout_args)"
     for ((s = 0; s < slots; s++)); do
         (for ((i = s; i < ${#runs[@]}; i += slots)); do
             name=${runs[i]%%=*}; read -ra overrides <<< "${runs[i]#*=}"
@@ -120,17 +133,26 @@ case "${1:-}" in
             # SIGTERM at the deadline: the run checkpoints the step it is at; the next sweep call resumes it
             CUDA_VISIBLE_DEVICES=$((s % GPUS)) timeout -s TERM -k 60 "$left" python -m sparsify finetune \
                 --no-progress $again recipes/smollm2-135m.yaml model.source="$WORK/converted" "data.train=[$WORK/tok]" \
-                "data.heldout={}" "data.ood=[]" output.dir="$dir" output.overwrite=true train.max_tokens="${TOKENS:-40_000_000}" \
+                "${held[@]}" output.dir="$dir" output.overwrite=true train.max_tokens="${TOKENS:-40_000_000}" \
                 train.eval_every="${EVAL_EVERY:-0}" train.save_every=0 "${overrides[@]}" "${extra[@]}" \
                 >> "$OUT/sweep-$name.log" 2>&1 \
                 || { rc=$?; [ $rc = 124 ] && echo "$name: stopped at the deadline, checkpointed (the next sweep call resumes it)" \
                      || echo "$name: exit $rc (see sweep-$name.log)"; }
             mkdir -p "$OUT/sweep/$name" && cp "$dir"/metrics.jsonl "$dir"/recipe.yaml "$OUT/sweep/$name/" 2>/dev/null || true
-            cp "$dir"/model/sparsity.json "$dir"/sparsity.png "$OUT/sweep/$name/" 2>/dev/null || true
+            cp "$dir"/model/sparsity.json "$dir"/sparsity.png "$dir"/ood.png "$OUT/sweep/$name/" 2>/dev/null || true
         done) &
     done
     wait
-    python eval/frontier.py "$OUT"/sweep/*/ --out "$OUT/sweep" || true  # prints the table: run, zeros, ratios
+    cloze=""; [ -f "$OUT/cloze/cloze.json" ] && cloze="--cloze $OUT/cloze/cloze.json"
+    python eval/frontier.py "$OUT"/sweep/*/ --out "$OUT/sweep" $cloze || true  # the table: run, zeros, ratios
+    ;;
+  cloze)  # eval/cloze.py (lm-eval's cloze acc without lm_eval) on the original and every finished sweep run
+    inputs
+    models="original=$WORK/smollm2.gguf"
+    for d in "$WORK"/sweep/*/model; do [ -f "$d/config.json" ] && models="$models $(basename "$(dirname "$d")")=$d"; done
+    python eval/cloze.py $models --out "$OUT/cloze" 2>&1 | grep -v "^Converting\|^Loading" | tail -12
+    [ -d "$OUT/sweep" ] && python eval/frontier.py "$OUT"/sweep/*/ --out "$OUT/sweep" --cloze "$OUT/cloze/cloze.json" \
+        >/dev/null || true
     ;;
   finish)
     inputs
@@ -161,6 +183,6 @@ case "${1:-}" in
         python eval/bench_train_ffn.py --out "$OUT/train_ffn" 2>&1 | tail -25 || echo "bench_train_ffn failed"
     fi
     ;;
-  *) echo "usage: $0 stage DIR... | train | sweep | finish" >&2; exit 2 ;;
+  *) echo "usage: $0 stage DIR... | train | sweep | cloze | finish" >&2; exit 2 ;;
 esac
 if [ -n "${PACK:-}" ]; then tar -cJf "$PACK/results.tar.xz" -C "$OUT" . && ls -la "$PACK"; fi

@@ -107,3 +107,25 @@ def test_local_task_with_function_helper_and_relative_data_runs(tmp_path, tiny_f
     assert got["my_even"]["samples"] == 3 and got["my_even"]["acc"] in {i / 3 for i in range(4)}  # helper ran
     assert "not a git repository" not in capfd.readouterr().err
     assert (lm_eval.evaluator.get_git_commit_hash, lm_eval.evaluator.add_env_info) == env_info  # restored
+
+
+def test_cloze_script_scores_as_lm_eval_does(tmp_path, tiny_folders):
+    """eval/cloze.py (for machines without lm_eval) gives lm-eval's own acc and perplexity on the cloze task."""
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    loaded = importlib.util.spec_from_file_location("cloze", TASKS.parent / "cloze.py")
+    cloze = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(cloze)
+    model = AutoModelForCausalLM.from_pretrained(tiny_folders[0]).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_folders[0])
+    items = [json.loads(line) for line in (TASKS / "cloze_austen.jsonl").read_text().splitlines()][:12]
+    ours = cloze.score(model, tok, items, "cpu")
+    theirs = acc.accuracy(model, tok, acc.resolve_tasks([str(TASKS / "cloze_austen.yaml")], tmp_path), limit=12,
+                          batch_size=4)["sparsify_cloze_austen"]
+    assert ours["n"] == theirs["samples"] == 12
+    assert ours["acc"] == theirs["acc"]
+    assert ours["perplexity"] == pytest.approx(theirs["perplexity"], rel=1e-4)
+    assert cloze.main([f"a={tiny_folders[0]}", "--limit", "3", "--device", "cpu", "--out", str(tmp_path / "o")]) == 0
+    assert json.loads((tmp_path / "o" / "cloze.json").read_text())["models"]["a"]["n"] == 3
