@@ -150,7 +150,7 @@ case "${1:-}" in
     inputs
     models="original=$WORK/smollm2.gguf"
     for d in "$WORK"/sweep/*/model; do [ -f "$d/config.json" ] && models="$models $(basename "$(dirname "$d")")=$d"; done
-    python eval/cloze.py $models --out "$OUT/cloze" 2>&1 | grep -v "^Converting\|^Loading" | tail -12
+    python eval/cloze.py $models --out "$OUT/cloze" 2>&1 | tail -12
     [ -d "$OUT/sweep" ] && python eval/frontier.py "$OUT"/sweep/*/ --out "$OUT/sweep" --cloze "$OUT/cloze/cloze.json" \
         >/dev/null || true
     ;;
