@@ -151,8 +151,10 @@ def _plot_ood(plt, train: list[dict], evals: list[dict], path: Path) -> None:
     for key, label in (("ood_ratio", "out-of-distribution ratio"), ("id_ratio", "in-distribution ratio")):
         points = [(h["tokens"] / 1e6, h[key]) for h in evals if key in h]
         a.plot(*zip(*points), "o-", label=label)
-    a.set(xlabel="tokens (M)", ylabel="perplexity / original's", title="quality kept vs zeros")
-    a.legend(loc="upper left")
+    # log scale: the bare swap's first evaluation reads hundreds of times the original, the later ones ~1-2x
+    a.set(xlabel="tokens (M)", ylabel="perplexity / original's (log)", yscale="log", title="quality kept vs zeros")
+    a.axhline(1.0, color="gray", lw=0.8)
+    a.legend(loc="upper right")
     b = a.twinx()
     b.plot([h["tokens"] / 1e6 for h in train], [h["sparsity"] for h in train], color="gray", alpha=0.6)
     b.set_ylabel("fraction of zeros (gray)")
@@ -186,6 +188,8 @@ def _plot_sparsity(plt, train: list[dict], path: Path) -> None:
     a.set(xlabel="tokens (M)", ylabel="fraction of zeros in h", title=f"per-layer sparsity ({layers} layers, "
           "dark = first)")
     a.legend()
-    b.set(xlabel="tokens (M)", ylabel="L1 coefficient", yscale="log", title="per-layer L1 coefficient")
+    positive = any(c > 0 for h in train for c in h["per_layer"]["l1_coef"])  # (l1 = 0: the no-L1 control)
+    b.set(xlabel="tokens (M)", ylabel="L1 coefficient", yscale="log" if positive else "linear",
+          title="per-layer L1 coefficient")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
