@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import functools
 import gc
+import math
 import sys
 import tempfile
 import time
@@ -89,6 +90,7 @@ class EvalSettings:
 
     tasks: list[str] | None = None
     texts: list[str] = field(default_factory=list)
+    ood_texts: list[str] = field(default_factory=list)  # text no model trained on: the OOD ratio's texts
     limit: int | None = None
     speed: bool = False
     batch_size: int = 8
@@ -102,8 +104,8 @@ class EvalSettings:
 
 
 def evaluate(models: list[str | Path], *, tasks: list[str] | None = None, texts: list[str | Path] | None = None,
-             limit: int | None = None, speed: bool = False, out: str | Path | None = None,
-             **options: Any) -> dict:
+             ood_texts: list[str | Path] = (), limit: int | None = None, speed: bool = False,
+             out: str | Path | None = None, **options: Any) -> dict:
     """Evaluate one or more models side by side and (if `out`) write report.json, report.md and plots.
 
     Args:
@@ -111,7 +113,10 @@ def evaluate(models: list[str | Path], *, tasks: list[str] | None = None, texts:
         tasks: lm-eval task names and/or local task YAML files/folders; None = the paper's seven
             (needs the Hub); [] or ["none"] = no accuracy section.
         texts: text files for perplexity, bits per byte and the sparsity profile; None = the held-out
-            text bundled with sparsify (perplexity.HELDOUT_TEXT); [] = no text section.
+            text bundled with sparsify (perplexity.HELDOUT_TEXT), or none when ood_texts are given; [] = no text
+            section.
+        ood_texts: text files from sources none of the models trained on, scored like `texts`; each model's
+            `ood_ratio` (the headline) is the geometric mean over them of its perplexity / the first model's.
         limit: at most this many examples per task.
         speed: time prefill/decode, TwELL vs dense (CUDA only; on CPU the section says so).
         out: output folder; files are replaced atomically.
@@ -122,21 +127,23 @@ def evaluate(models: list[str | Path], *, tasks: list[str] | None = None, texts:
     Returns:
         The report dict (what report.json holds).
     """
-    bundled = texts is None
-    texts = [HELDOUT_TEXT] if bundled else texts
-    settings = EvalSettings(tasks=tasks, texts=[str(t) for t in texts], limit=limit, speed=speed, **options)
+    bundled = texts is None and not ood_texts
+    texts = [HELDOUT_TEXT] if bundled else list(texts or [])
+    settings = EvalSettings(tasks=tasks, texts=[str(t) for t in texts], ood_texts=[str(t) for t in ood_texts],
+                            limit=limit, speed=speed, **options)
     problems = settings_problems(settings)
     if problems:
         raise SparsifyError(" ".join(problems))
     torch_dtype(settings.dtype, "cpu")  # an unknown --dtype fails before any model is loaded
     specs = parse_models(list(models))
-    text_paths = check_texts(settings.texts)
+    text_paths = check_texts(settings.texts + settings.ood_texts)
     device = pick_device(settings.device)
     with tempfile.TemporaryDirectory(prefix="sparsify-tasks-") as tmp:
         task_spec = resolve_tasks(tasks, Path(tmp))
         check_tasks(task_spec)
         with quiet_bars(not settings.progress):
             rows = _run_all(specs, task_spec, text_paths, settings, device)
+    add_ood_ratio(rows, [Path(t).name for t in settings.ood_texts])
     report = {"sparsify_report": 1, "provenance": provenance(device),
               "settings": {**asdict(settings), "device": device, "task_names": task_spec.names,
                            "texts_bundled": bundled},
@@ -148,6 +155,17 @@ def evaluate(models: list[str | Path], *, tasks: list[str] | None = None, texts:
     return report
 
 
+def add_ood_ratio(rows: list[dict], names: list[str]) -> None:
+    """Each model row's `ood_ratio`: the geometric mean over the out-of-distribution texts `names` of its
+    perplexity / the first model's (the reference, normally the original: 1.0 for itself)."""
+    if not names or not rows:
+        return
+    base = rows[0]["perplexity"]
+    for row in rows:
+        logs = [math.log(row["perplexity"][n]["perplexity"] / base[n]["perplexity"]) for n in names]
+        row["ood_ratio"] = math.exp(sum(logs) / len(logs))
+
+
 def settings_problems(settings: EvalSettings) -> list[str]:
     """Numbers out of range, named as the command line spells them (before any model is loaded)."""
     checks = [("--limit", settings.limit, 1, "a positive number of examples per task"),
@@ -155,8 +173,14 @@ def settings_problems(settings: EvalSettings) -> list[str]:
               ("--window", settings.window, 2, "at least 2 tokens (one of context, one scored)"),
               ("--text-tokens", settings.text_tokens, 1,
                "a positive number of tokens per text file (all: 0 on the command line, None in Python)")]
-    return [f"{flag} {value}: must be {what}." for flag, value, least, what in checks
-            if value is not None and value < least]
+    problems = [f"{flag} {value}: must be {what}." for flag, value, least, what in checks
+                if value is not None and value < least]
+    names = [Path(t).name for t in settings.texts + settings.ood_texts]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:  # the report keys each text by its file name
+        problems.append(f"--text / --ood-text: {', '.join(twice)} given twice (the report names a text by its file "
+                        "name); give each file once, or rename one copy.")
+    return problems
 
 
 @contextlib.contextmanager
@@ -239,6 +263,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text", nargs="+", action="extend", default=[], metavar="FILE",
                         help="text files for perplexity, bits per byte and the sparsity profile (default: the "
                              f"held-out text bundled with sparsify, {HELDOUT_TEXT.name}; 'none' skips them)")
+    parser.add_argument("--ood-text", nargs="+", action="extend", default=[], metavar="FILE",
+                        help="text files from sources the models never trained on (say, a novel, news, another "
+                             "project's docs): scored like --text, and the geometric mean of each model's "
+                             "perplexity / the first model's over them is the report's headline OOD ratio. With "
+                             "--ood-text and no --text, the bundled text is not scored")
     parser.add_argument("--limit", type=int, default=None,
                         help="at most N examples per task, for quick runs (default: all)")
     parser.add_argument("--speed", action="store_true", help="time prefill/decode, TwELL vs dense (CUDA only)")
@@ -270,11 +299,11 @@ def main(args: argparse.Namespace) -> int:
     tasks = None if args.tasks is None else [t.strip() for t in args.tasks.split(",") if t.strip()]
     grid = SpeedGrid(batches=args.speed_batches, seqs=args.speed_seqs, decode_batches=args.decode_batches)
     texts = None if not args.text else [] if [t.lower() for t in args.text] == ["none"] else args.text
-    if texts is None:
+    if texts is None and not args.ood_text:
         print(f"sparsify eval: no --text given, so perplexity and the sparsity profile are measured on the "
               f"held-out text bundled with sparsify ({HELDOUT_TEXT.name}: Python HOWTO documents); pass --text "
               "FILE for your own, or --text none to skip them.", file=sys.stderr)
-    report = evaluate(args.models, tasks=tasks, texts=texts, limit=args.limit, speed=args.speed,
+    report = evaluate(args.models, tasks=tasks, texts=texts, ood_texts=args.ood_text, limit=args.limit, speed=args.speed,
                       out=args.out, batch_size=args.batch_size, window=args.window,
                       text_tokens=None if args.text_tokens == 0 else args.text_tokens, device=args.device, dtype=args.dtype,
                       trust_remote_code=args.trust_remote_code, grid=grid, progress=not args.quiet)

@@ -65,7 +65,8 @@ def render_markdown(report: dict) -> str:
     models = report["models"]
     names = [m["name"] for m in models]
     parts = ["# sparsify eval report", "", _models_table(models), ""]
-    for title, body in (("Accuracy (lm-eval)", _accuracy_table(models, names)),
+    for title, body in (("Out-of-distribution ratio (the headline)", _ood_table(report, names)),
+                        ("Accuracy (lm-eval)", _accuracy_table(models, names)),
                         ("Perplexity", _perplexity_table(models, names)),
                         ("Activation sparsity (h = act(gate) * up, the input of down_proj)", _sparsity_table(models, names)),
                         ("Speed", _speed_tables(models))):
@@ -80,6 +81,20 @@ def _models_table(models: list[dict]) -> str:
              m.get("intermediate_size"), f"{m.get('parameters', 0) / 1e6:.1f}M", "yes" if m.get("twell_capable") else "no"]
             for m in models]
     return markdown_table(["model", "source", "type", "act", "layers", "F", "params", "TwELL code"], rows)
+
+
+def ood_texts(report: dict) -> list[str]:
+    """The names of the texts no model trained on (--ood-text), as the perplexity tables key them."""
+    return [Path(t).name for t in (report.get("settings") or {}).get("ood_texts") or []]
+
+
+def _ood_table(report: dict, names: list[str]) -> str:
+    texts = ood_texts(report)
+    if not texts or len(names) < 2:
+        return ""
+    return (markdown_table(["", *names], [["OOD ratio", *(_ratio(m.get("ood_ratio"), 1.0) for m in report["models"])]])
+            + f"\n\nPerplexity / {names[0]}'s, geometric mean over the {len(texts)} text(s) given as never trained on "
+            f"(--ood-text): {', '.join(texts)}. The per-text ratios are in the perplexity table.")
 
 
 def _accuracy_table(models: list[dict], names: list[str]) -> str:
@@ -225,6 +240,10 @@ def summary(report: dict, out: Path | None = None) -> str:
         return f"{title}: " + " | ".join(f"{n} {v}" for n, v in cells) if cells else None
 
     lines = [f"sparsify eval: {len(models)} model{'s' * (len(models) != 1)} ({', '.join(m['name'] for m in models)})"]
+    if ood_texts(report) and len(models) > 1:
+        lines.append(line(f"OOD ratio (perplexity / {models[0]['name']}'s, geometric mean over "
+                          f"{len(ood_texts(report))} text(s) never trained on)",
+                          [(m["name"], _ratio(m.get("ood_ratio"), 1.0)) for m in models]))
     for text in sorted({t for m in models for t in m.get("perplexity", {})}):
         first = next(m["perplexity"][text] for m in models if text in m["perplexity"])
         scored = f"{first['tokens']} tokens" + (f", {first['window']}-token windows" if first.get("window") else "")

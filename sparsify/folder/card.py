@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from sparsify.evaluation.report import fmt, is_metric, markdown_table, with_stderr
+from sparsify.evaluation.report import fmt, is_metric, markdown_table, ood_texts, with_stderr
 from sparsify.sources import is_hub_id
 
 TAGS = ["sparsify", "relu", "activation-sparsity", "twell"]
@@ -97,6 +97,8 @@ def _index_results(row: dict) -> list[dict]:
         results.append(entry(text, "text", {"perplexity": ppl.get("perplexity"), "bits_per_byte": ppl.get("bits_per_byte"),
                                             "ffn_activation_zeros": summary.get("zeros"),
                                             "ffn_nonzeros_per_token": summary.get("nnz_mean")}))
+    if row.get("ood_ratio") is not None:
+        results.append(entry("out-of-distribution text", "text", {"ood_perplexity_ratio": row["ood_ratio"]}))
     speed = {f"prefill_b{r['batch']}_s{r['seq']}_auto_over_dense": r.get("auto_over_dense")
              for r in ((row.get("speed") or {}).get("speedup") or {}).get("prefill", [])}
     results.append(entry(f"prefill throughput on {(row.get('speed') or {}).get('device')}", "speed", speed))
@@ -110,6 +112,10 @@ def _results_section(report: dict, row: dict) -> str:
         rows = [[t, k, with_stderr(m, k), m.get("samples")] for t, m in sorted(row["accuracy"].items())
                 for k in sorted(m) if is_metric(k)]
         parts.append(markdown_table(["task", "metric", "value (± standard error)", "items"], rows))
+    if row.get("ood_ratio") is not None and report["models"][0] is not row:
+        parts.append(f"**Out-of-distribution ratio: {row['ood_ratio']:.3f}x**: perplexity / "
+                     f"{report['models'][0]['name']}'s, geometric mean over text from sources it never trained on "
+                     f"({', '.join(ood_texts(report))}).")
     if row.get("perplexity"):
         parts.append(markdown_table(["text", "tokens", "perplexity", "bits per byte"],
                                     [[t, p["tokens"], p["perplexity"], p["bits_per_byte"]]

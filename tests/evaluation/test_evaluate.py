@@ -95,6 +95,35 @@ def test_eval_without_text_uses_the_bundled_heldout_text_and_says_so(tiny_folder
     assert report["models"][0]["perplexity"] == {} and "no --text given" not in capsys.readouterr().err
 
 
+def test_ood_texts_give_the_headline_ratio_in_report_summary_and_card(tiny_folders, tmp_path, capsys):
+    """--ood-text: scored like --text, and each model's geometric-mean perplexity ratio to the first model over
+    those texts is the headline in report.json, report.md, the printed summary and the model card."""
+    from sparsify.folder.card import hub_card
+
+    texts = []
+    for name, part in (("novel.txt", slice(0, 3000)), ("news.txt", slice(3000, 6000))):
+        (tmp_path / name).write_text(TEXT.read_text()[part])
+        texts.append(str(tmp_path / name))
+    out = tmp_path / "r"
+    argv = ["eval", f"orig={tiny_folders[0]}", f"ft={tiny_folders[1]}", "--tasks", "none", "--ood-text", *texts,
+            "--window", "64", "--out", str(out), "-q"]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr()
+    assert "no --text given" not in printed.err  # OOD text alone: the bundled text is not scored
+    report = json.loads((out / "report.json").read_text())
+    orig, ft = report["models"]
+    assert set(ft["perplexity"]) == {"novel.txt", "news.txt"}
+    want = math.sqrt(math.prod(ft["perplexity"][n]["perplexity"] / orig["perplexity"][n]["perplexity"]
+                               for n in ("novel.txt", "news.txt")))
+    assert orig["ood_ratio"] == 1.0 and ft["ood_ratio"] == pytest.approx(want) and ft["ood_ratio"] != 1.0
+    assert f"| OOD ratio | 1.000x | {want:.3f}x |" in (out / "report.md").read_text()
+    assert f"OOD ratio (perplexity / orig's, geometric mean over 2 text(s) never trained on): orig 1.000x | ft {want:.3f}x" in printed.out
+    card = hub_card("user/ft", json.loads((Path(tiny_folders[1]) / "config.json").read_text()), report, ft)
+    assert f"**Out-of-distribution ratio: {want:.3f}x**" in card and "ood_perplexity_ratio" in card
+    assert cli.main(["eval", str(tiny_folders[0]), "--text", texts[0], "--ood-text", texts[0]]) == 2
+    assert "novel.txt given twice" in capsys.readouterr().err
+
+
 def test_quiet_hides_every_progress_bar_and_lm_eval_model_warnings_never_show(tiny_folders, tmp_path, capsys):
     import io
 
