@@ -7,7 +7,8 @@ synchronous density count and a check that TwELL's output is the dense FFN's; th
 in paired rounds through the code a later call runs, eagerly and, for decode sizes, replayed from CUDA
 graphs (captured calls use that decision). TwELL is kept only when the median paired ratio beats
 `margin`. The density is refreshed every `refresh` calls without a host sync; a drift re-times the
-bucket. Once a bucket chose dense, `fast_path` runs the dense FFN after one lookup.
+bucket. Once a bucket chose dense, `fast_path` runs the dense FFN after one lookup, and `dense_grant` lets a
+module skip even that until the next refresh (SparseMLP runs its own dense expression meanwhile).
 
 The clock (timing, graph capture), the store (per-layer state, W_down^T copies), the capture query and
 the sparse path are injected; CudaClock, WeightStore and TwellPath are the real ones.
@@ -285,6 +286,20 @@ class Dispatcher:
         st.calls += 1
         self.last_backend = "dense"
         return ffn_dense(x, w_gate, w_up, w_down)
+
+    def dense_grant(self, w_gate: torch.Tensor, m: int) -> int:
+        """How many of this layer's next calls of m rows the caller may run as the plain dense FFN without
+        calling auto at all: those before the next density refresh, when both regimes of the bucket chose
+        dense and no re-timing is due; else 0. The calls are counted now, so refreshes keep their period in
+        real calls (a module holding a grant calls auto again at the refresh: see SparseMLP)."""
+        states = self.store.get("states", w_gate)
+        st = None if states is None else states.get(bucket(m))
+        if st is None or not st.all_dense or st.retune:
+            return 0
+        every = self.policy.refresh_dense
+        n = every - 1 - st.calls % every
+        st.calls += n
+        return n
 
     def run(self, x2d, w_gate, w_up, w_down, w_down_t=None) -> torch.Tensor:
         """fast_path, else the slow path: twell_ffn(backend="auto") on [M, d] without argument checks."""

@@ -21,7 +21,7 @@ import torch.nn as nn
 import transformers
 
 from .fast_decode import FastDecode, enable_fast_decode
-from .twell_ops import dense_capture_active, last_backend, twell_ffn
+from .twell_ops import dense_capture_active, dense_grant, last_backend, twell_ffn
 from .twell_triton import HAS_TRITON
 
 __all__ = ["SparseMLP", "sparsify_mlps", "set_ffn_backend", "default_backend", "enable_fast_decode", "FastDecode"]
@@ -45,6 +45,10 @@ class SparseMLP(nn.Module):
     `ffn_backend` ("auto" | "twell" | "dense") is passed to twell_ffn; "dense" also skips the kernels.
     `last_path` records which path the last forward took: "twell_ffn:twell" / "twell_ffn:dense" (what the
     kernels' dispatcher actually ran) or "torch" (the nn.Linear modules).
+
+    Once "auto" decided dense for a shape's M bucket (eager and graph replay), the dispatcher grants the calls
+    up to its next density refresh: those run the torch expression directly, after one attribute test (no op,
+    no lookup), and the refresh call goes through twell_ffn again.
     """
 
     def __init__(self, mlp: nn.Module):
@@ -56,9 +60,19 @@ class SparseMLP(nn.Module):
             self.gate_proj = mlp.gate_proj
             self.up_proj = mlp.up_proj
         self.down_proj = mlp.down_proj
+        self._dense_left = 0  # calls of shape _dense_shape that run dense without twell_ffn (dense_grant)
+        self._dense_shape: torch.Size | None = None
         self.ffn_backend = "auto"
         self.last_path = ""
         self._views = None  # Phi-3: cached gate/up views (the dispatcher keys a layer by its W_gate object)
+
+    @property
+    def ffn_backend(self) -> str:
+        return self._ffn_backend
+
+    @ffn_backend.setter
+    def ffn_backend(self, backend: str) -> None:
+        self._ffn_backend, self._dense_left = backend, 0  # a grant is auto's: another backend ends it
 
     def _projections(self) -> list[nn.Module]:
         return [self.gate_up_proj, self.down_proj] if self.fused else [self.gate_proj, self.up_proj, self.down_proj]
@@ -94,6 +108,10 @@ class SparseMLP(nn.Module):
         return self._weights()[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # (is_compiling first: dynamo must not guard on the countdown, or every call would recompile)
+        if not torch.compiler.is_compiling() and self._dense_left and x.shape == self._dense_shape:
+            self._dense_left -= 1  # granted by auto: last_path is still the granting call's "twell_ffn:dense"
+            return self._torch_ffn(x)
         reason = self.kernel_reason(x)
         if reason is None:
             w_gate, w_up, w_down = self._weights()  # [F, d], [F, d], [d, F]
@@ -101,11 +119,17 @@ class SparseMLP(nn.Module):
             if not torch.compiler.is_compiling():  # (traced: the op's path is only known when it runs)
                 _announce(f"twell_ffn (backend={self.ffn_backend})", "CUDA inference with Triton")
                 self.last_path = f"twell_ffn:{last_backend()}"
+                if self.ffn_backend == "auto":
+                    self._dense_left, self._dense_shape = dense_grant(w_gate, x.numel() // x.shape[-1]), x.shape
             return y
         if not torch.compiler.is_compiling():
             self.last_path = "torch"
             if reason != TWIN:  # (the twin is a check inside a capture, not the path the model runs)
                 _announce("torch", reason)
+        return self._torch_ffn(x)
+
+    def _torch_ffn(self, x: torch.Tensor) -> torch.Tensor:
+        """The stock model's expression through the nn.Linear modules (what stock transformers runs)."""
         if self.fused:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
             return self.down_proj(up * torch.relu(gate))

@@ -31,6 +31,7 @@ def _auto_entry(x2d, w_gate, w_up, w_down, w_down_t):
 AUTO = Dispatcher(CudaClock(), WeightStore(), entry=_auto_entry)  # the process's "auto" (real clock and store)
 dense_in_capture = AUTO.dense_in_capture
 twell_in_capture = AUTO.twell_in_capture
+dense_grant = AUTO.dense_grant  # (w_gate, m) -> calls a module may run dense without calling twell_ffn
 
 
 def dense_capture_active() -> bool:

@@ -105,3 +105,23 @@ def test_auto_probe_smoke_on_cpu(tmp_path):
     assert set(row["profile"]) == {"twell_triton", "twell", "auto", "auto_tw", "auto_tw_r16"}
     assert all("api_per_call" in p for p in row["profile"].values()), row["profile"]
     assert twell_ops.AUTO.policy.refresh == row["REFRESH"] and "| auto_tw_norefr |" in res.stdout
+
+
+def test_bench_auto_overhead_smoke_on_cpu(tmp_path):
+    """eval/bench_auto_overhead.py (dense vs auto vs auto without dense_grant, prefill and a decode step on a
+    cache) runs end to end on a tiny synth folder, restores the grant, and writes its JSON."""
+    from sparsify.folder.synth import synth
+
+    from tests.folder.test_synth import TINY
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    synth(tmp_path / "config.json", tmp_path / "model", zeros=0.9, dtype="fp32", progress=False)
+    res = subprocess.run([sys.executable, str(ROOT / "eval" / "bench_auto_overhead.py"), f"tiny={tmp_path / 'model'}",
+                          "--prompt", "16", "--rounds", "3", "--calls", "4", "--out", str(tmp_path / "o")],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    row = json.loads((tmp_path / "o" / "auto-overhead.json").read_text())["rows"][0]
+    assert set(row["cases"]) == {"prefill", "decode"}
+    for case in row["cases"].values():
+        assert set(case["ms"]) == {"dense", "auto", "auto_no_grant"} and min(case["ms"].values()) > 0
+    assert "| tiny | decode |" in res.stdout

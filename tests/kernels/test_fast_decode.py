@@ -291,3 +291,61 @@ def test_compiled_step_through_the_twell_op_is_one_graph(tiny, monkeypatch):
         torch._dynamo.reset()
     assert counters["stats"]["unique_graphs"] == 1  # the greedy step's forward, whole
     assert torch.equal(ref, got)
+
+
+def test_auto_decided_dense_skips_the_op_until_the_refresh(tiny, monkeypatch):
+    """Once auto decided dense for a bucket (both regimes), a SparseMLP runs its torch expression without
+    calling twell_ffn until the dispatcher's next density refresh (a counted wrapper stands for the CUDA
+    op); another shape, a backend switch or a twell decision go through the op; greedy tokens are unchanged."""
+    import sys
+
+    mod = sys.modules[type(tiny).__module__]  # the folder's modeling_sparsify.py
+    ops = sys.modules[mod.twell_ffn.__module__]
+    dispatch = sys.modules[ops.AUTO.__module__]
+    calls = []
+
+    def op(x, w_gate, w_up, w_down, backend="auto"):  # twell_ffn(backend="auto") as it runs on CUDA
+        calls.append(tuple(x.shape))
+        return ops.AUTO.run(x.reshape(-1, x.shape[-1]), w_gate, w_up, w_down).reshape(*x.shape[:-1], -1)
+
+    ids = torch.randint(3, TINY["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(7))
+    ref = tiny.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    monkeypatch.setattr(mod.SparseMLP, "kernel_reason", lambda self, x: None)  # the CUDA path, on CPU
+    monkeypatch.setattr(mod, "twell_ffn", op)
+    monkeypatch.setattr(ops.AUTO, "capturing", lambda: False)  # (a CPU build of torch cannot ask CUDA)
+    monkeypatch.setattr(ops.AUTO, "policy", dispatch.Policy(drift=1e9))  # no re-timing: it needs a CUDA clock
+    mlps = [m for m in tiny.modules() if isinstance(m, mod.SparseMLP)]
+
+    def decided(graph: str = "dense"):
+        for m in mlps:
+            m.ffn_backend = "auto"  # (drops any grant)
+            ops.AUTO.store.put("states", m.gate_weight(), {
+                1 << b: dispatch.LayerState(decision="dense", graph_decision=graph, density=0.1, density0=0.1)
+                for b in range(8)})
+
+    try:
+        decided()
+        mlp, every = mlps[0], ops.AUTO.policy.refresh_dense
+        x = torch.randn(1, 3, TINY["hidden_size"])
+        with torch.no_grad():
+            for _ in range(2 * every + 50):
+                assert torch.equal(mlp(x), mlp._torch_ffn(x))
+            assert len(calls) == 3 and mlp.last_path == "twell_ffn:dense", calls  # the first call, then each refresh
+            mlp(torch.randn(1, 5, TINY["hidden_size"]))  # another shape: through the op
+            mlp.ffn_backend = "dense"
+            mlp.ffn_backend = "auto"
+            mlp(x)  # the grant ended with the switch
+            assert len(calls) == 5
+            decided(graph="twell")  # captured calls would run twell: no grant
+            for _ in range(4):
+                mlp(x)
+            assert len(calls) == 9
+            decided()
+            calls.clear()
+            got = tiny.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        assert torch.equal(ref, got)
+        assert len(calls) == 2 * len(mlps), calls  # per layer the prefill and the first decode step; 4 steps skip it
+    finally:
+        for m in mlps:
+            ops.AUTO.store.drop("states", m.gate_weight())
+            m.ffn_backend = "auto"

@@ -1,0 +1,143 @@
+"""What `auto` costs a whole model in eager calls once it decided dense: the model with the FFN backend "dense",
+"auto" as shipped (a decided-dense layer runs its torch expression after one attribute test until the next
+density refresh: dense_grant), and "auto" without that grant (every call through twell_ffn and the dispatcher's
+lookup), timed side by side in one run.
+
+    python eval/bench_auto_overhead.py MODEL_FOLDER... [--batch 1] [--prompt 512] [--rounds 7] [--out DIR]
+
+Per model: the prefill forward of a [batch, prompt] prompt (no cache), and one decode step (a 1-token forward
+on a cache holding the prompt, cropped back after each call). Each round times every variant once as a loop of
+calls, in an order that flips every round; the table gives the medians of the per-round ratios. A folder written
+by `sparsify synth` is a fine input (speed, not quality). On CPU every variant runs the torch path (a smoke run).
+Writes auto-overhead.json and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from sparsify.evaluation.loading import load_model, parse_models, pick_device
+
+
+def loop_ms(fn, n: int, cuda: bool) -> float:
+    """ms per call of n back-to-back calls (CUDA events on a GPU, the wall clock elsewhere)."""
+    if cuda:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(n):
+            fn()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) / n
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t) * 1e3 / n
+
+
+def variants(model) -> dict:
+    """{name: prepare()}: set the backend (and the grant) the name stands for."""
+    modeling = sys.modules[type(model).__module__]
+    granting = modeling.dense_grant
+
+    def use(backend: str, grant: bool):
+        def prepare() -> None:
+            modeling.dense_grant = granting if grant else (lambda w_gate, m: 0)
+            model.set_ffn_backend(backend)  # (also ends any grant a module holds)
+        return prepare
+
+    return {"dense": use("dense", False), "auto": use("auto", True), "auto_no_grant": use("auto", False)}
+
+
+def paired(fns: dict, prep: dict, calls: int, rounds: int, cuda: bool) -> dict[str, list[float]]:
+    """{variant: [ms per call, one per round]}; the order flips every round."""
+    names = list(fns)
+    for name in names:  # warm: auto calibrates each layer's bucket on its first calls
+        prep[name]()
+        for _ in range(3):
+            fns[name]()
+    out: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(rounds):
+        for k in names if r % 2 == 0 else names[::-1]:
+            prep[k]()
+            fns[k]()  # the first call after a switch takes the grant (not timed)
+            out[k].append(loop_ms(fns[k], calls, cuda))
+    return out
+
+
+def bench_model(source: str, device: str, batch: int, prompt: int, rounds: int, calls: int) -> dict:
+    from transformers import DynamicCache
+
+    spec = parse_models([source])[0]
+    model, _ = load_model(spec, device, "auto")
+    if not hasattr(model, "set_ffn_backend"):
+        raise SystemExit(f"{source}: not a sparsify model (no FFN backends to compare)")
+    cuda = device.startswith("cuda")
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, model.config.vocab_size, (batch, prompt), generator=gen).to(device)
+    step = torch.randint(3, model.config.vocab_size, (batch, 1), generator=gen).to(device)
+    prep = variants(model)
+    fast = model.__dict__.get("_fast_decode")
+    if fast is not None:
+        fast.enabled = False  # plain eager forwards: the graph-replayed decode regime is another measurement
+    row = {"model": spec.name, "source": source, "batch": batch, "prompt": prompt, "cases": {}}
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(ids, cache=cache, use_cache=True)
+
+        def decode():
+            model(step, cache=cache, use_cache=True)
+            cache.crop(-1)  # (transformers 5: a negative count removes that many tokens)
+
+        for case, fn in (("prefill", lambda: model(ids, use_cache=False)), ("decode", decode)):
+            times = paired({k: fn for k in prep}, prep, calls if case == "decode" else max(1, calls // 4), rounds, cuda)
+            row["cases"][case] = {
+                "ms": {k: statistics.median(v) for k, v in times.items()},
+                "dense_over_auto": statistics.median(d / a for d, a in zip(times["dense"], times["auto"])),
+                "dense_over_auto_no_grant": statistics.median(
+                    d / a for d, a in zip(times["dense"], times["auto_no_grant"])),
+            }
+    prep["auto"]()
+    del model
+    if cuda:
+        torch.cuda.empty_cache()
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("models", nargs="+", help="[NAME=]FOLDER of a sparsify model (sparsify synth / convert / finetune)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--prompt", type=int, default=512, help="prompt tokens (default 512)")
+    p.add_argument("--rounds", type=int, default=7, help="paired rounds (default 7)")
+    p.add_argument("--calls", type=int, default=40, help="decode calls per timed loop (prefill: a quarter)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--out", type=Path, default=None, help="write auto-overhead.json here")
+    args = p.parse_args(argv)
+    device = pick_device(args.device)
+    rows = [bench_model(m, device, args.batch, args.prompt, args.rounds, args.calls) for m in args.models]
+    env = {"device": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu", "torch": torch.__version__}
+    print(f"eager calls, {env['device']}, torch {env['torch']}, batch {args.batch}, prompt {args.prompt}, "
+          f"{args.rounds} paired rounds (ratios > 1: faster than dense)")
+    print("| model | case | dense ms | auto ms | auto without grant ms | dense / auto | dense / auto without grant |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        for case, c in r["cases"].items():
+            ms = c["ms"]
+            print(f"| {r['model']} | {case} | {ms['dense']:.3f} | {ms['auto']:.3f} | {ms['auto_no_grant']:.3f} | "
+                  f"{c['dense_over_auto']:.3f}x | {c['dense_over_auto_no_grant']:.3f}x |")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "auto-overhead.json").write_text(json.dumps({"conditions": env, "rows": rows}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
