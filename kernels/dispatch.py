@@ -256,6 +256,14 @@ class Dispatcher:
         st = None if states is None else states.get(bucket(m))
         return st is not None and st.graph_decision == "twell"
 
+    def decisions(self, w_gate: torch.Tensor) -> dict[int, dict]:
+        """Per M bucket of this layer (its W_gate): the eager and graph-replay decisions, the density last
+        measured, and why (the median paired ratio twell / dense of each timing, or the rule that decided)."""
+        states = self.store.get("states", w_gate) or {}
+        return {b: {"eager": st.decision, "graph": st.graph_decision, "density": st.density,
+                    **{k: st.times[k] for k in ("ratio", "graph_ratio", "rule") if k in st.times}}
+                for b, st in sorted(states.items())}
+
     def down_t(self, w_down: torch.Tensor, w_down_t: torch.Tensor | None = None) -> torch.Tensor:
         """W_down^T [F, d] for K2: the caller's copy, else one cached per W_down version (made on first use)."""
         if w_down_t is not None:

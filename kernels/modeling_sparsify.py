@@ -21,7 +21,7 @@ import torch.nn as nn
 import transformers
 
 from .fast_decode import FastDecode, enable_fast_decode
-from .twell_ops import dense_capture_active, dense_grant, last_backend, twell_ffn
+from .twell_ops import auto_decisions, dense_capture_active, dense_grant, last_backend, twell_ffn
 from .twell_triton import HAS_TRITON
 
 __all__ = ["SparseMLP", "sparsify_mlps", "set_ffn_backend", "default_backend", "enable_fast_decode", "FastDecode"]
@@ -102,6 +102,10 @@ class SparseMLP(nn.Module):
             f = w.shape[0] // 2
             self._views = (key, w[:f], w[f:])  # [F, d] each
         return self._views[1], self._views[2], self.down_proj.weight
+
+    def auto_decisions(self) -> dict[int, dict]:
+        """What `auto` decided for this layer, per M bucket (eager and graph replay), with the density and why."""
+        return auto_decisions(self.gate_weight())
 
     def gate_weight(self) -> torch.Tensor:
         """W_gate [F, d] as the kernels see it (the object the dispatcher keys this layer by)."""

@@ -32,6 +32,7 @@ from typing import Any
 from sparsify.errors import SparsifyError
 from sparsify.evaluation.loading import ffn_backend_of, installed_modeling, load_model, parse_models
 from sparsify.evaluation.speed import int_list
+from sparsify.families import mlp_modules
 
 GPU_ONLY = ("sparsify bench is GPU-only: it needs a CUDA GPU and none is visible here (CPU timings say nothing "
             "about the TwELL kernels). On CPU, `sparsify eval` measures accuracy, perplexity and sparsity.")
@@ -214,8 +215,49 @@ def markdown(report: dict) -> str:
                       "|---|---|---|---|---|---|"]
             lines += [f"| {s['regime']} | {s['batch']} | {s['prompt']} | **{s['decode_speedup']:.2f}x** | "
                       f"{s['ttft_speedup']:.2f}x | {100 * s['dense_step_spread']:.1f}% |" for s in model["speedups"]]
+        lines += layer_tables(model.get("layers") or [])
         lines.append("")
     return "\n".join(lines)
+
+
+def layer_tables(layers: list[dict]) -> list[str]:
+    """Which FFN backend each layer ran, per M bucket: what `auto` decided in eager calls and in graph replay,
+    the density it measured, and why (a paired timing's median ratio twell / dense, or a rule)."""
+    buckets = sorted({int(b) for layer in layers for b in layer}, key=int)
+    if not buckets:
+        return []
+    n = len(layers)
+
+    def get(layer: dict, b: int) -> dict | None:
+        return layer.get(b, layer.get(str(b)))  # (int keys in memory, str keys from bench.json)
+
+    lines = ["", "FFN backend per layer, as `auto` decided it (eager calls / calls replayed from CUDA graphs):", "",
+             "| M bucket | layers on twell, eager | layers on twell, graph replay | density (median over layers) |",
+             "|---|---|---|---|"]
+    for b in buckets:
+        states = [st for st in (get(layer, b) for layer in layers) if st]
+        eager = [i for i, layer in enumerate(layers) if (get(layer, b) or {}).get("eager") == "twell"]
+        graph = [i for i, layer in enumerate(layers) if (get(layer, b) or {}).get("graph") == "twell"]
+        dens = sorted(st["density"] for st in states if st.get("density") is not None)
+        lines.append(f"| {b} | {len(eager)} of {n}{_ids(eager)} | {len(graph)} of {n}{_ids(graph)} | "
+                     f"{'-' if not dens else f'{100 * dens[len(dens) // 2]:.2f}%'} |")
+    lines += ["", "| layer | " + " | ".join(f"M <= {b}" for b in buckets) + " |", "|---" * (len(buckets) + 1) + "|"]
+    for i, layer in enumerate(layers):
+        lines.append(f"| {i} | " + " | ".join(_cell(get(layer, b)) for b in buckets) + " |")
+    return lines + ["", "A cell: eager / graph decision, the density measured, and why (the median paired ratio "
+                        "twell / dense of its timing, or the rule that decided without timing)."]
+
+
+def _ids(layers: list[int]) -> str:
+    return "" if not layers else f" ({', '.join(map(str, layers[:12]))}{', ...' if len(layers) > 12 else ''})"
+
+
+def _cell(st: dict | None) -> str:
+    if not st:
+        return "-"
+    why = st.get("rule") or " ".join(f"{k.replace('_ratio', '')} {st[k]:.2f}" for k in ("ratio", "graph_ratio") if k in st)
+    density = "" if st.get("density") is None else f" {100 * st['density']:.1f}%"
+    return f"{st.get('eager')} / {st.get('graph')}{density}" + (f" ({why})" if why else "")
 
 
 def plot(report: dict, path: Path) -> None:
@@ -304,7 +346,9 @@ def bench(models: list[str], *, batches=(1, 8, 32), prompts=(128, 512, 2048), ne
         rows = bench_model(model, batches=batches, prompts=prompts, new_tokens=new_tokens, repeats=repeats,
                            regimes=regimes, tokens=text_ids if text is not None else None, budget_s=budget_s,
                            progress=progress)
+        layers = [m.auto_decisions() for m in mlp_modules(model) if hasattr(m, "auto_decisions")]
         report["models"][spec.name] = {
+            "layers": layers,  # per layer {M bucket: auto's eager / graph decision, density, why}
             "info": f"{type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters"
                     + (f", recorded FFN zeros {zeros:.1%}" if isinstance(zeros, float) else "")
                     + (", synthetic (random weights)" if info.get("synthetic") else ""),

@@ -27,6 +27,20 @@ def test_speedups_pair_sparse_with_dense_of_the_same_case():
     assert "**1.25x**" in text and "skipped: out of GPU memory" in text
 
 
+def test_report_says_which_backend_each_layer_ran_per_bucket():
+    """report.md's per-layer tables: auto's eager and graph decisions per M bucket, counted over layers, with
+    the density and why (timing ratios or the rule), from bench.json's string keys as well."""
+    layers = [{1: {"eager": "twell", "graph": "twell", "density": 0.043, "ratio": 0.71, "graph_ratio": 0.62},
+               512: {"eager": "dense", "graph": "dense", "density": 0.05, "rule": "prefill density > 0.01"}},
+              {"1": {"eager": "dense", "graph": "twell", "density": 0.02, "ratio": 1.01, "graph_ratio": 0.8}}]
+    text = markdown({"gpu": "GPU", "provenance": {}, "settings": {"new_tokens": 256},
+                     "models": {"m": {"info": "", "rows": [], "speedups": [], "layers": layers}}})
+    assert "| 1 | 1 of 2 (0) | 2 of 2 (0, 1) | 4.30% |" in text
+    assert "| 512 | 0 of 2 | 0 of 2 | 5.00% |" in text
+    assert "| 0 | twell / twell 4.3% (ratio 0.71 graph 0.62) | dense / dense 5.0% (prefill density > 0.01) |" in text
+    assert "| 1 | dense / twell 2.0% (ratio 1.01 graph 0.80) | - |" in text
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
 def test_bench_refuses_without_a_gpu(capsys, tmp_path):
     assert cli(["bench", str(tmp_path)]) == 2

@@ -380,3 +380,16 @@ def test_dense_grant_keeps_the_refresh_period_in_real_calls():
         d = dispatcher(times)
         d.run(x, wg, wu, wd)
         assert d.dense_grant(wg, 20) == 0 and d.dense_grant(wg, 200) == 0  # (200: a bucket with no state)
+
+
+def test_decisions_report_each_bucket_of_a_layer():
+    """Dispatcher.decisions (bench's per-layer report): per M bucket the eager and graph decisions, the density
+    and why; nothing for a layer never called."""
+    x, wg, wu, wd = make_case(20, 16, 64, 0.9, seed=43)
+    d = dispatcher(GRAPH_ONLY_TWELL)
+    assert d.decisions(wg) == {}
+    d.run(x, wg, wu, wd)
+    got = d.decisions(wg)
+    assert list(got) == [32] and (got[32]["eager"], got[32]["graph"]) == ("dense", "twell")
+    assert got[32]["ratio"] == pytest.approx(2.0) and got[32]["graph_ratio"] == pytest.approx(0.5)
+    assert 0 < got[32]["density"] < 1 and "rule" not in got[32]
