@@ -15,6 +15,7 @@ Writes auto-overhead.json and prints a markdown table.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import statistics
 import sys
@@ -88,12 +89,16 @@ def bench_model(source: str, device: str, batch: int, prompt: int, rounds: int, 
     if fast is not None:
         fast.enabled = False  # plain eager forwards: the graph-replayed decode regime is another measurement
     row = {"model": spec.name, "source": source, "batch": batch, "prompt": prompt, "cases": {}}
+    # the cache argument's name: `cache` from transformers 5.2x (past_key_values deprecated), else past_key_values
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
-        model(ids, cache=cache, use_cache=True)
+        model(ids, use_cache=True, **{name: cache})
+        if cache.get_seq_length() != prompt:
+            raise SystemExit(f"the prefill did not fill the cache given as {name}= (transformers changed its API?)")
 
         def decode():
-            model(step, cache=cache, use_cache=True)
+            model(step, use_cache=True, **{name: cache})
             cache.crop(-1)  # (transformers 5: a negative count removes that many tokens)
 
         for case, fn in (("prefill", lambda: model(ids, use_cache=False)), ("decode", decode)):

@@ -298,16 +298,21 @@ class Dispatcher:
     def dense_grant(self, w_gate: torch.Tensor, m: int) -> int:
         """How many of this layer's next calls of m rows the caller may run as the plain dense FFN without
         calling auto at all: those before the next density refresh, when both regimes of the bucket chose
-        dense and no re-timing is due; else 0. The calls are counted now, so refreshes keep their period in
-        real calls (a module holding a grant calls auto again at the refresh: see SparseMLP)."""
+        dense and no re-timing is due; else 0. The caller reports the calls it ran with `dense_used` before
+        it calls auto again, so refreshes keep their period in real calls (see SparseMLP)."""
         states = self.store.get("states", w_gate)
         st = None if states is None else states.get(bucket(m))
         if st is None or not st.all_dense or st.retune:
             return 0
         every = self.policy.refresh_dense
-        n = every - 1 - st.calls % every
-        st.calls += n
-        return n
+        return every - 1 - st.calls % every
+
+    def dense_used(self, w_gate: torch.Tensor, m: int, calls: int) -> None:
+        """Count `calls` calls of m rows that ran dense under a grant (a grant left unused costs nothing)."""
+        states = self.store.get("states", w_gate)
+        st = None if states is None else states.get(bucket(m))
+        if st is not None:
+            st.calls += calls
 
     def run(self, x2d, w_gate, w_up, w_down, w_down_t=None) -> torch.Tensor:
         """fast_path, else the slow path: twell_ffn(backend="auto") on [M, d] without argument checks."""

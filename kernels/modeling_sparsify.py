@@ -21,7 +21,7 @@ import torch.nn as nn
 import transformers
 
 from .fast_decode import FastDecode, enable_fast_decode
-from .twell_ops import auto_decisions, dense_capture_active, dense_grant, last_backend, twell_ffn
+from .twell_ops import auto_decisions, dense_capture_active, dense_grant, dense_used, last_backend, twell_ffn
 from .twell_triton import HAS_TRITON
 
 __all__ = ["SparseMLP", "sparsify_mlps", "set_ffn_backend", "default_backend", "enable_fast_decode", "FastDecode"]
@@ -60,7 +60,7 @@ class SparseMLP(nn.Module):
             self.gate_proj = mlp.gate_proj
             self.up_proj = mlp.up_proj
         self.down_proj = mlp.down_proj
-        self._dense_left = 0  # calls of shape _dense_shape that run dense without twell_ffn (dense_grant)
+        self._granted = self._dense_left = 0  # calls of shape _dense_shape auto granted / still to run dense
         self._dense_shape: torch.Size | None = None
         self.ffn_backend = "auto"
         self.last_path = ""
@@ -72,7 +72,16 @@ class SparseMLP(nn.Module):
 
     @ffn_backend.setter
     def ffn_backend(self, backend: str) -> None:
-        self._ffn_backend, self._dense_left = backend, 0  # a grant is auto's: another backend ends it
+        self._settle_grant()  # a grant is auto's: another backend ends it
+        self._ffn_backend = backend
+
+    def _settle_grant(self) -> None:
+        """End the current grant, telling auto how many of its calls ran (its refresh period counts them)."""
+        if self._granted:
+            used, shape = self._granted - self._dense_left, self._dense_shape
+            self._granted = self._dense_left = 0
+            if used:
+                dense_used(self.gate_weight(), shape.numel() // shape[-1], used)
 
     def _projections(self) -> list[nn.Module]:
         return [self.gate_up_proj, self.down_proj] if self.fused else [self.gate_proj, self.up_proj, self.down_proj]
@@ -118,13 +127,17 @@ class SparseMLP(nn.Module):
             return self._torch_ffn(x)
         reason = self.kernel_reason(x)
         if reason is None:
+            compiling = torch.compiler.is_compiling()
+            if not compiling:
+                self._settle_grant()
             w_gate, w_up, w_down = self._weights()  # [F, d], [F, d], [d, F]
             y = twell_ffn(x, w_gate, w_up, w_down, backend=self.ffn_backend)
-            if not torch.compiler.is_compiling():  # (traced: the op's path is only known when it runs)
+            if not compiling:  # (traced: the op's path is only known when it runs)
                 _announce(f"twell_ffn (backend={self.ffn_backend})", "CUDA inference with Triton")
                 self.last_path = f"twell_ffn:{last_backend()}"
                 if self.ffn_backend == "auto":
-                    self._dense_left, self._dense_shape = dense_grant(w_gate, x.numel() // x.shape[-1]), x.shape
+                    self._granted = self._dense_left = dense_grant(w_gate, x.numel() // x.shape[-1])
+                    self._dense_shape = x.shape
             return y
         if not torch.compiler.is_compiling():
             self.last_path = "torch"

@@ -32,6 +32,7 @@ AUTO = Dispatcher(CudaClock(), WeightStore(), entry=_auto_entry)  # the process'
 dense_in_capture = AUTO.dense_in_capture
 twell_in_capture = AUTO.twell_in_capture
 dense_grant = AUTO.dense_grant  # (w_gate, m) -> calls a module may run dense without calling twell_ffn
+dense_used = AUTO.dense_used  # (w_gate, m, calls): the granted calls it ran (they count for the refresh period)
 auto_decisions = AUTO.decisions  # (w_gate) -> {M bucket: eager / graph decision, density, why}
 
 

@@ -352,30 +352,37 @@ def test_auto_refresh_cadence_and_held_retune():
 
 
 def test_dense_grant_keeps_the_refresh_period_in_real_calls():
-    """A module holding dense_grant's calls runs them without auto; auto still refreshes the density at the
-    same real calls as without grants, and grants nothing to a twell bucket, a graph-twell bucket or a bucket
-    due for re-timing."""
+    """A module holding dense_grant's calls runs them without auto and reports them (dense_used) before it
+    calls auto again: auto refreshes the density at the same real calls as without grants; a grant left
+    unused costs nothing (the next call is no refresh); twell, graph-twell and re-timing buckets get none."""
     x, wg, wu, wd = make_case(20, 16, 64, 0.9, seed=41)
     every, total = Policy().refresh_dense, 3 * Policy().refresh_dense + 7
     refreshes = {}
     for granted in (False, True):
         d = dispatcher(ALL_DENSE)
         d.run(x, wg, wu, wd)  # calibration: dense in both regimes
-        st, seen, count_async, left, runs = state(d, wg), [], d._count_async, 0, 0
+        st, seen, count_async, left, given, runs = state(d, wg), [], d._count_async, 0, 0, 0
         d._count_async = lambda s, nnz, n: (seen.append(i), count_async(s, nnz, n))
         for i in range(total):
             if left:
                 left -= 1  # the module's own dense expression: auto never sees this call
                 continue
+            d.dense_used(wg, 20, given - left)
             d.run(x, wg, wu, wd)
             runs += 1
-            left = d.dense_grant(wg, 20) if granted else 0
+            given = left = d.dense_grant(wg, 20) if granted else 0
         refreshes[granted] = seen
         if granted:
             assert runs <= 5, f"{runs} calls of auto for {total} calls of the layer"
-            st.retune = True
-            assert d.dense_grant(wg, 20) == 0
     assert refreshes[True] == refreshes[False] and len(refreshes[True]) == 3
+    calls = st.calls
+    assert d.dense_grant(wg, 20) > 0 and st.calls == calls  # asking costs nothing...
+    d.dense_used(wg, 20, 0)  # ... nor does a grant abandoned unused (a backend switch, another shape)
+    seen.clear()
+    d.run(x, wg, wu, wd)
+    assert not seen and st.calls == calls + 1
+    st.retune = True
+    assert d.dense_grant(wg, 20) == 0
     for times in (EAGER_TWELL, GRAPH_ONLY_TWELL):
         d = dispatcher(times)
         d.run(x, wg, wu, wd)
