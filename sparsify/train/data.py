@@ -2,7 +2,7 @@
 
 Two stages:
   1. `prepare_data` reads the recipe's sources with the `datasets` library (local .txt/.jsonl/.json/.parquet,
-     or Hub datasets streamed), tokenises them (batched, in parallel), and writes one flat token stream per
+     or Hub datasets streamed; without it, local .txt/.jsonl files as PlainTexts), tokenises them (batched, in parallel), and writes one flat token stream per
      split to a folder: train.bin (the data.train entries one after another; meta.json records each one's
      token span), validation.bin, heldout-NAME.bin per data.heldout domain (uint16 when the vocabulary fits,
      else uint32) and meta.json. Done once (by rank 0), reused when the sources and tokenizer are unchanged,
@@ -457,9 +457,65 @@ def _key(cfg: DataSection, train: list[Source], val: list[Source], heldout: dict
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
+class PlainTexts:
+    """Local .txt / .jsonl files read without the `datasets` library (machines without it, such as GPU boxes
+    given only torch and transformers), as the few Dataset methods `_tokenise` and `_write_stream` use. A text
+    file gives the paragraphs datasets' text builder gives (sample_by="paragraph": the file split at blank
+    lines, empty pieces dropped), a .jsonl file one record per non-empty line."""
+
+    def __init__(self, columns: dict[str, list]):
+        self.columns = columns
+
+    @classmethod
+    def read(cls, src: Source, field: str) -> PlainTexts:
+        rows: list = []
+        for name in src.files:
+            with open(name, encoding="utf-8") as f:  # (universal newlines, as datasets reads text)
+                if src.builder == "text":
+                    rows += [p for p in f.read().split("\n\n") if p]
+                    continue
+                for n, line in enumerate(f, 1):
+                    if line.strip():
+                        try:
+                            rows.append(json.loads(line).get(field))
+                        except (json.JSONDecodeError, AttributeError) as e:
+                            raise SparsifyError(f"{name}, line {n}: not a JSON object ({e}); a .jsonl file holds "
+                                                "one object per line.") from None
+        if any(r is None for r in rows):
+            raise SparsifyError(f"{src.files[0]}: no column {field!r} in some records; set data.text_field to "
+                                "the key holding the text.")
+        return cls({field: rows})
+
+    @property
+    def column_names(self) -> list[str]:
+        return list(self.columns)
+
+    def __len__(self) -> int:
+        return len(next(iter(self.columns.values())))
+
+    def map(self, fn, batched: bool = True, batch_size: int = 512, remove_columns=(), num_proc=None) -> PlainTexts:
+        out: dict[str, list] = {}
+        for batch in self.iter(batch_size):
+            for key, values in fn(batch).items():
+                out.setdefault(key, []).extend(values)
+        return PlainTexts(out)
+
+    def iter(self, batch_size: int) -> Iterator[dict[str, list]]:
+        for at in range(0, len(self), batch_size):
+            yield {key: values[at:at + batch_size] for key, values in self.columns.items()}
+
+
 def _load(src: Source, cfg: DataSection) -> Any:
-    """A datasets Dataset (local files) or IterableDataset (Hub, streamed) with the text in cfg.text_field."""
-    import datasets
+    """A datasets Dataset (local files) or IterableDataset (Hub, streamed) with the text in cfg.text_field;
+    without `datasets` installed, local .txt / .jsonl files as PlainTexts."""
+    try:
+        import datasets
+    except ImportError:
+        if src.builder == "text" or (src.builder == "json" and all(f.endswith(".jsonl") for f in src.files)):
+            return PlainTexts.read(src, cfg.text_field)
+        raise SparsifyError(f"{src.files[0]}: reading {src.builder} data needs the `datasets` library (pip install "
+                            "datasets); without it only local .txt and .jsonl files are read. Or prepare the token "
+                            "folder on a machine that has it and give that folder as data.train.") from None
 
     datasets.disable_progress_bars() if not os.environ.get("SPARSIFY_DATASETS_BARS") else None
     if src.builder == "hub":

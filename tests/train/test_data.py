@@ -102,6 +102,33 @@ def test_jsonl_and_parquet_sources(tokenizer, tmp_path):
         prepare_data(bad, tokenizer, tmp_path / "out2", progress=False)
 
 
+def test_text_and_jsonl_read_without_datasets_give_the_same_folder(tokenizer, tmp_path, monkeypatch):
+    """Without the `datasets` library (GPU machines given torch and transformers only), local .txt and .jsonl
+    sources are read by PlainTexts into byte-identical token files (a text's paragraphs as datasets splits
+    them: CRLF line ends and runs of blank lines included); other types name the library and the fix."""
+    import sys
+
+    text = TEXT.read_text()[:20000]
+    (tmp_path / "t.txt").write_bytes((text[:9000] + "\n\n\n\n" + text[9000:]).replace("\n", "\r\n", 40).encode())
+    docs = [p for p in text.split("\n\n") if len(p) > 100][:30]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"body": d}) + "\n" + "\n" * (i % 2) for i, d in enumerate(docs)))
+    (tmp_path / "h.txt").write_text(TEXT.read_text()[20000:26000])
+    files = {}
+    for plain in (False, True):
+        if plain:
+            monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
+        cfg = DataSection(train=[str(tmp_path / "t.txt"), str(tmp_path / "d.jsonl")], text_field="body",
+                          heldout={"h": [str(tmp_path / "h.txt")]}, validation_fraction=0.1, num_proc=1)
+        folder = prepare_data(cfg, tokenizer, tmp_path / f"out{plain}", progress=False)
+        files[plain] = {n: (folder / n).read_bytes() for n in ("train.bin", "validation.bin", "heldout-h.bin")}
+        meta = json.loads((folder / "meta.json").read_text())
+        assert [s["end"] - s["start"] > 0 for s in meta["sources"]] == [True, True]
+    assert files[True] == files[False]
+    (tmp_path / "x.parquet").write_bytes(b"")
+    with pytest.raises(SparsifyError, match="needs the `datasets` library"):
+        prepare_data(DataSection(train=[str(tmp_path / "x.parquet")]), tokenizer, tmp_path / "o", progress=False)
+
+
 def test_bad_sources_are_explained(tmp_path):
     with pytest.raises(SparsifyError, match="matches no file"):
         resolve_source(str(tmp_path / "*.txt"))
