@@ -25,18 +25,14 @@ from pathlib import Path
 import torch
 
 from sparsify.evaluation.loading import load_model, parse_models, pick_device
+from sparsify.kernels.dispatch import loop_ms as cuda_loop_ms
 
 
 def loop_ms(fn, n: int, cuda: bool) -> float:
-    """ms per call of n back-to-back calls (CUDA events on a GPU, the wall clock elsewhere)."""
+    """ms per call of n back-to-back calls (CUDA events on a GPU, as auto's calibration times; the wall clock
+    elsewhere)."""
     if cuda:
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(n):
-            fn()
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b) / n
+        return cuda_loop_ms(fn, n)
     t = time.perf_counter()
     for _ in range(n):
         fn()
@@ -117,7 +113,8 @@ def bench_model(source: str, device: str, batch: int, prompt: int, rounds: int, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("models", nargs="+", help="[NAME=]FOLDER of a sparsify model (sparsify synth / convert / finetune)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prompt", type=int, default=512, help="prompt tokens (default 512)")

@@ -66,7 +66,8 @@ def score(model, tok, items: list[dict], device: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("models", nargs="+", help="[NAME=]PATH: a model folder, a .gguf file or smollm2-135m-gguf")
     p.add_argument("--data", type=Path, default=DEFAULT, help=f"cloze items, jsonl (default {DEFAULT})")
     p.add_argument("--limit", type=int, default=None, help="score the first N items only")

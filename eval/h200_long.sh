@@ -71,7 +71,8 @@ inputs() {  # the carried inputs, assembled once: GGUF, wheels, token folder, he
 
 heldout_args() {  # a token folder prepared from the recipe carries its held-out domains (heldout-NAME.bin): keep the
     # recipe's data.heldout / data.ood then (their entries must match the folder's); an older folder has none: drop them
-    python -c "import json, sys; sys.exit(0 if json.load(open(sys.argv[1])).get('heldout') else 1)" "$WORK/tok/meta.json" \
+    python -c "import json, sys; sys.exit(0 if json.load(open(sys.argv[1])).get('heldout') else 1)" \
+        "$WORK/tok/meta.json" \
         || echo "data.heldout={} data.ood=[]"
 }
 
@@ -149,7 +150,9 @@ case "${1:-}" in
   cloze)  # eval/cloze.py (lm-eval's cloze acc without lm_eval) on the original and every finished sweep run
     inputs
     models="original=$WORK/smollm2.gguf"
-    for d in "$WORK"/sweep/*/model; do [ -f "$d/config.json" ] && models="$models $(basename "$(dirname "$d")")=$d"; done
+    for d in "$WORK"/sweep/*/model; do
+        [ -f "$d/config.json" ] && models="$models $(basename "$(dirname "$d")")=$d"
+    done
     python eval/cloze.py $models --out "$OUT/cloze" 2>&1 | tail -12
     [ -d "$OUT/sweep" ] && python eval/frontier.py "$OUT"/sweep/*/ --out "$OUT/sweep" --cloze "$OUT/cloze/cloze.json" \
         >/dev/null || true
