@@ -84,8 +84,11 @@ def _models_table(models: list[dict]) -> str:
 
 
 def ood_texts(report: dict) -> list[str]:
-    """The names of the texts no model trained on (--ood-text), as the perplexity tables key them."""
-    return [Path(t).name for t in (report.get("settings") or {}).get("ood_texts") or []]
+    """The names of the texts no model trained on (--ood-text), as the perplexity tables key them (a merged
+    report has one settings dict per report it merged: their texts, each once)."""
+    settings = report.get("settings") or {}
+    texts = [t for s in (settings if isinstance(settings, list) else [settings]) for t in (s or {}).get("ood_texts") or []]
+    return list(dict.fromkeys(Path(t).name for t in texts))
 
 
 def _ood_table(report: dict, names: list[str]) -> str:

@@ -56,8 +56,10 @@ from sparsify.train.profiling import StepProfiler
 from sparsify.train.step import Run, TrainState, evaluate_all, losses, train_step
 
 
-def finetune(recipe: Recipe, *, resume: bool = False, progress: bool = True, verbose: bool = True) -> Path:
-    """Run a recipe; returns OUT/model, the fine-tuned model folder.
+def finetune(recipe: Recipe, *, resume: bool = False, progress: bool = True, verbose: bool = True,
+             data_only: bool = False) -> Path:
+    """Run a recipe; returns OUT/model, the fine-tuned model folder (with `data_only`: OUT/data, the token folder,
+    made without training: the model is converted for its tokenizer).
 
     Args:
         recipe: a validated Recipe (see `sparsify.train.preflight.load_recipe`).
@@ -86,6 +88,8 @@ def finetune(recipe: Recipe, *, resume: bool = False, progress: bool = True, ver
         model_dir = prepare_model(recipe, out, dist, progress)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         data = _data(recipe, tokenizer, out, dist, progress, verbose)
+        if data_only:
+            return data.folder
         run = _setup(recipe, dist, model_dir, data)
         run.verbose = verbose
         if checkpoint is not None:
@@ -270,6 +274,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="continue the run in output.dir from its newest checkpoint (after a crash, "
                    "or after SIGTERM / Ctrl-C, which checkpoint the step they stop at)")
     p.add_argument("--print-recipe", action="store_true", help="print the resolved recipe as YAML and exit")
+    p.add_argument("--prepare-data", action="store_true",
+                   help="tokenise the recipe's data into OUTPUT/data and stop (the model is converted for its "
+                        "tokenizer): a folder to carry to a machine without the text, given there as "
+                        "data.train=[FOLDER] (its held-out domains come with it)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars (logs still go to metrics.jsonl)")
     p.add_argument("-q", "--quiet", action="store_true",
                    help="no progress bars and no validation or step lines: only errors and the final folder "
@@ -282,9 +290,10 @@ def main(args: argparse.Namespace) -> int:
         print(dump_recipe(recipe), end="")
         return 0
     folder = finetune(recipe, resume=args.resume, progress=not (args.no_progress or args.quiet),
-                      verbose=not args.quiet)
+                      verbose=not args.quiet, data_only=args.prepare_data)
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"fine-tuned model: {folder}; {_checkpoints_note(recipe)}")
+        print(f"token folder: {folder} (train from it with data.train=[{folder}])" if args.prepare_data else
+              f"fine-tuned model: {folder}; {_checkpoints_note(recipe)}")
     if torch.distributed.is_initialized():
         gc.collect()  # the run's DDP reducer (kept alive by reference cycles) goes before its process group
         torch.distributed.destroy_process_group()

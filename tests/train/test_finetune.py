@@ -622,3 +622,21 @@ def test_blend_then_target_and_frozen_attention(tiny_silu, tokens, tmp_path):
     with pytest.raises(SparsifyError, match="sparsity.blend_steps=8 is not below the run's 2 steps"):
         finetune(load_recipe(recipe_dict(tiny_silu, tmp_path / "bad2", tokens=tokens, max_steps=2), ["sparsity.blend_steps=8"]),
                  progress=False)
+
+
+def test_prepare_data_tokenises_and_stops_and_the_folder_trains(tiny_silu, tmp_path, capsys):
+    """finetune --prepare-data: OUT/data (the token folder, to carry to a machine without the text) and no
+    training; a later run trains from that folder as it is."""
+    from sparsify import cli as sparsify_cli
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe_dict(tiny_silu, tmp_path / "prep", max_steps=4)))
+    assert sparsify_cli.main(["finetune", str(path), "--prepare-data", "-q"]) == 0
+    folder = tmp_path / "prep" / "data"
+    assert f"token folder: {folder}" in capsys.readouterr().out
+    assert (folder / "train.bin").stat().st_size > 0 and not (tmp_path / "prep" / "metrics.jsonl").exists()
+    assert not (tmp_path / "prep" / "model").exists()
+    path.write_text(yaml.safe_dump(recipe_dict(tiny_silu, tmp_path / "run", tokens=folder, max_steps=4)))
+    assert sparsify_cli.main(["finetune", str(path), "-q"]) == 0
+    assert (tmp_path / "run" / "model" / "config.json").is_file()
+    assert not (tmp_path / "run" / "data").exists()  # the carried folder is read as it is, not tokenised again
