@@ -5,7 +5,15 @@ shipped_code_files); kernels/NOTES.md lists them. Public API: `twell_ffn`, `last
 `transpose_down`; layout and oracle in twell_reference.py.
 """
 
-from .twell_ops import last_backend, transpose_down, twell_ffn
-from .twell_reference import TwellPacked, ffn_reference, twell_pack, twell_unpack
+if __name__ == "sparsify.kernels":
+    from .twell_ops import last_backend, transpose_down, twell_ffn
+    from .twell_reference import TwellPacked, ffn_reference, twell_pack, twell_unpack
 
-__all__ = ["twell_ffn", "last_backend", "transpose_down", "TwellPacked", "ffn_reference", "twell_pack", "twell_unpack"]
+    __all__ = ["twell_ffn", "last_backend", "transpose_down", "TwellPacked", "ffn_reference", "twell_pack",
+               "twell_unpack"]
+else:
+    # Imported as a top-level `kernels` (the repository root on sys.path): transformers probes for the Hub's
+    # `kernels` package by importing that name. Importing nothing keeps that probe harmless: the submodules would
+    # register the sparsify::twell_ffn op from this stray copy, and compiled calls would then run its dispatcher,
+    # not the one the model's modules and `sparsify bench` read.
+    __all__ = []

@@ -120,3 +120,19 @@ def test_the_checks_see_a_circle_and_a_climb():
     edges = graph()
     assert "sparsify.train.finetune" in ENTRY and any(edges.values())
     assert "sparsify.errors" in edges["sparsify.folder.convert"]
+
+
+def test_the_bundle_imported_as_a_top_level_kernels_registers_nothing():
+    """With the repository root on sys.path, transformers' probe for the Hub's `kernels` package imports our
+    kernels/ folder as `kernels`: that must not import the bundle (its op registration would win over the
+    model's own copy, and compiled calls would run a dispatcher nobody reads)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, kernels, torch; from transformers.utils import import_utils as u; "
+            "u.is_kernels_available.cache_clear(); u.is_kernels_available(); "
+            "print(sorted(k for k in sys.modules if k.startswith('kernels.')), "
+            "hasattr(getattr(torch.ops, 'sparsify', None), 'twell_ffn'))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[] False"
