@@ -13,6 +13,7 @@ which becomes OUT only when the token budget is reached.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -124,9 +125,11 @@ def _sample(s: GenSettings, work: Path, start: int, have: int, device: str | Non
     from tqdm.auto import tqdm
 
     from sparsify.evaluation.loading import load_model, parse_models, pick_device
+    from sparsify.folder.gguf import no_transformers_bars
 
     device = pick_device(device)
-    model, tok = load_model(parse_models([s.model])[0], device, "auto")
+    with contextlib.nullcontext() if progress else no_transformers_bars():  # -q: transformers' bars too
+        model, tok = load_model(parse_models([s.model])[0], device, "auto")
     prompts = _read_prompts(s.prompts)
     bar = tqdm(total=s.tokens, initial=min(have, s.tokens), unit="tok", disable=not progress, desc="gendata")
     k = start

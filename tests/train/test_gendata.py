@@ -35,6 +35,13 @@ def test_same_seed_same_text_and_a_record(model, tmp_path):
     assert not work_dir(a).exists()
 
 
+def test_quiet_shows_no_bar_of_anyone(model, tmp_path, capsys):
+    """-q (progress=False): no gendata bar and none of transformers' loading bars either."""
+    gendata(model, tmp_path / "q", tokens=8, seq_len=4, batch_size=2, device="cpu", progress=False)
+    err = capsys.readouterr().err
+    assert "Loading weights" not in err and "gendata" not in err, err[-500:]
+
+
 def test_refuses_an_existing_output_and_bad_settings_together(model, tmp_path):
     (tmp_path / "out").mkdir()
     with pytest.raises(SparsifyError) as e:
