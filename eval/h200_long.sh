@@ -17,6 +17,10 @@
 #                                        40_000_000, and the recipe's other keys); a run cut at LEG_S checkpoints
 #                                        and the next sweep call resumes it; then frontier.md/.png over the runs'
 #                                        last evaluations in sweep/
+#   bash eval/h200_long.sh gendata       text sampled from the original model into $WORK/gen (GEN_TOKENS, default 6M)
+#   bash eval/h200_long.sh prepare       a token folder from the carried raw text (text.tar.xz of data/) and EXTRA
+#                                        overrides (e.g. a gendata share) into $WORK/prep-$NAME/data; the train and
+#                                        sweep modes read TOK=that folder (default $WORK/tok)
 #   bash eval/h200_long.sh cloze         the cloze task (eval/cloze.py: lm-eval's acc, without lm_eval) on the
 #                                        original and every finished sweep run; frontier.md gains its columns
 #   bash eval/h200_long.sh finish        after the run or sweep: sparsify bench (generate speed, sparse vs dense
@@ -54,7 +58,11 @@ inputs() {  # the carried inputs, assembled once: GGUF, wheels, token folder, he
     if [ ! -e "$WORK/pydeps/.done" ] && ls "$WORK"/in/*.whl >/dev/null 2>&1; then
         python -m pip install -q --no-deps --no-index --target "$WORK/pydeps" "$WORK"/in/*.whl && touch "$WORK/pydeps/.done"
     fi
-    if [ ! -f "$WORK/tok/train.bin" ]; then
+    if [ -f "$WORK/in/text.tar.xz" ] && [ ! -d "$WORK/text" ]; then  # the recipe's raw text (data/...), for prepare
+        mkdir -p "$WORK/text.part" && tar -xJf "$WORK/in/text.tar.xz" -C "$WORK/text.part" && mv "$WORK/text.part" "$WORK/text"
+    fi
+    if [ -d "$WORK/text/data" ] && [ ! -e data ]; then ln -s "$WORK/text/data" data; fi  # the recipe's relative paths
+    if [ ! -f "$WORK/tok/train.bin" ] && [ -d "$WORK/in/tok" ]; then
         mkdir -p "$WORK/tok"
         cp "$WORK"/in/tok/meta.json "$WORK"/in/tok/*.bin "$WORK/tok/" 2>/dev/null || true
         [ -f "$WORK/tok/train.bin" ] || { cat "$WORK"/in/tok/train.bin.xz* | xz -dc -T0 > "$WORK/tok/train.bin.part" \
@@ -72,7 +80,7 @@ inputs() {  # the carried inputs, assembled once: GGUF, wheels, token folder, he
 heldout_args() {  # a token folder prepared from the recipe carries its held-out domains (heldout-NAME.bin): keep the
     # recipe's data.heldout / data.ood then (their entries must match the folder's); an older folder has none: drop them
     python -c "import json, sys; sys.exit(0 if json.load(open(sys.argv[1])).get('heldout') else 1)" \
-        "$WORK/tok/meta.json" \
+        "${TOK:-$WORK/tok}/meta.json" \
         || echo "data.heldout={} data.ood=[]"
 }
 
@@ -105,7 +113,7 @@ case "${1:-}" in
     ls "$RUN"/checkpoints/step-*/state.pt >/dev/null 2>&1 && resume="--resume"
     set +e
     timeout -s TERM -k 30 "${LEG_S:-530}" torchrun --standalone --nproc_per_node="$GPUS" -m sparsify finetune \
-        --no-progress $resume recipes/smollm2-135m.yaml model.source="$WORK/converted" "data.train=[$WORK/tok]" \
+        --no-progress $resume recipes/smollm2-135m.yaml model.source="$WORK/converted" "data.train=[${TOK:-$WORK/tok}]" \
         $(heldout_args) output.dir="$RUN" output.keep_checkpoints_when_done=true ${EXTRA:-} >> "$OUT/train.log" 2>&1
     rc=$?
     set -e
@@ -133,7 +141,7 @@ case "${1:-}" in
             if [ "$left" -lt "${MIN_LEFT_S:-120}" ]; then echo "$name: not started ($left s left; next sweep call)"; continue; fi
             # SIGTERM at the deadline: the run checkpoints the step it is at; the next sweep call resumes it
             CUDA_VISIBLE_DEVICES=$((s % GPUS)) timeout -s TERM -k 60 "$left" python -m sparsify finetune \
-                --no-progress $again recipes/smollm2-135m.yaml model.source="$WORK/converted" "data.train=[$WORK/tok]" \
+                --no-progress $again recipes/smollm2-135m.yaml model.source="$WORK/converted" "data.train=[${TOK:-$WORK/tok}]" \
                 "${held[@]}" output.dir="$dir" output.overwrite=true train.max_tokens="${TOKENS:-40_000_000}" \
                 train.eval_every="${EVAL_EVERY:-0}" train.save_every=0 "${overrides[@]}" "${extra[@]}" \
                 >> "$OUT/sweep-$name.log" 2>&1 \
@@ -146,6 +154,21 @@ case "${1:-}" in
     wait
     cloze=""; [ -f "$OUT/cloze/cloze.json" ] && cloze="--cloze $OUT/cloze/cloze.json"
     python eval/frontier.py "$OUT"/sweep/*/ --out "$OUT/sweep" $cloze || true  # the table: run, zeros, ratios
+    ;;
+  gendata)  # text sampled from the original model (a data.train entry): GEN_TOKENS (default 6M) into $WORK/gen
+    inputs
+    [ -f "$WORK/gen/gendata.json" ] || python -m sparsify gendata "$WORK/smollm2.gguf" -o "$WORK/gen" \
+        --tokens "${GEN_TOKENS:-6_000_000}" --seq-len "${GEN_SEQ:-512}" --batch-size "${GEN_BATCH:-128}" -q
+    cat "$WORK/gen/gendata.json"
+    ;;
+  prepare)  # a token folder from the recipe's data (carried raw text: text.tar.xz) + EXTRA overrides, say a
+    # gendata share: EXTRA="data.train=[data/docs/train/*.txt,data/general/train/*.txt,/tmp/sparsify-long/gen]
+    # data.weights=[0.25,0.5,0.25]" (no spaces inside an override), into $WORK/prep-$NAME/data: the train and
+    # sweep modes read it as TOK=$WORK/prep-$NAME/data
+    inputs
+    read -ra extra <<< "${EXTRA:-}"
+    python -m sparsify finetune --no-progress --prepare-data recipes/smollm2-135m.yaml model.source="$WORK/converted" \
+        output.dir="$WORK/prep-${NAME:-mix}" "${extra[@]}" 2>&1 | tail -3
     ;;
   cloze)  # eval/cloze.py (lm-eval's cloze acc without lm_eval) on the original and every finished sweep run
     inputs
@@ -186,6 +209,6 @@ case "${1:-}" in
         python eval/bench_train_ffn.py --out "$OUT/train_ffn" 2>&1 | tail -25 || echo "bench_train_ffn failed"
     fi
     ;;
-  *) echo "usage: $0 stage DIR... | train | sweep | cloze | finish" >&2; exit 2 ;;
+  *) echo "usage: $0 stage DIR... | train | sweep | gendata | prepare | cloze | finish" >&2; exit 2 ;;
 esac
 if [ -n "${PACK:-}" ]; then tar -cJf "$PACK/results.tar.xz" -C "$OUT" . && ls -la "$PACK"; fi
