@@ -13,7 +13,6 @@ if __name__ == "sparsify.kernels":
                "twell_unpack"]
 else:
     # Imported as a top-level `kernels` (the repository root on sys.path): transformers probes for the Hub's
-    # `kernels` package by importing that name. Importing nothing keeps that probe harmless: the submodules would
-    # register the sparsify::twell_ffn op from this stray copy, and compiled calls would then run its dispatcher,
-    # not the one the model's modules and `sparsify bench` read.
+    # `kernels` package by importing that name. Importing nothing keeps that probe harmless: no stray copy of the
+    # bundle under a name that belongs to another package registers the sparsify::twell_ffn op.
     __all__ = []

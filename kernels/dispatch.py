@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.weak import WeakIdRef
 
-from .twell_reference import ffn_dense
+from .twell_reference import ffn_dense, transpose_down
 from .twell_triton import DEFAULT_VARIANT, gate_pack, split_variant
 from .twell_updown import k2_spills, updown
 
@@ -250,10 +250,14 @@ class Dispatcher:
         finally:
             self.capture_dense = old
 
+    def _state(self, w_gate: torch.Tensor, m: int) -> LayerState | None:
+        """This layer's state for the M bucket of m rows, if it has one."""
+        states = self.store.get("states", w_gate)
+        return None if states is None else states.get(bucket(m))
+
     def twell_in_capture(self, w_gate: torch.Tensor, m: int) -> bool:
         """Whether a call of m rows on this layer (its W_gate), captured into a graph now, would run twell."""
-        states = self.store.get("states", w_gate)
-        st = None if states is None else states.get(bucket(m))
+        st = self._state(w_gate, m)
         return st is not None and st.graph_decision == "twell"
 
     def decisions(self, w_gate: torch.Tensor) -> dict[int, dict]:
@@ -270,7 +274,7 @@ class Dispatcher:
             return w_down_t
         cached = self.store.get("down_t", w_down)
         if cached is None:
-            cached = w_down.t().contiguous()
+            cached = transpose_down(w_down)
             self.store.put("down_t", w_down, cached)
         return cached
 
@@ -285,7 +289,7 @@ class Dispatcher:
             return None
         shape = x.shape
         m = shape[0] if len(shape) == 2 else x.numel() // max(shape[-1], 1)
-        st = states.get(1 << max(0, (m - 1).bit_length()))
+        st = states.get(1 << max(0, (m - 1).bit_length()))  # bucket(m), inline: the hot path of every dense call
         every = self.policy.refresh_dense
         if st is None or st.decision != "dense" or st.calls % every == every - 1 or st.retune:
             return None
@@ -300,8 +304,7 @@ class Dispatcher:
         calling auto at all: those before the next density refresh, when both regimes of the bucket chose
         dense and no re-timing is due; else 0. The caller reports the calls it ran with `dense_used` before
         it calls auto again, so refreshes keep their period in real calls (see SparseMLP)."""
-        states = self.store.get("states", w_gate)
-        st = None if states is None else states.get(bucket(m))
+        st = self._state(w_gate, m)
         if st is None or not st.all_dense or st.retune:
             return 0
         every = self.policy.refresh_dense
@@ -309,8 +312,7 @@ class Dispatcher:
 
     def dense_used(self, w_gate: torch.Tensor, m: int, calls: int) -> None:
         """Count `calls` calls of m rows that ran dense under a grant (a grant left unused costs nothing)."""
-        states = self.store.get("states", w_gate)
-        st = None if states is None else states.get(bucket(m))
+        st = self._state(w_gate, m)
         if st is not None:
             st.calls += calls
 
@@ -326,7 +328,9 @@ class Dispatcher:
         if states is None:  # a new layer, or W_gate changed in place (its density may have changed)
             states = {}
             self.store.put("states", w_gate, states)
-        st = states.setdefault(bucket(m), LayerState())
+        st = states.get(bucket(m))
+        if st is None:  # (not setdefault: that would build a LayerState on every call)
+            st = states[bucket(m)] = LayerState()
         if self.capturing():
             backend = "dense" if self.capture_dense else (st.graph_decision or "dense")
             self.note((tuple(w_gate.shape), x2d.dtype, bucket(m)), backend, "graph capture: decision timed in graph replay")

@@ -134,8 +134,9 @@ class SparseMLP(nn.Module):
             y = twell_ffn(x, w_gate, w_up, w_down, backend=self.ffn_backend)
             if not compiling:  # (traced: the op's path is only known when it runs)
                 _announce(f"twell_ffn (backend={self.ffn_backend})", "CUDA inference with Triton")
-                self.last_path = f"twell_ffn:{last_backend()}"
-                if self.ffn_backend == "auto":
+                ran = last_backend()
+                self.last_path = f"twell_ffn:{ran}"
+                if self.ffn_backend == "auto" and ran == "dense":  # (a twell call gets no grant: no lookup)
                     self._granted = self._dense_left = dense_grant(w_gate, x.numel() // x.shape[-1])
                     self._dense_shape = x.shape
             return y

@@ -12,11 +12,13 @@ torch path, except "twell" on CPU with TRITON_INTERPRET=1 (the Triton interprete
 from __future__ import annotations
 
 import os
+import sys
+import types
 
 import torch
 
 from .dispatch import CudaClock, Dispatcher, WeightStore
-from .twell_reference import ffn_dense
+from .twell_reference import ffn_dense, transpose_down  # (transpose_down: re-exported, public)
 from .twell_triton import HAS_TRITON
 from .twell_updown import twell_ffn_triton
 
@@ -28,7 +30,23 @@ def _auto_entry(x2d, w_gate, w_up, w_down, w_down_t):
     return twell_ffn(x2d, w_gate, w_up, w_down, backend="auto", w_down_t=w_down_t)
 
 
-AUTO = Dispatcher(CudaClock(), WeightStore(), entry=_auto_entry)  # the process's "auto" (real clock and store)
+SHARED = "sparsify_twell_ffn_auto"  # the sys.modules entry that holds the process's one dispatcher
+_USED = ("note", "down_t", "fast_path", "dense_grant", "dense_used", "decisions", "dense_in_capture",
+         "twell_in_capture", "capture_dense", "last_backend")
+
+
+def _process_auto() -> Dispatcher:
+    """The process's one "auto". The custom op runs the code of the copy of this file that registered it first
+    (sparsify.kernels and each model folder's copy can all be imported in one process), so every copy uses that
+    copy's dispatcher: compiled calls then decide in the store the modules, the step check and bench read. A
+    copy that is first, or that finds a dispatcher lacking what it calls (an older copy's), makes its own."""
+    shared = getattr(sys.modules.get(SHARED), "auto", None)
+    if shared is not None and all(hasattr(shared, name) for name in _USED):
+        return shared
+    return Dispatcher(CudaClock(), WeightStore(), entry=_auto_entry)
+
+
+AUTO = _process_auto()  # real clock and store
 dense_in_capture = AUTO.dense_in_capture
 twell_in_capture = AUTO.twell_in_capture
 dense_grant = AUTO.dense_grant  # (w_gate, m) -> calls a module may run dense without calling twell_ffn
@@ -46,11 +64,6 @@ def dense_capture_active() -> bool:
 def last_backend() -> str | None:
     """The backend the most recent twell_ffn call ran: "twell", "dense" or None before any call."""
     return AUTO.last_backend
-
-
-def transpose_down(w_down: torch.Tensor) -> torch.Tensor:
-    """W_down [d, F] -> contiguous [F, d] rows for K2. Cache it per layer (twell_ffn's w_down_t)."""
-    return w_down.t().contiguous()
 
 
 def _triton_ok(x: torch.Tensor) -> bool:
@@ -75,7 +88,8 @@ def _impl(x2d, w_gate, w_up, w_down, w_down_t, backend: str) -> torch.Tensor:
 
 
 def _define_op():
-    """Register sparsify::twell_ffn once, even when several copies of this file are imported."""
+    """Register sparsify::twell_ffn once, even when several copies of this file are imported; the copy that
+    registers it publishes its dispatcher for the others (see _process_auto)."""
     if hasattr(torch.ops, "sparsify") and hasattr(torch.ops.sparsify, "twell_ffn"):
         return torch.ops.sparsify.twell_ffn
     try:
@@ -91,6 +105,7 @@ def _define_op():
             return x2d.new_empty(x2d.shape[0], w_down.shape[0])
     except RuntimeError:  # registered meanwhile by another copy of this module
         return torch.ops.sparsify.twell_ffn
+    sys.modules.setdefault(SHARED, types.ModuleType(SHARED)).auto = AUTO
     return op
 
 

@@ -183,3 +183,8 @@ def ffn_dense(
     g = torch.nn.functional.linear(x, w_gate)  # [..., F]
     u = torch.nn.functional.linear(x, w_up)  # [..., F]
     return torch.nn.functional.linear(torch.relu(g) * u, w_down)  # [..., d]
+
+
+def transpose_down(w_down: torch.Tensor) -> torch.Tensor:
+    """W_down [d, F] -> contiguous [F, d] rows for K2. Cache it per layer (twell_ffn's w_down_t)."""
+    return w_down.t().contiguous()

@@ -30,3 +30,22 @@ def test_default_backend_is_auto_unless_pinned(recorded, expected, tmp_path):
     assert {m.ffn_backend for m in mlp_modules(model)} == {"auto"}
     with pytest.raises(ValueError, match="backend must be one of"):
         model.set_ffn_backend("fast")
+
+
+def test_every_copy_of_the_bundle_shares_one_dispatcher(tmp_path):
+    """sparsify.kernels and a folder's copy (trust_remote_code) in one process: the op runs the first copy's
+    code, so the folder's modules must read that copy's dispatcher (compiled calls decide there)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    make_source("llama", tmp_path / "src")
+    out = convert(tmp_path / "src", tmp_path / "out", progress=False)
+    code = ("import sys; import sparsify.kernels.twell_ops as first; from transformers import AutoModelForCausalLM; "
+            f"m = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True); "
+            "ops = sys.modules[sys.modules[type(m).__module__].twell_ffn.__module__]; "
+            "print(ops is not first, ops.AUTO is first.AUTO)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split()[-2:] == ["True", "True"]
