@@ -21,7 +21,6 @@ import argparse
 import contextlib
 import functools
 import gc
-import math
 import sys
 import tempfile
 import time
@@ -115,8 +114,9 @@ def evaluate(models: list[str | Path], *, tasks: list[str] | None = None, texts:
         texts: text files for perplexity, bits per byte and the sparsity profile; None = the held-out
             text bundled with sparsify (perplexity.HELDOUT_TEXT), or none when ood_texts are given; [] = no text
             section.
-        ood_texts: text files from sources none of the models trained on, scored like `texts`; each model's
-            `ood_ratio` (the headline) is the geometric mean over them of its perplexity / the first model's.
+        ood_texts: text files from sources none of the models trained on, scored like `texts`; each model's OOD
+            ratio (the headline: report.ood_ratios) is the geometric mean over them of its perplexity / the first
+            model's.
         limit: at most this many examples per task.
         speed: time prefill/decode, TwELL vs dense (CUDA only; on CPU the section says so).
         out: output folder; files are replaced atomically.
@@ -143,7 +143,6 @@ def evaluate(models: list[str | Path], *, tasks: list[str] | None = None, texts:
         check_tasks(task_spec)
         with quiet_bars(not settings.progress):
             rows = _run_all(specs, task_spec, text_paths, settings, device)
-    add_ood_ratio(rows, [Path(t).name for t in settings.ood_texts])
     report = {"sparsify_report": 1, "provenance": provenance(device),
               "settings": {**asdict(settings), "device": device, "task_names": task_spec.names,
                            "texts_bundled": bundled},
@@ -153,17 +152,6 @@ def evaluate(models: list[str | Path], *, tasks: list[str] | None = None, texts:
 
         write_report(report, Path(out))
     return report
-
-
-def add_ood_ratio(rows: list[dict], names: list[str]) -> None:
-    """Each model row's `ood_ratio`: the geometric mean over the out-of-distribution texts `names` of its
-    perplexity / the first model's (the reference, normally the original: 1.0 for itself)."""
-    if not names or not rows:
-        return
-    base = rows[0]["perplexity"]
-    for row in rows:
-        logs = [math.log(row["perplexity"][n]["perplexity"] / base[n]["perplexity"]) for n in names]
-        row["ood_ratio"] = math.exp(sum(logs) / len(logs))
 
 
 def settings_problems(settings: EvalSettings) -> list[str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -91,11 +92,27 @@ def ood_texts(report: dict) -> list[str]:
     return list(dict.fromkeys(Path(t).name for t in texts))
 
 
+def ood_ratios(report: dict) -> list[float | None]:
+    """Each model's OOD ratio, the headline: the geometric mean over the --ood-text texts of its perplexity / the
+    first model's (the reference: 1.0 for itself); None where a model lacks one of them; [] without such texts
+    or a second model. Worked out from the perplexities, so a merged report gets it too."""
+    texts, models = ood_texts(report), report["models"]
+    if not texts or len(models) < 2:
+        return []
+
+    def ppls(model: dict) -> list[float | None]:
+        return [((model.get("perplexity") or {}).get(t) or {}).get("perplexity") for t in texts]
+
+    base = ppls(models[0])
+    return [None if None in base or None in mine else statistics.geometric_mean([a / b for a, b in zip(mine, base)])
+            for mine in map(ppls, models)]
+
+
 def _ood_table(report: dict, names: list[str]) -> str:
-    texts = ood_texts(report)
-    if not texts or len(names) < 2:
+    texts, ratios = ood_texts(report), ood_ratios(report)
+    if not ratios:
         return ""
-    return (markdown_table(["", *names], [["OOD ratio", *(_ratio(m.get("ood_ratio"), 1.0) for m in report["models"])]])
+    return (markdown_table(["", *names], [["OOD ratio", *(_ratio(r, 1.0) for r in ratios)]])
             + f"\n\nPerplexity / {names[0]}'s, geometric mean over the {len(texts)} text(s) given as never trained on "
             f"(--ood-text): {', '.join(texts)}. The per-text ratios are in the perplexity table.")
 
@@ -243,10 +260,11 @@ def summary(report: dict, out: Path | None = None) -> str:
         return f"{title}: " + " | ".join(f"{n} {v}" for n, v in cells) if cells else None
 
     lines = [f"sparsify eval: {len(models)} model{'s' * (len(models) != 1)} ({', '.join(m['name'] for m in models)})"]
-    if ood_texts(report) and len(models) > 1:
+    ratios = ood_ratios(report)
+    if ratios:
         lines.append(line(f"OOD ratio (perplexity / {models[0]['name']}'s, geometric mean over "
                           f"{len(ood_texts(report))} text(s) never trained on)",
-                          [(m["name"], _ratio(m.get("ood_ratio"), 1.0)) for m in models]))
+                          [(m["name"], _ratio(r, 1.0)) for m, r in zip(models, ratios)]))
     for text in sorted({t for m in models for t in m.get("perplexity", {})}):
         first = next(m["perplexity"][text] for m in models if text in m["perplexity"])
         scored = f"{first['tokens']} tokens" + (f", {first['window']}-token windows" if first.get("window") else "")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from sparsify.evaluation.report import fmt, is_metric, markdown_table, ood_texts, with_stderr
+from sparsify.evaluation.report import fmt, is_metric, markdown_table, ood_ratios, ood_texts, with_stderr
 from sparsify.sources import is_hub_id
 
 TAGS = ["sparsify", "relu", "activation-sparsity", "twell"]
@@ -25,7 +25,7 @@ def hub_card(repo_id: str, config: dict, report: dict | None, row: dict | None) 
     """README.md for the Hub: metadata (model-index from the report), what the model is, how to load it
     (trust_remote_code, pinned revision), and the measured accuracy, sparsity and speed of `row`."""
     name = repo_id.split("/")[-1]
-    results = _index_results(row) if row else []
+    results = _index_results(report or {}, row) if row else []
     meta = {"model-index": [{"name": name, "results": results}]} if results else {}
     card = _card(name, repo_id, config, meta, pinned=True)
     if row:
@@ -80,7 +80,14 @@ dense = AutoModelForCausalLM.from_pretrained("{model_id}"{rev})
 `revision=` to the commit you read, so later pushes cannot change the code you execute."""
 
 
-def _index_results(row: dict) -> list[dict]:
+def _ood_ratio(report: dict, row: dict) -> float | None:
+    """This model's OOD ratio in the report, None for the reference model (the first) or without OOD texts."""
+    ratios = ood_ratios(report) if report.get("models") else []
+    at = next((i for i, m in enumerate(report.get("models") or []) if m is row), 0)
+    return ratios[at] if at and ratios else None
+
+
+def _index_results(report: dict, row: dict) -> list[dict]:
     """model-index entries: each lm-eval task with its metrics, each text with perplexity, bits per byte
     and the activation sparsity measured on it, and the prefill speed-ups (all from report.json)."""
     source = {"name": "sparsify eval", "url": PAPER}
@@ -97,8 +104,9 @@ def _index_results(row: dict) -> list[dict]:
         results.append(entry(text, "text", {"perplexity": ppl.get("perplexity"), "bits_per_byte": ppl.get("bits_per_byte"),
                                             "ffn_activation_zeros": summary.get("zeros"),
                                             "ffn_nonzeros_per_token": summary.get("nnz_mean")}))
-    if row.get("ood_ratio") is not None:
-        results.append(entry("out-of-distribution text", "text", {"ood_perplexity_ratio": row["ood_ratio"]}))
+    ood = _ood_ratio(report, row)
+    if ood is not None:
+        results.append(entry("out-of-distribution text", "text", {"ood_perplexity_ratio": ood}))
     speed = {f"prefill_b{r['batch']}_s{r['seq']}_auto_over_dense": r.get("auto_over_dense")
              for r in ((row.get("speed") or {}).get("speedup") or {}).get("prefill", [])}
     results.append(entry(f"prefill throughput on {(row.get('speed') or {}).get('device')}", "speed", speed))
@@ -112,8 +120,9 @@ def _results_section(report: dict, row: dict) -> str:
         rows = [[t, k, with_stderr(m, k), m.get("samples")] for t, m in sorted(row["accuracy"].items())
                 for k in sorted(m) if is_metric(k)]
         parts.append(markdown_table(["task", "metric", "value (± standard error)", "items"], rows))
-    if row.get("ood_ratio") is not None and report["models"][0] is not row:
-        parts.append(f"**Out-of-distribution ratio: {row['ood_ratio']:.3f}x**: perplexity / "
+    ood = _ood_ratio(report, row)
+    if ood is not None:
+        parts.append(f"**Out-of-distribution ratio: {ood:.3f}x**: perplexity / "
                      f"{report['models'][0]['name']}'s, geometric mean over text from sources it never trained on "
                      f"({', '.join(ood_texts(report))}).")
     if row.get("perplexity"):

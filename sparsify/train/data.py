@@ -463,8 +463,9 @@ class PlainTexts:
     file gives the paragraphs datasets' text builder gives (sample_by="paragraph": the file split at blank
     lines, empty pieces dropped), a .jsonl file one record per non-empty line."""
 
-    def __init__(self, columns: dict[str, list]):
-        self.columns = columns
+    def __init__(self, columns: dict[str, list], fn=None):
+        self.columns, self.fn = columns, fn  # fn: the batched map applied as batches are read (lazily)
+        self.n = len(next(iter(columns.values()), []))
 
     @classmethod
     def read(cls, src: Source, field: str) -> PlainTexts:
@@ -491,18 +492,16 @@ class PlainTexts:
         return list(self.columns)
 
     def __len__(self) -> int:
-        return len(next(iter(self.columns.values())))
+        return self.n
 
-    def map(self, fn, batched: bool = True, batch_size: int = 512, remove_columns=(), num_proc=None) -> PlainTexts:
-        out: dict[str, list] = {}
-        for batch in self.iter(batch_size):
-            for key, values in fn(batch).items():
-                out.setdefault(key, []).extend(values)
-        return PlainTexts(out)
+    def map(self, fn, **_) -> PlainTexts:
+        """`fn` on each batch as it is read (datasets' map arguments, such as num_proc, do not apply)."""
+        return PlainTexts(self.columns, fn)
 
     def iter(self, batch_size: int) -> Iterator[dict[str, list]]:
-        for at in range(0, len(self), batch_size):
-            yield {key: values[at:at + batch_size] for key, values in self.columns.items()}
+        for at in range(0, self.n, batch_size):
+            batch = {key: values[at:at + batch_size] for key, values in self.columns.items()}
+            yield self.fn(batch) if self.fn else batch
 
 
 def _load(src: Source, cfg: DataSection) -> Any:

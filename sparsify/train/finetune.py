@@ -75,9 +75,13 @@ def finetune(recipe: Recipe, *, resume: bool = False, progress: bool = True, ver
 
     raise_problems("the recipe", recipe_problems(recipe))  # load_recipe checked it; a Recipe built in Python too
     dist = init_distributed()
-    _refuse_unsupported(recipe, dist)
     out = Path(recipe.output.dir)
-    checkpoint = check_output(out, recipe, resume, dist)
+    if data_only:  # tokenising touches no run in OUT and needs none of the run's settings to be supported
+        checkpoint = None
+        out.mkdir(parents=True, exist_ok=True)
+    else:
+        _refuse_unsupported(recipe, dist)
+        checkpoint = check_output(out, recipe, resume, dist)
     if dist.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     else:

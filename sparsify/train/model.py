@@ -112,9 +112,10 @@ def load_teacher(model_dir: Path, dist: Dist, seq_len: int) -> nn.Module:
 
     original = source_activation(model_dir)
     if not original or original == "relu":
-        raise SparsifyError(f"distill.kd > 0 needs the original dense model, but {model_dir} does not record a "
-                            "non-ReLU source activation (config.json sparsify.source_activation). Give the SiLU "
-                            "source as model.source (it is converted first), or set distill.kd=0.")
+        raise SparsifyError(f"distillation (distill.kd or distill.mlp > 0) and the held-out ratios need the original "
+                            f"dense model, but {model_dir} does not record a non-ReLU source activation (config.json "
+                            "sparsify.source_activation). Give the SiLU source as model.source (it is converted "
+                            "first), or set distill.kd=0 distill.mlp=0.")
     field_name = family_for(json.loads((model_dir / "config.json").read_text())).act_field
     cfg = AutoConfig.from_pretrained(model_dir, **{field_name: original})
     dtype = torch.bfloat16 if dist.device.type == "cuda" else torch.float32

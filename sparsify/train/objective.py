@@ -38,7 +38,8 @@ class SparsityProbe:
         self.active: torch.Tensor | None = None  # [L, F] bool, OR over the micro-batches of this step
         self.nnz_sum: torch.Tensor | None = None  # [L] float64, non-zeros summed over the step
         self.token_sum = 0
-        self.handles = [m.down_proj.register_forward_pre_hook(self._hook) for m in self.mlps]
+        for m in self.mlps:
+            m.down_proj.register_forward_pre_hook(self._hook)
 
     def _hook(self, module: nn.Module, args: tuple) -> None:
         # Evaluation (no grad, or outside a training step) is not recorded.
@@ -96,10 +97,6 @@ class SparsityProbe:
         """Ends the step: drops its counters without reading them (no device sync)."""
         self.nnz_sum, self.active, self.token_sum = None, None, 0
         self.in_step = False
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
 
 
 @dataclass
@@ -236,7 +233,8 @@ class MlpDistill:
             raise ValueError(f"teacher has {len(self.teachers)} MLPs, student {len(self.mlps)}")
         self.recording = False
         self.terms: list[torch.Tensor] = []  # per layer, this forward: scalar with grad
-        self.handles = [m.register_forward_hook(self._hook(i)) for i, m in enumerate(self.mlps)]
+        for i, m in enumerate(self.mlps):
+            m.register_forward_hook(self._hook(i))
 
     def _hook(self, layer: int):
         def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
@@ -260,9 +258,6 @@ class MlpDistill:
             raise RuntimeError(f"distill.mlp captured {len(self.terms)} of {len(self.mlps)} MLP outputs")
         return torch.stack(self.terms).mean()
 
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
 
 
 class Plateau:

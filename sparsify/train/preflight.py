@@ -201,11 +201,13 @@ def _check_paths(r: Recipe) -> Problems:
                   f"sparsity.target: {len(r.sparsity.target)} values, but {r.model.source} has {layers} layers; give "
                   f"one value per layer, or a single number for all of them"))
     recorded = config.get("sparsify", {}).get("source_activation")  # the teacher's activation, if converted
-    if r.distill.kd > 0 and activation == "relu" and recorded in (None, "relu"):
-        e.append((("model.source", "distill.kd"),
-                  f"distill.kd: {r.distill.kd} needs the original dense model, but {r.model.source} is a ReLU folder "
-                  "that does not record its source activation (config.json sparsify.source_activation); give the "
-                  "SiLU source as model.source (it is converted first), or set distill.kd=0."))
+    teacher = {f"distill.{k}": getattr(r.distill, k) for k in ("kd", "mlp") if getattr(r.distill, k) > 0}
+    if teacher and activation == "relu" and recorded in (None, "relu"):  # (either loads the original model)
+        e.append((("model.source", *teacher),
+                  f"{' and '.join(f'{k}={v:g}' for k, v in teacher.items())} need{'s' * (len(teacher) == 1)} the "
+                  f"original dense model, but {r.model.source} is a ReLU folder that does not record its source "
+                  "activation (config.json sparsify.source_activation); give the SiLU source as model.source (it is "
+                  f"converted first), or set {' '.join(f'{k}=0' for k in teacher)}."))
     return e
 
 

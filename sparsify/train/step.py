@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -207,7 +208,7 @@ def headline_ratios(heldout: dict, ood: list[str]) -> dict:
     for key, names in (("ood_ratio", [n for n in heldout if n in ood]), ("id_ratio", [n for n in heldout if n not in ood])):
         ratios = [heldout[n]["ratio"] for n in names if "ratio" in heldout[n]]
         if ratios and len(ratios) == len(names):
-            out[key] = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+            out[key] = statistics.geometric_mean(ratios)
     return out
 
 

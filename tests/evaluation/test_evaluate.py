@@ -115,11 +115,20 @@ def test_ood_texts_give_the_headline_ratio_in_report_summary_and_card(tiny_folde
     assert set(ft["perplexity"]) == {"novel.txt", "news.txt"}
     want = math.sqrt(math.prod(ft["perplexity"][n]["perplexity"] / orig["perplexity"][n]["perplexity"]
                                for n in ("novel.txt", "news.txt")))
-    assert orig["ood_ratio"] == 1.0 and ft["ood_ratio"] == pytest.approx(want) and ft["ood_ratio"] != 1.0
+    from sparsify.evaluation.report import ood_ratios, merge_reports
+
+    assert ood_ratios(report) == [1.0, pytest.approx(want)] and want != 1.0
+    # a merge whose first report has no perplexities (accuracy on another machine) keeps the headline
+    bare = {**report, "models": [{**m, "perplexity": {}} for m in report["models"]]}
+    assert ood_ratios(merge_reports([bare, report], ["cpu", "gpu"]))[1] == pytest.approx(want)
     assert f"| OOD ratio | 1.000x | {want:.3f}x |" in (out / "report.md").read_text()
     assert f"OOD ratio (perplexity / orig's, geometric mean over 2 text(s) never trained on): orig 1.000x | ft {want:.3f}x" in printed.out
-    card = hub_card("user/ft", json.loads((Path(tiny_folders[1]) / "config.json").read_text()), report, ft)
+    config = json.loads((Path(tiny_folders[1]) / "config.json").read_text())
+    card = hub_card("user/ft", config, report, ft)
     assert f"**Out-of-distribution ratio: {want:.3f}x**" in card and "ood_perplexity_ratio" in card
+    one = {**report, "models": [ft]}  # a report of this model alone: no reference, no ratio (was a bare 1.0)
+    assert "Out-of-distribution" not in hub_card("user/ft", config, one, ft) and "ood_perplexity_ratio" not in \
+        hub_card("user/ft", config, one, ft)
     assert cli.main(["eval", str(tiny_folders[0]), "--text", texts[0], "--ood-text", texts[0]]) == 2
     assert "novel.txt given twice" in capsys.readouterr().err
 

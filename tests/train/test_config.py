@@ -119,7 +119,9 @@ def test_model_source_and_teacher_checked_without_loading(tmp_path, monkeypatch)
     (relu / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_act": "relu"}))
     with pytest.raises(SparsifyError) as e:
         load_recipe({**MINIMAL, "model": {"source": str(relu)}, "distill": {"kd": 1.0}})
-    assert "distill.kd: 1.0 needs the original dense model" in str(e.value)
+    assert "distill.kd=1 needs the original dense model" in str(e.value)
+    with pytest.raises(SparsifyError, match=r"distill.mlp=0.5 needs the original dense model.*set distill.mlp=0"):
+        load_recipe({**MINIMAL, "model": {"source": str(relu)}, "distill": {"kd": 0.0, "mlp": 0.5}})
     load_recipe({**MINIMAL, "model": {"source": str(relu)}, "distill": {"kd": 0.0}})  # fine without a teacher
     (relu / "config.json").write_text(json.dumps({"model_type": "mixtral", "hidden_act": "silu"}))
     with pytest.raises(SparsifyError, match="model.source: model_type 'mixtral' cannot be converted"):

@@ -124,6 +124,12 @@ def test_text_and_jsonl_read_without_datasets_give_the_same_folder(tokenizer, tm
         meta = json.loads((folder / "meta.json").read_text())
         assert [s["end"] - s["start"] > 0 for s in meta["sources"]] == [True, True]
     assert files[True] == files[False]
+    (tmp_path / "blank.txt").write_text("\n\n\n\n")  # no paragraph at all: no tokens, not a crash
+    (tmp_path / "blank.jsonl").write_text("\n\n")
+    out = prepare_data(DataSection(train=[str(tmp_path / "t.txt"), str(tmp_path / "blank.txt"),
+                                          str(tmp_path / "blank.jsonl")], validation_fraction=0.1, num_proc=1),
+                       tokenizer, tmp_path / "blank", progress=False)
+    assert [s["end"] - s["start"] for s in json.loads((out / "meta.json").read_text())["sources"]][1:] == [0, 0]
     (tmp_path / "x.parquet").write_bytes(b"")
     with pytest.raises(SparsifyError, match="needs the `datasets` library"):
         prepare_data(DataSection(train=[str(tmp_path / "x.parquet")]), tokenizer, tmp_path / "o", progress=False)
