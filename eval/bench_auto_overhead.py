@@ -15,7 +15,6 @@ Writes auto-overhead.json and prints a markdown table.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import statistics
 import sys
@@ -26,6 +25,7 @@ import torch
 
 from sparsify.evaluation.loading import load_model, parse_models, pick_device
 from sparsify.kernels.dispatch import loop_ms as cuda_loop_ms
+from sparsify.kernels.fast_decode import cache_kwarg
 
 
 def loop_ms(fn, n: int, cuda: bool) -> float:
@@ -53,19 +53,19 @@ def variants(model) -> dict:
     return {"dense": use("dense", False), "auto": use("auto", True), "auto_no_grant": use("auto", False)}
 
 
-def paired(fns: dict, prep: dict, calls: int, rounds: int, cuda: bool) -> dict[str, list[float]]:
-    """{variant: [ms per call, one per round]}; the order flips every round."""
-    names = list(fns)
+def paired(fn, prep: dict, calls: int, rounds: int, cuda: bool) -> dict[str, list[float]]:
+    """{variant: [ms per call of fn, one per round]}, each variant set by its prep(); the order flips every round."""
+    names = list(prep)
     for name in names:  # warm: auto calibrates each layer's bucket on its first calls
         prep[name]()
         for _ in range(3):
-            fns[name]()
+            fn()
     out: dict[str, list[float]] = {k: [] for k in names}
     for r in range(rounds):
         for k in names if r % 2 == 0 else names[::-1]:
             prep[k]()
-            fns[k]()  # the first call after a switch takes the grant (not timed)
-            out[k].append(loop_ms(fns[k], calls, cuda))
+            fn()  # the first call after a switch takes the grant (not timed)
+            out[k].append(loop_ms(fn, calls, cuda))
     return out
 
 
@@ -81,12 +81,10 @@ def bench_model(source: str, device: str, batch: int, prompt: int, rounds: int, 
     ids = torch.randint(3, model.config.vocab_size, (batch, prompt), generator=gen).to(device)
     step = torch.randint(3, model.config.vocab_size, (batch, 1), generator=gen).to(device)
     prep = variants(model)
-    fast = model.__dict__.get("_fast_decode")
-    if fast is not None:
-        fast.enabled = False  # plain eager forwards: the graph-replayed decode regime is another measurement
+    modeling = sys.modules[type(model).__module__]
+    modeling.enable_fast_decode(model, enabled=False)  # plain eager forwards: graph replay is another measurement
+    name = cache_kwarg(model)  # `cache` (transformers 5.2x) or `past_key_values`
     row = {"model": spec.name, "source": source, "batch": batch, "prompt": prompt, "cases": {}}
-    # the cache argument's name: `cache` from transformers 5.2x (past_key_values deprecated), else past_key_values
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
         model(ids, use_cache=True, **{name: cache})
@@ -98,7 +96,7 @@ def bench_model(source: str, device: str, batch: int, prompt: int, rounds: int, 
             cache.crop(-1)  # (transformers 5: a negative count removes that many tokens)
 
         for case, fn in (("prefill", lambda: model(ids, use_cache=False)), ("decode", decode)):
-            times = paired({k: fn for k in prep}, prep, calls if case == "decode" else max(1, calls // 4), rounds, cuda)
+            times = paired(fn, prep, calls if case == "decode" else max(1, calls // 4), rounds, cuda)
             row["cases"][case] = {
                 "ms": {k: statistics.median(v) for k, v in times.items()},
                 "dense_over_auto": statistics.median(d / a for d, a in zip(times["dense"], times["auto"])),

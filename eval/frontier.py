@@ -15,6 +15,7 @@ back as training goes on at the sparsity its target holds).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from pathlib import Path
 
@@ -87,13 +88,14 @@ def main() -> int:
     except ImportError:
         return 0
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    for d, marker in zip(domains, "osd^v<>"):
+    for d, marker in zip(domains, itertools.cycle("osd^v<>Px*")):
         pts = [r for r in rows if r.get(d) is not None]
         ax.plot([r["zeros"] for r in pts], [r[d] for r in pts], marker + "-" if args.trajectory else marker,
                 ms=4, lw=0.8, label=d)
     if args.trajectory:  # one run's path: say how far it went
         last = max(rows, key=lambda r: r["tokens"])
-        ax.annotate(f"{last['tokens'] / 1e6:.0f}M tokens", (last["zeros"], last[domains[0]]), fontsize=7)
+        anchor = next(d for d in domains if last.get(d) is not None)  # (a run without data.ood has no ood_ratio)
+        ax.annotate(f"{last['tokens'] / 1e6:.0f}M tokens", (last["zeros"], last[anchor]), fontsize=7)
     else:  # one point per run: name each (next to its first domain's marker)
         for r in rows:
             if r.get(domains[0]) is not None:

@@ -50,7 +50,9 @@ RUN=$WORK/run
 
 inputs() {  # the carried inputs, assembled once: GGUF, wheels, token folder, held-out text, converted model
     if ls "$WORK"/in/bundle.tar.part.* >/dev/null 2>&1 && [ ! -e "$WORK/in/.bundle-done" ]; then  # all of it, in parts
-        cat "$WORK"/in/bundle.tar.part.* | tar -x -C "$WORK/in" && touch "$WORK/in/.bundle-done"
+        cat "$WORK"/in/bundle.tar.part.* | tar -x -C "$WORK/in" \
+            || { echo "the bundle parts in $WORK/in do not make a whole tar: stage every part" >&2; exit 2; }
+        touch "$WORK/in/.bundle-done"
     fi
     if [ ! -f "$WORK/smollm2.gguf" ]; then
         cat "$WORK"/in/gguf.part.* > "$WORK/smollm2.gguf.part" && mv "$WORK/smollm2.gguf.part" "$WORK/smollm2.gguf"
@@ -168,7 +170,7 @@ case "${1:-}" in
     inputs
     read -ra extra <<< "${EXTRA:-}"
     python -m sparsify finetune --no-progress --prepare-data recipes/smollm2-135m.yaml model.source="$WORK/converted" \
-        output.dir="$WORK/prep-${NAME:-mix}" "${extra[@]}" 2>&1 | tail -3
+        output.dir="$WORK/prep-${NAME:-mix}" "${extra[@]}" 2>&1 | tail -3 || echo "prepare failed"
     ;;
   cloze)  # eval/cloze.py (lm-eval's cloze acc without lm_eval) on the original and every finished sweep run
     inputs
@@ -176,7 +178,7 @@ case "${1:-}" in
     for d in "$WORK"/sweep/*/model; do
         [ -f "$d/config.json" ] && models="$models $(basename "$(dirname "$d")")=$d"
     done
-    python eval/cloze.py $models --out "$OUT/cloze" 2>&1 | tail -12
+    python eval/cloze.py $models --out "$OUT/cloze" 2>&1 | tail -12 || echo "cloze failed"
     [ -d "$OUT/sweep" ] && python eval/frontier.py "$OUT"/sweep/*/ --out "$OUT/sweep" --cloze "$OUT/cloze/cloze.json" \
         >/dev/null || true
     ;;
@@ -199,7 +201,7 @@ case "${1:-}" in
         --regimes "${BENCH_REGIMES:-compiled}" ${general:+--text "$general"} --new-tokens 256 --out "$OUT/bench" -q \
         2>&1 | tail -15 || echo "bench failed"
     if [ -f eval/ppl_gap.py ] && [ -n "$texts" ]; then
-        python eval/ppl_gap.py --original "$WORK/smollm2.gguf" --finetuned "${bench#*=}" --tokens "$WORK/tok" \
+        python eval/ppl_gap.py --original "$WORK/smollm2.gguf" --finetuned "${bench#*=}" --tokens "${TOK:-$WORK/tok}" \
             --text general="$WORK/heldout/general.txt" --text docs="$WORK/heldout/docs.txt" --out "$OUT/gap" 2>&1 \
             | tail -20 || echo "ppl_gap failed"
     fi
