@@ -1,6 +1,6 @@
 """What `auto` costs a whole model in eager calls once it decided dense: the model with the FFN backend "dense",
 "auto" as shipped (a decided-dense layer runs its torch expression after one attribute test until the next
-density refresh: dense_grant), and "auto" without that grant (every call through twell_ffn and the dispatcher's
+density refresh: grant_dense), and "auto" without that grant (every call through twell_ffn and the dispatcher's
 lookup), timed side by side in one run.
 
     python eval/bench_auto_overhead.py MODEL_FOLDER... [--batch 1] [--prompt 512] [--rounds 7] [--out DIR]
@@ -42,11 +42,11 @@ def loop_ms(fn, n: int, cuda: bool) -> float:
 def variants(model) -> dict:
     """{name: prepare()}: set the backend (and the grant) the name stands for."""
     modeling = sys.modules[type(model).__module__]
-    granting = modeling.dense_grant
+    granting = modeling.grant_dense
 
     def use(backend: str, grant: bool):
         def prepare() -> None:
-            modeling.dense_grant = granting if grant else (lambda w_gate, m: 0)
+            modeling.grant_dense = granting if grant else (lambda w_gate, m: (0, False))
             model.set_ffn_backend(backend)  # (also ends any grant a module holds)
         return prepare
 

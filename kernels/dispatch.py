@@ -7,7 +7,7 @@ synchronous density count and a check that TwELL's output is the dense FFN's; th
 in paired rounds through the code a later call runs, eagerly and, for decode sizes, replayed from CUDA
 graphs (captured calls use that decision). TwELL is kept only when the median paired ratio beats
 `margin`. The density is refreshed every `refresh` calls without a host sync; a drift re-times the
-bucket. Once a bucket chose dense, `fast_path` runs the dense FFN after one lookup, and `dense_grant` lets a
+bucket. Once a bucket chose dense, `fast_path` runs the dense FFN after one lookup, and `grant_dense` lets a
 module skip even that until the next refresh (SparseMLP runs its own dense expression meanwhile).
 
 The clock (timing, graph capture), the store (per-layer state, W_down^T copies), the capture query and
@@ -299,16 +299,19 @@ class Dispatcher:
         self.last_backend = "dense"
         return ffn_dense(x, w_gate, w_up, w_down)
 
-    def dense_grant(self, w_gate: torch.Tensor, m: int) -> int:
-        """How many of this layer's next calls of m rows the caller may run as the plain dense FFN without
-        calling auto at all: those before the next density refresh, when both regimes of the bucket chose
-        dense and no re-timing is due; else 0. The caller reports the calls it ran with `dense_used` before
-        it calls auto again, so refreshes keep their period in real calls (see SparseMLP)."""
+    def grant_dense(self, w_gate: torch.Tensor, m: int) -> tuple[int, bool]:
+        """(calls, in_capture): how many of this layer's next calls of m rows the caller may run as the plain
+        dense FFN without calling auto at all, and whether those may include calls captured into a CUDA graph.
+        The calls are those before the next density refresh, when the bucket's eager decision is dense and no
+        re-timing is due (else 0); in_capture is True only when graph replay chose dense too (decode buckets
+        often run dense eagerly but TwELL in graphs: a caller must then leave captured calls to auto). The
+        caller reports the calls it ran with `dense_used` before it calls auto again, so refreshes keep their
+        period in real calls (see SparseMLP)."""
         st = self._state(w_gate, m)
-        if st is None or not st.all_dense or st.retune:
-            return 0
+        if st is None or st.decision != "dense" or st.retune:
+            return 0, False
         every = self.policy.refresh_dense
-        return every - 1 - st.calls % every
+        return every - 1 - st.calls % every, st.graph_decision == "dense"
 
     def dense_used(self, w_gate: torch.Tensor, m: int, calls: int) -> None:
         """Count `calls` calls of m rows that ran dense under a grant (a grant left unused costs nothing)."""

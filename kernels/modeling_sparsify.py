@@ -21,7 +21,7 @@ import torch.nn as nn
 import transformers
 
 from .fast_decode import FastDecode, enable_fast_decode
-from .twell_ops import auto_decisions, dense_capture_active, dense_grant, dense_used, last_backend, twell_ffn
+from .twell_ops import auto_decisions, dense_capture_active, dense_used, grant_dense, last_backend, twell_ffn
 from .twell_triton import HAS_TRITON
 
 __all__ = ["SparseMLP", "sparsify_mlps", "set_ffn_backend", "default_backend", "enable_fast_decode", "FastDecode"]
@@ -29,6 +29,7 @@ _KERNELS_MISSING = "" if HAS_TRITON else "triton is not installed"
 logger = logging.getLogger("sparsify")
 BACKENDS = ("auto", "twell", "dense")
 TWIN = "the step check's all-dense twin of a decode step"
+_capturing = torch.cuda.is_current_stream_capturing  # asked only under an eager-only grant (CUDA calls)
 _announced: set[str] = set()
 
 
@@ -46,9 +47,10 @@ class SparseMLP(nn.Module):
     `last_path` records which path the last forward took: "twell_ffn:twell" / "twell_ffn:dense" (what the
     kernels' dispatcher actually ran) or "torch" (the nn.Linear modules).
 
-    Once "auto" decided dense for a shape's M bucket (eager and graph replay), the dispatcher grants the calls
-    up to its next density refresh: those run the torch expression directly, after one attribute test (no op,
-    no lookup), and the refresh call goes through twell_ffn again.
+    Once "auto" decided dense for a shape's M bucket, the dispatcher grants the calls up to its next density
+    refresh: those run the torch expression directly, after one attribute test (no op, no lookup), and the
+    refresh call goes through twell_ffn again. Where graph replay chose TwELL for the bucket (decode sizes
+    often do), the grant holds for eager calls only: a call captured into a CUDA graph goes to auto.
     """
 
     def __init__(self, mlp: nn.Module):
@@ -62,6 +64,7 @@ class SparseMLP(nn.Module):
         self.down_proj = mlp.down_proj
         self._granted = self._dense_left = 0  # calls of shape _dense_shape auto granted / still to run dense
         self._dense_shape: torch.Size | None = None
+        self._grant_in_capture = False  # the grant also covers calls captured into CUDA graphs
         self.ffn_backend = "auto"
         self.last_path = ""
         self._views = None  # Phi-3: cached gate/up views (the dispatcher keys a layer by its W_gate object)
@@ -122,7 +125,8 @@ class SparseMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # (is_compiling first: dynamo must not guard on the countdown, or every call would recompile)
-        if not torch.compiler.is_compiling() and self._dense_left and x.shape == self._dense_shape:
+        if (not torch.compiler.is_compiling() and self._dense_left and x.shape == self._dense_shape
+                and (self._grant_in_capture or not _capturing())):
             self._dense_left -= 1  # granted by auto: last_path is still the granting call's "twell_ffn:dense"
             return self._torch_ffn(x)
         reason = self.kernel_reason(x)
@@ -137,7 +141,8 @@ class SparseMLP(nn.Module):
                 ran = last_backend()
                 self.last_path = f"twell_ffn:{ran}"
                 if self.ffn_backend == "auto" and ran == "dense":  # (a twell call gets no grant: no lookup)
-                    self._granted = self._dense_left = dense_grant(w_gate, x.numel() // x.shape[-1])
+                    grant, self._grant_in_capture = grant_dense(w_gate, x.numel() // x.shape[-1])
+                    self._granted = self._dense_left = grant
                     self._dense_shape = x.shape
             return y
         if not torch.compiler.is_compiling():

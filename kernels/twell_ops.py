@@ -31,7 +31,7 @@ def _auto_entry(x2d, w_gate, w_up, w_down, w_down_t):
 
 
 SHARED = "sparsify_twell_ffn_auto"  # the sys.modules entry that holds the process's one dispatcher
-_USED = ("note", "down_t", "fast_path", "dense_grant", "dense_used", "decisions", "dense_in_capture",
+_USED = ("note", "down_t", "fast_path", "grant_dense", "dense_used", "decisions", "dense_in_capture",
          "twell_in_capture", "capture_dense", "last_backend")
 
 
@@ -49,7 +49,7 @@ def _process_auto() -> Dispatcher:
 AUTO = _process_auto()  # real clock and store
 dense_in_capture = AUTO.dense_in_capture
 twell_in_capture = AUTO.twell_in_capture
-dense_grant = AUTO.dense_grant  # (w_gate, m) -> calls a module may run dense without calling twell_ffn
+grant_dense = AUTO.grant_dense  # (w_gate, m) -> (calls a module may run dense without twell_ffn, in captures too)
 dense_used = AUTO.dense_used  # (w_gate, m, calls): the granted calls it ran (they count for the refresh period)
 auto_decisions = AUTO.decisions  # (w_gate) -> {M bucket: eager / graph decision, density, why}
 

@@ -108,7 +108,7 @@ def test_auto_probe_smoke_on_cpu(tmp_path):
 
 
 def test_bench_auto_overhead_smoke_on_cpu(tmp_path):
-    """eval/bench_auto_overhead.py (dense vs auto vs auto without dense_grant, prefill and a decode step on a
+    """eval/bench_auto_overhead.py (dense vs auto vs auto without grant_dense, prefill and a decode step on a
     cache) runs end to end on a tiny synth folder, restores the grant, and writes its JSON."""
     from sparsify.folder.synth import synth
 

@@ -352,9 +352,10 @@ def test_auto_refresh_cadence_and_held_retune():
 
 
 def test_dense_grant_keeps_the_refresh_period_in_real_calls():
-    """A module holding dense_grant's calls runs them without auto and reports them (dense_used) before it
+    """A module holding grant_dense's calls runs them without auto and reports them (dense_used) before it
     calls auto again: auto refreshes the density at the same real calls as without grants; a grant left
-    unused costs nothing (the next call is no refresh); twell, graph-twell and re-timing buckets get none."""
+    unused costs nothing (the next call is no refresh); eager-twell and re-timing buckets get none, and a
+    bucket whose graph replay chose twell gets one for eager calls only."""
     x, wg, wu, wd = make_case(20, 16, 64, 0.9, seed=41)
     every, total = Policy().refresh_dense, 3 * Policy().refresh_dense + 7
     refreshes = {}
@@ -370,23 +371,26 @@ def test_dense_grant_keeps_the_refresh_period_in_real_calls():
             d.dense_used(wg, 20, given - left)
             d.run(x, wg, wu, wd)
             runs += 1
-            given = left = d.dense_grant(wg, 20) if granted else 0
+            given = left = d.grant_dense(wg, 20)[0] if granted else 0
         refreshes[granted] = seen
         if granted:
             assert runs <= 5, f"{runs} calls of auto for {total} calls of the layer"
     assert refreshes[True] == refreshes[False] and len(refreshes[True]) == 3
     calls = st.calls
-    assert d.dense_grant(wg, 20) > 0 and st.calls == calls  # asking costs nothing...
+    assert d.grant_dense(wg, 20) == (every - 1 - calls % every, True) and st.calls == calls  # asking costs nothing...
     d.dense_used(wg, 20, 0)  # ... nor does a grant abandoned unused (a backend switch, another shape)
     seen.clear()
     d.run(x, wg, wu, wd)
     assert not seen and st.calls == calls + 1
     st.retune = True
-    assert d.dense_grant(wg, 20) == 0
-    for times in (EAGER_TWELL, GRAPH_ONLY_TWELL):
-        d = dispatcher(times)
-        d.run(x, wg, wu, wd)
-        assert d.dense_grant(wg, 20) == 0 and d.dense_grant(wg, 200) == 0  # (200: a bucket with no state)
+    assert d.grant_dense(wg, 20) == (0, False)
+    d = dispatcher(EAGER_TWELL)
+    d.run(x, wg, wu, wd)
+    assert d.grant_dense(wg, 20) == (0, False) and d.grant_dense(wg, 200) == (0, False)  # (200: no state yet)
+    d = dispatcher(GRAPH_ONLY_TWELL)  # eager dense, graph replay twell: a grant for eager calls only
+    d.run(x, wg, wu, wd)
+    calls, in_capture = d.grant_dense(wg, 20)
+    assert calls > 0 and in_capture is False
 
 
 def test_decisions_report_each_bucket_of_a_layer():

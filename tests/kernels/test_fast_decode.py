@@ -294,9 +294,10 @@ def test_compiled_step_through_the_twell_op_is_one_graph(tiny, monkeypatch):
 
 
 def test_auto_decided_dense_skips_the_op_until_the_refresh(tiny, monkeypatch):
-    """Once auto decided dense for a bucket (both regimes), a SparseMLP runs its torch expression without
-    calling twell_ffn until the dispatcher's next density refresh (a counted wrapper stands for the CUDA
-    op); another shape, a backend switch or a twell decision go through the op; greedy tokens are unchanged."""
+    """Once auto decided dense for a bucket, a SparseMLP runs its torch expression without calling twell_ffn
+    until the dispatcher's next density refresh (a counted wrapper stands for the CUDA op); another shape, a
+    backend switch, a twell decision, and a captured call where graph replay chose twell go through the op;
+    greedy tokens are unchanged."""
     import sys
 
     mod = sys.modules[type(tiny).__module__]  # the folder's modeling_sparsify.py
@@ -336,10 +337,20 @@ def test_auto_decided_dense_skips_the_op_until_the_refresh(tiny, monkeypatch):
             mlp.ffn_backend = "auto"
             mlp(x)  # the grant ended with the switch
             assert len(calls) == 5
-            decided(graph="twell")  # captured calls would run twell: no grant
+            decided(graph="twell")  # captured calls would run twell: the grant holds for eager calls only
+            capturing = [False]
+            monkeypatch.setattr(mod, "_capturing", lambda: capturing[0])
             for _ in range(4):
-                mlp(x)
-            assert len(calls) == 9
+                assert torch.equal(mlp(x), mlp._torch_ffn(x))
+            assert len(calls) == 6 and mlp._grant_in_capture is False  # the first call took an eager-only grant
+            capturing[0] = True
+            for _ in range(2):
+                mlp(x)  # captured: through the op every time (auto runs its graph decision there)
+            assert len(calls) == 8
+            capturing[0] = False
+            for _ in range(2):
+                mlp(x)  # eager again: the grant the last captured call took (eager calls only) serves them
+            assert len(calls) == 8
             decided()
             calls.clear()
             got = tiny.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)
