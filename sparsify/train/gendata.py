@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from sparsify.errors import SparsifyError
+from sparsify.folder.format import atomic_dir
 from sparsify.version import __version__
 
 FORMAT = "sparsify-gendata/1"
@@ -184,23 +185,20 @@ def _sample_batch(model: Any, tok: Any, s: GenSettings, prompts: list[str], devi
 
 
 def _finish(work: Path, out: Path, s: GenSettings, batches: int, total: int) -> None:
-    """Batches -> shards + gendata.json in a folder beside OUT, renamed to OUT; then the work folder goes."""
-    final = work.parent / f".{out.name}.gendata-final"
-    shutil.rmtree(final, ignore_errors=True)
-    final.mkdir()
-    shard, size, n = None, 0, 0
-    for k in range(batches):
-        data = (work / f"batch-{k:06d}.jsonl").read_bytes()
-        if shard is None or size + len(data) > SHARD_BYTES:
-            shard = final / f"text-{n:05d}.jsonl"
-            n, size = n + 1, 0
-        with open(shard, "ab") as f:
-            f.write(data)
-        size += len(data)
-    meta = {"format": FORMAT, "settings": asdict(s), "tokens": total, "batches": batches, "shards": n,
-            "sparsify": __version__, "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    (final / "gendata.json").write_text(json.dumps(meta, indent=2) + "\n")
-    os.replace(final, out)
+    """Batches -> shards + gendata.json, written into OUT at once (atomic_dir); then the work folder goes."""
+    with atomic_dir(out) as final:
+        shard, size, n = None, 0, 0
+        for k in range(batches):
+            data = (work / f"batch-{k:06d}.jsonl").read_bytes()
+            if shard is None or size + len(data) > SHARD_BYTES:
+                shard = final / f"text-{n:05d}.jsonl"
+                n, size = n + 1, 0
+            with open(shard, "ab") as f:
+                f.write(data)
+            size += len(data)
+        meta = {"format": FORMAT, "settings": asdict(s), "tokens": total, "batches": batches, "shards": n,
+                "sparsify": __version__, "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        (final / "gendata.json").write_text(json.dumps(meta, indent=2) + "\n")
     shutil.rmtree(work, ignore_errors=True)
 
 
