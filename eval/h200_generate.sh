@@ -11,8 +11,10 @@
 #        and the decode FFN grid at 90% zeros (M = 1, 8, 32 on the three target shapes)
 #   bash eval/h200_generate.sh e2e                   end to end: synth Llama-3.1-8B at batch 1 and a SmolLM2-135M-
 #        shaped synth at 95.8% zeros (the default recipe's) with the step check, compiled regime
-#   bash eval/h200_generate.sh recipe-zeros          the GPU tests outside tests/kernels, then synth 1B / 8B /
-#        SmolLM2-shaped folders at the default recipe's 95.7% zeros, benched batch 1, 512-token prompt, compiled
+#   bash eval/h200_generate.sh recipe-zeros          synth 1B (batch 1, 8) and 8B (batch 1) folders at the default
+#        recipe's 95.7% zeros, 512-token prompt, compiled (~300 s)
+#   bash eval/h200_generate.sh overhead              GPU tests outside the kernel files, a SmolLM2-shaped folder at
+#        95.7% benched batch 1 and 8, and eval/bench_auto_overhead.py on it (eager auto vs dense) (~400 s)
 #   results go to $OUT (the device tool's folder) or eval/results/generate-h200/ (RESULTS=...)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -55,12 +57,21 @@ e2e() {
   timeout 150 bash "$0" synth smollm2 eval/configs/smollm2-135m.json 0.958 --batch 1 --prompt 512 --regimes compiled
 }
 
-recipe_zeros() {
-  timeout 200 python3 -m pytest -q -m gpu tests --ignore=tests/kernels > "$RESULTS/gpu-tests-other.log" 2>&1
-  echo "gpu tests (outside tests/kernels) rc $?"; tail -3 "$RESULTS/gpu-tests-other.log"
-  timeout 150 bash "$0" synth llama-1b-0957 eval/configs/llama-3.2-1b.json 0.957 --batch 1 --prompt 512 --regimes compiled
-  timeout 260 bash "$0" synth llama-8b-0957 eval/configs/llama-3.1-8b.json 0.957 --batch 1 --prompt 512 --regimes compiled
-  timeout 100 bash "$0" synth smollm2-0957 eval/configs/smollm2-135m.json 0.957 --batch 1 --prompt 512 --regimes compiled
+recipe_zeros() {  # ~300 s measured (2026-12-02): random-id prompts (a synth folder is calibrated on them)
+  timeout 200 bash "$0" synth llama-1b-0957 eval/configs/llama-3.2-1b.json 0.957 --batch 1,8 --prompt 512 --regimes compiled
+  timeout 250 bash "$0" synth llama-8b-0957 eval/configs/llama-3.1-8b.json 0.957 --batch 1 --prompt 512 --regimes compiled
+}
+
+overhead() {  # what auto costs where it decided dense: GPU tests of the modules, a SmolLM2-shaped folder end to
+  # end, and eager prefill / decode calls (eval/bench_auto_overhead.py: dense vs auto vs auto without its grant)
+  timeout 200 python3 -m pytest -q -m gpu tests --ignore=tests/kernels/test_twell_triton.py \
+    --ignore=tests/kernels/test_twell_updown.py > "$RESULTS/gpu-tests-modules.log" 2>&1
+  echo "gpu tests (modules, fast decode, dispatcher) rc $?"; tail -3 "$RESULTS/gpu-tests-modules.log"
+  timeout 150 bash "$0" synth smollm2-0957 eval/configs/smollm2-135m.json 0.957 --batch 1,8 --prompt 512 --regimes compiled
+  for b in 1 8; do
+    timeout 90 python3 eval/bench_auto_overhead.py "smollm2-0957=$WORK/smollm2-0957" --batch $b \
+      --out "$RESULTS/auto-overhead-b$b" 2>&1 | tail -4
+  done
 }
 
 cmd=${1:-}
@@ -71,5 +82,6 @@ case "$cmd" in
   pending) pending ;;
   e2e) e2e ;;
   recipe-zeros) recipe_zeros ;;
-  *) echo "usage: $0 tests | synth NAME CONFIG ZEROS [bench args] | pending | e2e | recipe-zeros" >&2; exit 2 ;;
+  overhead) overhead ;;
+  *) echo "usage: $0 tests | synth NAME CONFIG ZEROS [bench args] | pending | e2e | recipe-zeros | overhead" >&2; exit 2 ;;
 esac

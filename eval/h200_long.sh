@@ -23,6 +23,9 @@
 #                                        sweep modes read TOK=that folder (default $WORK/tok)
 #   bash eval/h200_long.sh cloze         the cloze task (eval/cloze.py: lm-eval's acc, without lm_eval) on the
 #                                        original and every finished sweep run; frontier.md gains its columns
+#   bash eval/h200_long.sh detach MODE   MODE (train, sweep, ...) in its own process session from a copy of the tree:
+#                                        it runs on across calls while the machine is held (LEG_S default 1 day);
+#   bash eval/h200_long.sh wait [S]      in the next calls, waits up to S seconds (default 540) for it to end
 #   bash eval/h200_long.sh finish        after the run or sweep: sparsify bench (generate speed, sparse vs dense
 #                                        FFN), eval/ppl_gap.py (the finetune log's measure vs sparsify eval's),
 #                                        sparsify eval original vs the fine-tuned models on the held-out text,
@@ -211,6 +214,27 @@ case "${1:-}" in
         python eval/bench_train_ffn.py --out "$OUT/train_ffn" 2>&1 | tail -25 || echo "bench_train_ffn failed"
     fi
     ;;
-  *) echo "usage: $0 stage DIR... | train | sweep | gendata | prepare | cloze | finish" >&2; exit 2 ;;
+  detach)  # run another mode in its own process session, from a copy of this tree (a later call's tree may differ),
+    # so that it runs on across calls while the machine is held: no checkpoint / resume (and recompile) per leg
+    shift
+    mode=${1:?usage: detach MODE (train, sweep, gendata, ...)}
+    [ -f "$WORK/detached.pid" ] && kill -0 "$(cat "$WORK/detached.pid")" 2>/dev/null \
+        && { echo "a detached run is going on (pid $(cat "$WORK/detached.pid")): wait for it" >&2; exit 2; }
+    rm -rf "$WORK/tree" && mkdir -p "$WORK/tree" && tar -c --exclude=./.git --exclude=./.venv --exclude=./.carry \
+        --exclude=./.whl --exclude=./data -f - . | tar -x -C "$WORK/tree"
+    (cd "$WORK/tree" && LEG_S=${LEG_S:-86400} setsid nohup bash eval/h200_long.sh "$@" > "$WORK/detached.log" 2>&1 \
+        < /dev/null & echo $! > "$WORK/detached.pid")
+    echo "detached: $mode (pid $(cat "$WORK/detached.pid")), log $WORK/detached.log; then: bash $0 wait SECONDS"
+    ;;
+  wait)  # until the detached run ends, or SECONDS (default 540) pass; prints the end of its log either way
+    deadline=$(( $(date +%s) + ${2:-540} ))
+    [ -f "$WORK/detached.pid" ] || { echo "no detached run in $WORK (start one with: $0 detach MODE)" >&2; exit 2; }
+    pid=$(cat "$WORK/detached.pid")
+    while kill -0 "$pid" 2>/dev/null && [ "$(date +%s)" -lt "$deadline" ]; do sleep 5; done
+    kill -0 "$pid" 2>/dev/null && echo "still running (pid $pid)" || echo "detached run ended"
+    tail -n 20 "$WORK/detached.log" 2>/dev/null || true
+    ;;
+  *) echo "usage: $0 stage DIR... | train | sweep | gendata | prepare | cloze | finish | detach MODE | wait [S]" >&2
+     exit 2 ;;
 esac
 if [ -n "${PACK:-}" ]; then tar -cJf "$PACK/results.tar.xz" -C "$OUT" . && ls -la "$PACK"; fi
