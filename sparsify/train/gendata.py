@@ -38,8 +38,8 @@ class GenSettings:
     model: str
     tokens: int
     seq_len: int = 512
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float = 0.8
+    top_p: float = 0.95
     prompts: str | None = None
     batch_size: int = 8
     seed: int = 0
@@ -69,8 +69,8 @@ def work_dir(out: Path) -> Path:
     return out.parent / f".{out.name}.gendata-partial"
 
 
-def gendata(model: str, out: str | os.PathLike, *, tokens: int, seq_len: int = 512, temperature: float = 1.0,
-            top_p: float = 1.0, prompts: str | os.PathLike | None = None, batch_size: int = 8, seed: int = 0,
+def gendata(model: str, out: str | os.PathLike, *, tokens: int, seq_len: int = 512, temperature: float = 0.8,
+            top_p: float = 0.95, prompts: str | os.PathLike | None = None, batch_size: int = 8, seed: int = 0,
             device: str | None = None, progress: bool = True) -> Path:
     """Sample `tokens` new tokens of text from `model` into the folder `out`; returns `out`.
 
@@ -217,8 +217,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", required=True, help="output folder (must not exist)")
     p.add_argument("--tokens", type=int, required=True, help="new tokens to sample in all")
     p.add_argument("--seq-len", type=int, default=512, help="new tokens per sample at most (default 512)")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
+    p.add_argument("--temperature", type=float, default=0.8,
+                   help="sampling temperature (default 0.8: SmolLM2-135M at 1.0 with every token allowed wrote "
+                        "mostly word salad and mixed languages; at 0.8 / top-p 0.95, English prose and lists)")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default 0.95; 1.0: off)")
     p.add_argument("--prompts", help="text file, one prompt per line, cycled (default: start from the BOS token)")
     p.add_argument("--batch-size", type=int, default=8, help="samples per generate() call (default 8)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
