@@ -19,7 +19,8 @@ capture), then timed `repeats` times, variants alternating in an order that flip
 follows one untimed forward of the prompt after its variant is set: a model in use keeps the state `auto`
 gives it (a layer decided dense holds a grant to skip the dispatcher, and a backend switch ends it), so the
 first call after a switch is not what a user's calls cost. The time to first token is prefill plus the first
-token's logits; decode tokens/s counts the batch's tokens after it.
+token's logits; decode tokens/s counts the batch's tokens after it. The prefill alone is also timed in paired
+rounds (paired_prefill_ms): the steadier answer to "is sparse prefill slower than dense?".
 """
 
 from __future__ import annotations
@@ -92,6 +93,31 @@ def time_generate(model: Any, ids: Any, new_tokens: int) -> dict:
             "replays": None if fast is None else fast.replays - replays}
 
 
+PREFILL_ROUNDS = 7  # paired prefill timings per case (odd: the median is one round's ratio)
+
+
+def paired_prefill_ms(model: Any, ids: Any, variants: dict[str, Any], rounds: int) -> dict[str, list[float]]:
+    """{variant: [ms of one prompt forward, one per round]}: the prefill alone (the base model's forward of the
+    prompt, no cache, no sampling), each variant set and warmed by one untimed forward in every round, in an
+    order that flips every round. TTFT from a few generate() calls is a host-bound number with a wide spread;
+    these rounds pair the variants tightly enough to say whether sparse prefill is slower."""
+    import torch
+
+    out: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
+    with torch.no_grad():
+        for r in range(rounds):
+            for name in names if r % 2 == 0 else names[::-1]:
+                variants[name]()
+                model.base_model(input_ids=ids, use_cache=False)
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                model.base_model(input_ids=ids, use_cache=False)
+                torch.cuda.synchronize()
+                out[name].append((time.perf_counter() - start) * 1e3)
+    return out
+
+
 def _variants(model: Any) -> dict[str, Any]:
     """name -> function that puts the model in that variant (sparsify models: dense and sparse FFN)."""
     if ffn_backend_of(model) is None:
@@ -153,6 +179,7 @@ def bench_model(model: Any, *, batches: tuple[int, ...], prompts: tuple[int, ...
                     t = time_generate(model, ids, new_tokens)
                     t.pop("tokens")
                     times[name].append(t)
+            prefill = paired_prefill_ms(model, ids, variants, PREFILL_ROUNDS)
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
             rows.append({"regime": regime, "batch": batch, "prompt": prompt, "skipped": "out of GPU memory"})
@@ -168,6 +195,7 @@ def bench_model(model: Any, *, batches: tuple[int, ...], prompts: tuple[int, ...
                          "decode_tok_s": median([t["decode_tok_s"] for t in ts]),
                          "step_ms": median([t["step_ms"] for t in ts]),
                          "step_ms_spread": (max(t["step_ms"] for t in ts) - min(t["step_ms"] for t in ts)),
+                         "prefill_ms": median(prefill[name]), "prefill_ms_rounds": prefill[name],
                          "graph_replays_per_call": ts[-1]["replays"],
                          "greedy_tokens": same,
                          "step_checks": list(fast.step_checks) if name != "dense" else [],
@@ -188,9 +216,11 @@ def speedups(rows: list[dict]) -> list[dict]:
         dense = by.get((regime, batch, prompt, "dense"))
         if variant != "sparse" or dense is None:
             continue
+        pairs = list(zip(dense.get("prefill_ms_rounds") or [], sparse.get("prefill_ms_rounds") or []))
         out.append({"regime": regime, "batch": batch, "prompt": prompt,
                     "decode_speedup": sparse["decode_tok_s"] / dense["decode_tok_s"],
                     "ttft_speedup": dense["ttft_ms"] / sparse["ttft_ms"],
+                    "prefill_speedup": median(d / s for d, s in pairs) if pairs else None,
                     "dense_step_spread": dense["step_ms_spread"] / dense["step_ms"]})
     return out
 
@@ -216,13 +246,22 @@ def markdown(report: dict) -> str:
             lines.append(f"| {r['regime']} | {r['batch']} | {r['prompt']} | {r['variant']} | {r['decode_tok_s']:.0f} "
                          f"| {r['step_ms']:.3f} | {r['ttft_ms']:.1f} | {r['greedy_tokens'] or ''} |")
         if model["speedups"]:
-            lines += ["", "| regime | batch | prompt | decode sparse/dense | TTFT dense/sparse | dense step spread |",
-                      "|---|---|---|---|---|---|"]
+            lines += ["", "| regime | batch | prompt | decode sparse/dense | TTFT dense/sparse | prefill dense/sparse "
+                      "(paired) | dense step spread |", "|---|---|---|---|---|---|---|"]
             lines += [f"| {s['regime']} | {s['batch']} | {s['prompt']} | **{s['decode_speedup']:.2f}x** | "
-                      f"{s['ttft_speedup']:.2f}x | {100 * s['dense_step_spread']:.1f}% |" for s in model["speedups"]]
+                      f"{s['ttft_speedup']:.2f}x | {_ratio(s.get('prefill_speedup'))} | "
+                      f"{100 * s['dense_step_spread']:.1f}% |" for s in model["speedups"]]
+            lines += ["", f"prefill dense/sparse (paired): the median over {PREFILL_ROUNDS} rounds of the ratio of "
+                      "one prompt forward's time (the base model, no cache), the variants alternating, each after "
+                      "an untimed forward; TTFT is the median of the timed generate() calls (host-bound, wider "
+                      "spread)."]
         lines += layer_tables(model.get("layers") or [])
         lines.append("")
     return "\n".join(lines)
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}x"
 
 
 def layer_tables(layers: list[dict]) -> list[str]:

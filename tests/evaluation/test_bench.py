@@ -17,14 +17,19 @@ def test_speedups_pair_sparse_with_dense_of_the_same_case():
     rows = [_row("dense", 1, 100.0, 20.0), _row("sparse", 1, 125.0, 25.0), _row("dense", 8, 400.0, 30.0),
             _row("sparse", 8, 380.0, 30.0), _row("dense", 1, 50.0, 40.0, regime="eager"),
             {"regime": "graphs", "batch": 32, "prompt": 512, "skipped": "out of GPU memory"}]
+    # paired prefill rounds: the ratio is the median of per-round ratios (2.0 / 1.0 / 0.5 -> 1.0), not of medians
+    rows[0]["prefill_ms_rounds"], rows[1]["prefill_ms_rounds"] = [10.0, 10.0, 5.0], [5.0, 10.0, 10.0]
     got = {(s["regime"], s["batch"]): s for s in speedups(rows)}
     assert set(got) == {("graphs", 1), ("graphs", 8)}  # the eager case has no sparse row
     assert got[("graphs", 1)]["decode_speedup"] == pytest.approx(1.25)
     assert got[("graphs", 1)]["ttft_speedup"] == pytest.approx(0.8)
+    assert got[("graphs", 1)]["prefill_speedup"] == pytest.approx(1.0)
     assert got[("graphs", 8)]["decode_speedup"] == pytest.approx(0.95)
+    assert got[("graphs", 8)]["prefill_speedup"] is None  # (rows of an older bench.json have no rounds)
     text = markdown({"gpu": "GPU", "provenance": {}, "settings": {"new_tokens": 256},
                      "models": {"m": {"info": "", "rows": rows, "speedups": speedups(rows)}}})
     assert "**1.25x**" in text and "skipped: out of GPU memory" in text
+    assert "| graphs | 1 | 512 | **1.25x** | 0.80x | 1.000x |" in text and "| **0.95x** | 1.00x | - |" in text
 
 
 def test_report_says_which_backend_each_layer_ran_per_bucket():
@@ -45,3 +50,22 @@ def test_report_says_which_backend_each_layer_ran_per_bucket():
 def test_bench_refuses_without_a_gpu(capsys, tmp_path):
     assert cli(["bench", str(tmp_path)]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_paired_prefill_warms_each_variant_and_flips_the_order(monkeypatch):
+    """paired_prefill_ms: every round sets each variant, runs one untimed prompt forward, then the timed one,
+    in an order that flips every round; one time per variant and round."""
+    from types import SimpleNamespace
+
+    from sparsify.evaluation.bench import paired_prefill_ms
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    log, state = [], {"v": None}
+    model = SimpleNamespace(base_model=lambda input_ids, use_cache: log.append((state["v"], use_cache)))
+    variants = {"dense": lambda: state.update(v="dense"), "sparse": lambda: state.update(v="sparse")}
+    got = paired_prefill_ms(model, torch.zeros(1, 4, dtype=torch.long), variants, rounds=3)
+    assert {k: len(v) for k, v in got.items()} == {"dense": 3, "sparse": 3}
+    assert all(t >= 0 for v in got.values() for t in v)
+    order = [v for v, _ in log[::2]]
+    assert order == ["dense", "sparse", "sparse", "dense", "dense", "sparse"]
+    assert [v for v, _ in log[1::2]] == order and not any(c for _, c in log)  # warm + timed, no cache
