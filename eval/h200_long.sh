@@ -218,20 +218,27 @@ case "${1:-}" in
     # so that it runs on across calls while the machine is held: no checkpoint / resume (and recompile) per leg
     shift
     mode=${1:?usage: detach MODE (train, sweep, gendata, ...)}
-    [ -f "$WORK/detached.pid" ] && kill -0 "$(cat "$WORK/detached.pid")" 2>/dev/null \
-        && { echo "a detached run is going on (pid $(cat "$WORK/detached.pid")): wait for it" >&2; exit 2; }
-    rm -rf "$WORK/tree" && mkdir -p "$WORK/tree" && tar -c --exclude=./.git --exclude=./.venv --exclude=./.carry \
-        --exclude=./.whl --exclude=./data -f - . | tar -x -C "$WORK/tree"
-    (cd "$WORK/tree" && LEG_S=${LEG_S:-86400} setsid nohup bash eval/h200_long.sh "$@" > "$WORK/detached.log" 2>&1 \
-        < /dev/null & echo $! > "$WORK/detached.pid")
-    echo "detached: $mode (pid $(cat "$WORK/detached.pid")), log $WORK/detached.log; then: bash $0 wait SECONDS"
+    if [ -f "$WORK/detached.pid" ] && [ ! -f "$WORK/detached.rc" ]; then
+        echo "a detached run is going on (pid $(cat "$WORK/detached.pid"); it writes $WORK/detached.rc when it ends):" \
+             "wait for it" >&2
+        exit 2
+    fi
+    rm -rf "$WORK/tree" "$WORK/detached.rc" && mkdir -p "$WORK/tree"
+    tar -c --exclude=./.git --exclude=./.venv --exclude=./.carry --exclude=./.whl --exclude=./data -f - . \
+        | tar -x -C "$WORK/tree"
+    cd "$WORK/tree"
+    # the session leader records its own pid, runs the mode, then records its exit status (what `wait` reads)
+    LEG_S=${LEG_S:-86400} setsid nohup bash -c 'echo $$ > "$0/detached.pid"; bash eval/h200_long.sh "$@";
+        echo $? > "$0/detached.rc"' "$WORK" "$@" > "$WORK/detached.log" 2>&1 < /dev/null &
+    sleep 1
+    echo "detached: $mode (pid $(cat "$WORK/detached.pid" 2>/dev/null)), log $WORK/detached.log; then: bash $0 wait SECONDS"
     ;;
-  wait)  # until the detached run ends, or SECONDS (default 540) pass; prints the end of its log either way
-    deadline=$(( $(date +%s) + ${2:-540} ))
+  wait)  # until the detached run ends (it writes detached.rc), or S seconds (default 540) pass; prints its log's end
     [ -f "$WORK/detached.pid" ] || { echo "no detached run in $WORK (start one with: $0 detach MODE)" >&2; exit 2; }
-    pid=$(cat "$WORK/detached.pid")
-    while kill -0 "$pid" 2>/dev/null && [ "$(date +%s)" -lt "$deadline" ]; do sleep 5; done
-    kill -0 "$pid" 2>/dev/null && echo "still running (pid $pid)" || echo "detached run ended"
+    deadline=$(( $(date +%s) + ${2:-540} ))
+    while [ ! -f "$WORK/detached.rc" ] && [ "$(date +%s)" -lt "$deadline" ]; do sleep 5; done
+    if [ -f "$WORK/detached.rc" ]; then echo "detached run ended, exit status $(cat "$WORK/detached.rc")"
+    else echo "still running (pid $(cat "$WORK/detached.pid"))"; fi
     tail -n 20 "$WORK/detached.log" 2>/dev/null || true
     ;;
   *) echo "usage: $0 stage DIR... | train | sweep | gendata | prepare | cloze | finish | detach MODE | wait [S]" >&2

@@ -313,6 +313,12 @@ class Dispatcher:
         every = self.policy.refresh_dense
         return every - 1 - st.calls % every, st.graph_decision == "dense"
 
+    def dense_grant(self, w_gate: torch.Tensor, m: int) -> int:
+        """grant_dense's calls where they cover captured calls too, else 0: what the SparseMLP of a folder
+        written before grant_dense asks (a process shares one dispatcher among every copy of this bundle)."""
+        calls, in_capture = self.grant_dense(w_gate, m)
+        return calls if in_capture else 0
+
     def dense_used(self, w_gate: torch.Tensor, m: int, calls: int) -> None:
         """Count `calls` calls of m rows that ran dense under a grant (a grant left unused costs nothing)."""
         st = self._state(w_gate, m)

@@ -338,19 +338,23 @@ def test_auto_decided_dense_skips_the_op_until_the_refresh(tiny, monkeypatch):
             mlp(x)  # the grant ended with the switch
             assert len(calls) == 5
             decided(graph="twell")  # captured calls would run twell: the grant holds for eager calls only
-            capturing = [False]
+            capturing = [False]  # one flag for the module's question and auto's
             monkeypatch.setattr(mod, "_capturing", lambda: capturing[0])
+            monkeypatch.setattr(ops.AUTO, "capturing", lambda: capturing[0])
+            ran_twell = []
+            monkeypatch.setattr(ops.AUTO, "sparse", lambda x2d, wg, wu, wd_t, on_count=None: (
+                ran_twell.append(1), ops.ffn_dense(x2d, wg, wu, wd_t.t()))[1])  # the TwELL path, on CPU
             for _ in range(4):
                 assert torch.equal(mlp(x), mlp._torch_ffn(x))
             assert len(calls) == 6 and mlp._grant_in_capture is False  # the first call took an eager-only grant
             capturing[0] = True
             for _ in range(2):
-                mlp(x)  # captured: through the op every time (auto runs its graph decision there)
-            assert len(calls) == 8
+                mlp(x)  # captured: through the op every time, where auto runs its graph decision, twell
+            assert len(calls) == 8 and len(ran_twell) == 2 and mlp.last_path == "twell_ffn:twell"
             capturing[0] = False
             for _ in range(2):
-                mlp(x)  # eager again: the grant the last captured call took (eager calls only) serves them
-            assert len(calls) == 8
+                mlp(x)  # eager again: the first call takes a new grant (a twell call got none), the next uses it
+            assert len(calls) == 9 and len(ran_twell) == 2
             decided()
             calls.clear()
             got = tiny.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)
