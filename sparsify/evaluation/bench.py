@@ -105,17 +105,30 @@ def paired_prefill_ms(model: Any, ids: Any, variants: dict[str, Any], rounds: in
 
     out: dict[str, list[float]] = {name: [] for name in variants}
     names = list(variants)
-    with torch.no_grad():
-        for r in range(rounds):
-            for name in names if r % 2 == 0 else names[::-1]:
-                variants[name]()
-                model.base_model(input_ids=ids, use_cache=False)
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                model.base_model(input_ids=ids, use_cache=False)
-                torch.cuda.synchronize()
-                out[name].append((time.perf_counter() - start) * 1e3)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            use_variant(model, ids, variants[name])
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            prompt_forward(model, ids)
+            torch.cuda.synchronize()
+            out[name].append((time.perf_counter() - start) * 1e3)
     return out
+
+
+def prompt_forward(model: Any, ids: Any) -> None:
+    """One forward of the prompt through the base model (no cache, no logits)."""
+    import torch
+
+    with torch.no_grad():
+        model.base_model(input_ids=ids, use_cache=False)
+
+
+def use_variant(model: Any, ids: Any, apply: Any) -> None:
+    """Set a variant, then one untimed prompt forward: the state a model in use holds (a layer `auto` decided
+    dense holds a grant to skip the dispatcher; a backend switch ends it), not that of a first call."""
+    apply()
+    prompt_forward(model, ids)
 
 
 def _variants(model: Any) -> dict[str, Any]:
@@ -173,9 +186,7 @@ def bench_model(model: Any, *, batches: tuple[int, ...], prompts: tuple[int, ...
             names = list(variants)
             for r in range(repeats):
                 for name in names if r % 2 == 0 else names[::-1]:
-                    variants[name]()
-                    with torch.no_grad():  # untimed: the state a model in use holds (module docstring)
-                        model.base_model(input_ids=ids, use_cache=False)
+                    use_variant(model, ids, variants[name])
                     t = time_generate(model, ids, new_tokens)
                     t.pop("tokens")
                     times[name].append(t)
