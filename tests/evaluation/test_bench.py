@@ -19,17 +19,24 @@ def test_speedups_pair_sparse_with_dense_of_the_same_case():
             {"regime": "graphs", "batch": 32, "prompt": 512, "skipped": "out of GPU memory"}]
     # paired prefill rounds: the ratio is the median of per-round ratios (2.0 / 1.0 / 0.5 -> 1.0), not of medians
     rows[0]["prefill_ms_rounds"], rows[1]["prefill_ms_rounds"] = [10.0, 10.0, 5.0], [5.0, 10.0, 10.0]
+    # with >= 4 rounds the middle half of the per-round ratios too (ratios 0.8, 0.9, 1.0, 1.1, 1.2, inclusive
+    # quartiles 0.9 and 1.1)
+    rows[2]["prefill_ms_rounds"], rows[3]["prefill_ms_rounds"] = [8.0, 9.0, 10.0, 11.0, 12.0], [10.0] * 5
     got = {(s["regime"], s["batch"]): s for s in speedups(rows)}
     assert set(got) == {("graphs", 1), ("graphs", 8)}  # the eager case has no sparse row
     assert got[("graphs", 1)]["decode_speedup"] == pytest.approx(1.25)
     assert got[("graphs", 1)]["ttft_speedup"] == pytest.approx(0.8)
     assert got[("graphs", 1)]["prefill_speedup"] == pytest.approx(1.0)
     assert got[("graphs", 8)]["decode_speedup"] == pytest.approx(0.95)
-    assert got[("graphs", 8)]["prefill_speedup"] is None  # (rows of an older bench.json have no rounds)
+    assert got[("graphs", 1)]["prefill_quartiles"] is None  # (3 rounds: no quartiles)
+    assert got[("graphs", 8)]["prefill_speedup"] == pytest.approx(1.0)
+    assert got[("graphs", 8)]["prefill_quartiles"] == pytest.approx((0.9, 1.1))
+    old = [dict(r, prefill_ms_rounds=None) for r in rows[2:4]]
+    assert speedups(old)[0]["prefill_speedup"] is None  # (rows of an older bench.json have no rounds)
     text = markdown({"gpu": "GPU", "provenance": {}, "settings": {"new_tokens": 256},
                      "models": {"m": {"info": "", "rows": rows, "speedups": speedups(rows)}}})
     assert "**1.25x**" in text and "skipped: out of GPU memory" in text
-    assert "| graphs | 1 | 512 | **1.25x** | 0.80x | 1.000x |" in text and "| **0.95x** | 1.00x | - |" in text
+    assert "| graphs | 1 | 512 | **1.25x** | 0.80x | 1.000x |" in text and "| **0.95x** | 1.00x | 1.000x (0.900-1.100) |" in text
 
 
 def test_report_says_which_backend_each_layer_ran_per_bucket():
