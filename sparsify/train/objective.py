@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from sparsify.families import mlp_modules
+from sparsify.families import gate_weight, mlp_modules
 from sparsify.train.config import SparsitySection
 
 
@@ -318,11 +318,11 @@ def reinit_dead(model: nn.Module, inactive: torch.Tensor, step: int, seed: int) 
 
 
 def _gate_weight(mlp: nn.Module) -> torch.Tensor:
-    """The gate weight [F, d] (for a fused gate_up_proj [2F, d], its first F rows are the gate)."""
-    if hasattr(mlp, "gate_up_proj"):
-        w = mlp.gate_up_proj.weight
-        return w[: w.shape[0] // 2] if not _is_dtensor(w) else w
-    return mlp.gate_proj.weight
+    """families.gate_weight, except a fused gate_up_proj sharded by FSDP2 (a DTensor): that one comes whole, its
+    rows past F (the up rows) left out by the caller, since a slice of a sharded DTensor's rows is not a view."""
+    if hasattr(mlp, "gate_up_proj") and _is_dtensor(mlp.gate_up_proj.weight):
+        return mlp.gate_up_proj.weight
+    return gate_weight(mlp)
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
