@@ -28,6 +28,13 @@ bf16. Per case:
 --sweep-chunked: updown_decode_chunked's E, d chunk, warps and SPLIT on six cases at 90% zeros, beside dense
 and the split K2. --no-grid runs only the sweep:
   PYTHONPATH=$PWD python eval/bench_decode.py --no-grid --sweep-chunked --out $OUT/chunked
+--sweep-k1: where the decode FFN's time goes at 95.7% zeros (M = 1 on the three large shapes, M = 8 at
+4096 x 14336). Beside dense, each case times the parts alone ("part:" names: no output check, they are not
+FFNs): the cuBLAS gate GEMV on the same W_gate (F.linear, the rate K1 could reach: both read all of W_gate),
+the decode K1 (gate_pack with decode tiles) under K1_DECODE's block shapes, warps and stages, and the chunked
+K2 on a packed input; then the whole FFN with each K1 config (that K1 + the chunked K2). The table line per
+case gives every K1 config's rate as cuBLAS gate GEMV time / K1 time:
+  PYTHONPATH=$PWD python eval/bench_decode.py --no-grid --sweep-k1 --out $OUT/k1dec
 Writes DIR/decode-bench.json and DIR/decode-bench.md; prints the ratio tables last.
 """
 
@@ -66,6 +73,13 @@ CHUNKED_CASES = [(8192, 28672, 1, 0.9), (8192, 28672, 8, 0.9), (4096, 14336, 1, 
 CHUNKED = {"c-default": {}, "c-E8": {"E": 8}, "c-E16": {"E": 16}, "c-BD512": {"BD": 512}, "c-BD2048": {"BD": 2048},
            "c-w8": {"num_warps": 8}, "c-E8w8": {"E": 8, "num_warps": 8}, "c-E16w8BD512": {"E": 16, "num_warps": 8, "BD": 512},
            "c-SPLIT64": {"SPLIT": 64}, "c-SPLIT128": {"SPLIT": 128}, "c-SPLIT256": {"SPLIT": 256}, "c-E8SPLIT256": {"E": 8, "SPLIT": 256}}
+# --sweep-k1: cases and decode K1 configs (k1_config's M <= 16 entry, BLOCK_M 16 / T 32 / S 32, overridden)
+K1_CASES = [(4096, 14336, 1, 0.957), (2048, 8192, 1, 0.957), (8192, 28672, 1, 0.957), (4096, 14336, 8, 0.957)]
+K1_DECODE = {"k1": {}, "k1-k64": {"BLOCK_K": 64}, "k1-k256": {"BLOCK_K": 256}, "k1-w2": {"num_warps": 2},
+             "k1-w8": {"num_warps": 8}, "k1-s2": {"num_stages": 2}, "k1-s6": {"num_stages": 6},
+             "k1-k256w8": {"BLOCK_K": 256, "num_warps": 8}, "k1-k256s3": {"BLOCK_K": 256, "num_stages": 3},
+             "k1-k64w2s6": {"BLOCK_K": 64, "num_warps": 2, "num_stages": 6}}
+PART = "part:"  # a sweep function that is a piece of the FFN: timed, not checked against the FFN's output
 
 # ----------------------------------------------------------------------------------------- functions
 def split_path(tt, x, w_gate, w_up, w_down_t):
@@ -197,6 +211,26 @@ def chunked_variants(tt, x, layer, w_down_t) -> dict:
     return fns
 
 
+def k1_variants(tt, x, layer, w_down_t) -> dict:
+    """--sweep-k1: the parts (cuBLAS gate GEMV, each decode K1 config, the chunked K2 on a packed input) and
+    the FFN with each K1 config (+ the chunked K2)."""
+    w_gate, w_up = layer[0], layer[1]
+    packed = tt.gate_pack(x, w_gate)
+    fns = {f"{PART}gate-gemv": lambda: torch.nn.functional.linear(x, w_gate),
+           f"{PART}k2": lambda: tu.updown_decode_chunked(x, packed, w_up, w_down_t)}
+    for name, cfg in K1_DECODE.items():
+        fns[f"{PART}{name}"] = lambda cfg=cfg: tt.gate_pack(x, w_gate, **cfg)
+        fns[name] = lambda cfg=cfg: tu.updown_decode_chunked(x, tt.gate_pack(x, w_gate, **cfg), w_up, w_down_t)
+    return fns
+
+
+def k1_rates(row: dict) -> dict:
+    """cuBLAS gate GEMV time / K1 time per K1 config (1.0: K1 reads W_gate at cuBLAS's rate), from a row's ms."""
+    gemv = row["ms"].get(f"{PART}gate-gemv")
+    return {k[len(PART):]: gemv / v for k, v in row["ms"].items()
+            if gemv and v and k.startswith(f"{PART}k1")}
+
+
 def run_sweep(ctx, budget_s: float, cases: list, variants) -> list[dict]:
     """Each case: dense and variants(tt, x, layer, w_down_t) -> {name: fn}, checked, then timed under graphs."""
     tt, ffn_dense = ctx["tt"], ctx["ffn_dense"]
@@ -213,7 +247,10 @@ def run_sweep(ctx, budget_s: float, cases: list, variants) -> list[dict]:
         fns = {"dense": lambda: ffn_dense(x, *layer)}
         for name, fn in variants(tt, x, layer, w_down_t).items():
             try:
-                row["rel_err"][name] = (fn().float() - ref).abs().max().item() / ref.abs().max().item()
+                if name.startswith(PART):
+                    fn()  # (compiled once before the timing)
+                else:
+                    row["rel_err"][name] = (fn().float() - ref).abs().max().item() / ref.abs().max().item()
                 fns[name] = fn
             except Exception as e:  # noqa: BLE001 - a config that does not compile
                 row["errors"][name] = f"{type(e).__name__}: {e}"[:300]
@@ -221,6 +258,10 @@ def run_sweep(ctx, budget_s: float, cases: list, variants) -> list[dict]:
         t = time_graphs(fns, 1000 * 0.5 * left, row["errors"])[0] if ctx["cuda"] else time_eager(fns, 1)
         row["ms"] = {k: med(v) for k, v in t.items()}
         row["x"] = {k: paired(t, "dense", k) for k in t if k != "dense"}
+        if any(k.startswith(f"{PART}k1") for k in row["ms"]):
+            row["k1_rate"] = k1_rates(row)
+            print(f"sweep {d}x{f} M={m}: K1 rate vs the cuBLAS gate GEMV: "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in row["k1_rate"].items()), flush=True)
         rows.append(row)
         best = max(row["x"], key=lambda k: row["x"][k] or 0) if row["x"] else None
         print(f"sweep {d}x{f} M={m} {zeros:.0%}: " + ", ".join(f"{k} {v:.2f}x" for k, v in row["x"].items() if v)
@@ -371,6 +412,10 @@ def write(out_dir: Path, rows: list[dict], meta: dict, sweep: list[dict]) -> Non
     for s in sweep:
         text.append(f"{s.get('sweep', 'sweep')} {s['d']}x{s['F']} M={s['M']} {s['zeros']:.2f}: " +
                     ", ".join(f"{k} {v:.2f}x" for k, v in s["x"].items() if v))
+        if s.get("k1_rate"):
+            text.append("  K1 rate vs the cuBLAS gate GEMV (1.0 = its rate): "
+                        + ", ".join(f"{k} {v:.2f}" for k, v in s["k1_rate"].items())
+                        + "; ms: " + ", ".join(f"{k} {v:.4f}" for k, v in s["ms"].items()))
     (out_dir / "decode-bench.md").write_text("\n".join(text) + "\n")
 
 
@@ -385,6 +430,8 @@ def parse_args(argv=None):
     p.add_argument("--no-split", action="store_true", help="skip the split-K2 path")
     p.add_argument("--sweep-chunked", action="store_true",
                    help="then time updown_decode_chunked configs (CHUNKED) beside K1 + K2 on 6 cases")
+    p.add_argument("--sweep-k1", action="store_true",
+                   help="then time the decode K1 configs (K1_DECODE) and the FFN's parts on 4 cases at 95.7%% zeros")
     p.add_argument("--sweep-budget-s", type=float, default=60, help="wall time of each sweep")
     p.add_argument("--no-grid", action="store_true", help="skip the grid (run only the sweeps asked for)")
     p.add_argument("--compile-report", action="store_true", help="only: registers/spills of the sm_90 builds")
@@ -455,8 +502,12 @@ def main(argv=None) -> int:
         if cuda:
             torch.cuda.empty_cache()
     sweep = []
-    for on, name, cases, variants in ((args.sweep_chunked, "sweep_chunked", CHUNKED_CASES, chunked_variants),):
-        if on and cuda:
+    sweeps = ((args.sweep_chunked, "sweep_chunked", CHUNKED_CASES, chunked_variants),
+              (args.sweep_k1, "sweep_k1", K1_CASES, k1_variants))
+    for on, name, cases, variants in sweeps:
+        if on and not cuda:  # the interpreter: one tiny case, so that the code path runs on CPU
+            cases = [(32, 160, 1, 0.9)]
+        if on:
             t0 = time.time()
             sweep += [{**r, "sweep": name} for r in run_sweep(ctx, args.sweep_budget_s, cases, variants)]
             meta["sections_s"][name] = round(time.time() - t0, 1)

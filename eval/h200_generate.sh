@@ -15,6 +15,8 @@
 #        recipe's 95.7% zeros, 512-token prompt, compiled (~300 s)
 #   bash eval/h200_generate.sh overhead              GPU tests outside the kernel files, a SmolLM2-shaped folder at
 #        95.7% benched batch 1 and 8, and eval/bench_auto_overhead.py on it (eager auto vs dense) (~400 s)
+#   bash eval/h200_generate.sh decode-parts          where the decode FFN's time goes at 95.7% zeros: the cuBLAS gate
+#        GEMV, each decode K1 config, the chunked K2, and the FFN per K1 config (bench_decode.py --sweep-k1, ~2 min)
 #   results go to $OUT (the device tool's folder) or eval/results/generate-h200/ (RESULTS=...)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -74,6 +76,12 @@ overhead() {  # what auto costs where it decided dense: GPU tests of the modules
   done
 }
 
+decode_parts() {
+  timeout 200 python3 eval/bench_decode.py --no-grid --sweep-k1 --sweep-budget-s 100 --out "$RESULTS/decode-parts" \
+    > "$RESULTS/decode-parts.log" 2>&1; echo "decode parts rc $?"
+  grep "^sweep" "$RESULTS/decode-parts.log"
+}
+
 cmd=${1:-}
 shift || true
 case "$cmd" in
@@ -83,5 +91,6 @@ case "$cmd" in
   e2e) e2e ;;
   recipe-zeros) recipe_zeros ;;
   overhead) overhead ;;
-  *) echo "usage: $0 tests | synth NAME CONFIG ZEROS [bench args] | pending | e2e | recipe-zeros | overhead" >&2; exit 2 ;;
+  decode-parts) decode_parts ;;
+  *) echo "usage: $0 tests | synth NAME CONFIG ZEROS [bench args] | pending | e2e | recipe-zeros | overhead | decode-parts" >&2; exit 2 ;;
 esac

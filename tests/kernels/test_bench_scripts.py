@@ -32,6 +32,24 @@ def test_bench_decode_smoke_on_cpu(tmp_path):
     assert "dense / routed" in res.stdout and (tmp_path / "decode-bench.md").exists()
 
 
+def test_bench_decode_k1_sweep_smoke_on_cpu(tmp_path):
+    """--sweep-k1 on its tiny CPU case: every decode K1 config's FFN (that K1 + the chunked K2) matches the fp32
+    reference, the parts (cuBLAS gate GEMV, each K1, K2) are timed without an output check, and every K1 config
+    gets a rate against the gate GEMV."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    res = subprocess.run([sys.executable, str(ROOT / "eval" / "bench_decode.py"), "--smoke", "--no-grid", "--sweep-k1",
+                          "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    (row,) = json.loads((tmp_path / "decode-bench.json").read_text())["sweep"]
+    assert row["sweep"] == "sweep_k1" and not row["errors"], row["errors"]
+    configs = {k for k in row["ms"] if k.startswith("k1")}  # the FFN with each K1 config
+    assert len(configs) >= 5 and set(row["rel_err"]) == configs  # the FFNs are checked, the parts are not
+    assert all(e < 1e-5 for e in row["rel_err"].values()), row["rel_err"]
+    assert set(row["ms"]) == {"dense", "part:gate-gemv", "part:k2"} | configs | {f"part:{k}" for k in configs}
+    assert set(row["k1_rate"]) == configs and all(v > 0 for v in row["k1_rate"].values())
+    assert "K1 rate vs the cuBLAS gate GEMV" in (tmp_path / "decode-bench.md").read_text()
+
+
 def run_sweep_smoke(script: str, out: Path) -> dict:
     """One of the round-6 sweep scripts on its tiny CPU case; its first JSON row."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
