@@ -21,6 +21,14 @@
 #   bash eval/h200_long.sh prepare       a token folder from the carried raw text (text.tar.xz of data/) and EXTRA
 #                                        overrides (e.g. a gendata share) into $WORK/prep-$NAME/data; the train and
 #                                        sweep modes read TOK=that folder (default $WORK/tok)
+#   bash eval/h200_long.sh levers        one lease's lever runs from the carried raw text, chained (run it detached):
+#                                        gendata on the GPU while the recipe's token folder is prepared on the CPU,
+#                                        then the LEVERS runs one at a time on that folder (default "lr1e3=
+#                                        train.lr=1e-3") while a folder of docs, general and the gendata text is
+#                                        prepared beside them, then the GEN_LEVERS runs on it, whose data.weights
+#                                        (three: docs, general, gendata) set the share (default "gen25=
+#                                        data.weights=[0.25,0.5,0.25]"); each run TOKENS (default 100M) with
+#                                        EVAL_EVERY (default 610) into $WORK/sweep/NAME
 #   bash eval/h200_long.sh cloze         the cloze task (eval/cloze.py: lm-eval's acc, without lm_eval) on the
 #                                        original and every finished sweep run; frontier.md gains its columns
 #   bash eval/h200_long.sh detach MODE   MODE (train, sweep, ...) in its own process session from a copy of the tree:
@@ -175,6 +183,26 @@ case "${1:-}" in
     python -m sparsify finetune --no-progress --prepare-data recipes/smollm2-135m.yaml model.source="$WORK/converted" \
         output.dir="$WORK/prep-${NAME:-mix}" "${extra[@]}" 2>&1 | tail -3 || echo "prepare failed"
     ;;
+  levers)  # see the header; every step skips what an earlier call finished, so it can be started again
+    inputs
+    [ -d "$WORK/text/data" ] || { echo "levers prepares from the raw text: stage text.tar.xz (data/ as tar.xz)" >&2; exit 2; }
+    unset PACK  # (the steps below are this script again: only this call packs)
+    export LEG_S=${LEG_S:-86400} TOKENS=${TOKENS:-100_000_000} EVAL_EVERY=${EVAL_EVERY:-610} SLOTS=1
+    base=$WORK/prep-base/data gen=$WORK/prep-gen/data
+    [ -f "$base/meta.json" ] || { NAME=base EXTRA="" bash "$0" prepare > "$OUT/prepare-base.log" 2>&1 & }
+    bash "$0" gendata 2>&1 | tail -3  # GPU, while the CPU tokenises
+    wait
+    [ -f "$base/meta.json" ] || { echo "preparing the token folder failed: $OUT/prepare-base.log" >&2; exit 1; }
+    if [ ! -f "$gen/meta.json" ]; then  # docs, general and gendata, tokenised on the CPU while the first runs train
+        # (weights are a training-time choice: each GEN_LEVERS run gives its own three)
+        NAME=gen EXTRA="data.train=[data/docs/train/*.txt,data/general/train/*.txt,$WORK/gen] data.weights=[]" \
+            bash "$0" prepare > "$OUT/prepare-gen.log" 2>&1 &
+    fi
+    TOK=$base SWEEP=${LEVERS:-lr1e3=train.lr=1e-3} bash "$0" sweep
+    wait
+    [ -f "$gen/meta.json" ] || { echo "preparing the gendata mixture failed: $OUT/prepare-gen.log" >&2; exit 1; }
+    TOK=$gen SWEEP=${GEN_LEVERS:-gen25=data.weights=[0.25,0.5,0.25]} bash "$0" sweep
+    ;;
   cloze)  # eval/cloze.py (lm-eval's cloze acc without lm_eval) on the original and every finished sweep run
     inputs
     models="original=$WORK/smollm2.gguf"
@@ -241,7 +269,7 @@ case "${1:-}" in
     else echo "still running (pid $(cat "$WORK/detached.pid"))"; fi
     tail -n 20 "$WORK/detached.log" 2>/dev/null || true
     ;;
-  *) echo "usage: $0 stage DIR... | train | sweep | gendata | prepare | cloze | finish | detach MODE | wait [S]" >&2
+  *) echo "usage: $0 stage DIR... | train | sweep | gendata | prepare | levers | cloze | finish | detach MODE | wait [S]" >&2
      exit 2 ;;
 esac
 if [ -n "${PACK:-}" ]; then tar -cJf "$PACK/results.tar.xz" -C "$OUT" . && ls -la "$PACK"; fi
