@@ -263,7 +263,8 @@ def run_sweep(ctx, budget_s: float, cases: list, variants) -> list[dict]:
             print(f"sweep {d}x{f} M={m}: K1 rate vs the cuBLAS gate GEMV: "
                   + ", ".join(f"{k} {v:.2f}" for k, v in row["k1_rate"].items()), flush=True)
         rows.append(row)
-        best = max(row["x"], key=lambda k: row["x"][k] or 0) if row["x"] else None
+        whole = [k for k in row["x"] if not k.startswith(PART)]  # (a part is not an FFN: never "best")
+        best = max(whole, key=lambda k: row["x"][k] or 0) if whole else None
         print(f"sweep {d}x{f} M={m} {zeros:.0%}: " + ", ".join(f"{k} {v:.2f}x" for k, v in row["x"].items() if v)
               + f"; best {best}", flush=True)
         del layer, w_down_t, fns

@@ -28,7 +28,8 @@
 #                                        prepared beside them, then the GEN_LEVERS runs on it, whose data.weights
 #                                        (three: docs, general, gendata) set the share (default "gen25=
 #                                        data.weights=[0.25,0.5,0.25]"); each run TOKENS (default 100M) with
-#                                        EVAL_EVERY (default 610) into $WORK/sweep/NAME
+#                                        EVAL_EVERY (default 610) into $WORK/sweep/NAME, one run at a time on GPU 0
+#                                        (SLOTS=1: a lever's speed is not shared with another run)
 #   bash eval/h200_long.sh cloze         the cloze task (eval/cloze.py: lm-eval's acc, without lm_eval) on the
 #                                        original and every finished sweep run; frontier.md gains its columns
 #   bash eval/h200_long.sh detach MODE   MODE (train, sweep, ...) in its own process session from a copy of the tree:
@@ -186,20 +187,23 @@ case "${1:-}" in
   levers)  # see the header; every step skips what an earlier call finished, so it can be started again
     inputs
     [ -d "$WORK/text/data" ] || { echo "levers prepares from the raw text: stage text.tar.xz (data/ as tar.xz)" >&2; exit 2; }
-    unset PACK  # (the steps below are this script again: only this call packs)
+    export -n PACK  # (the steps below are this script again: only this call packs)
     export LEG_S=${LEG_S:-86400} TOKENS=${TOKENS:-100_000_000} EVAL_EVERY=${EVAL_EVERY:-610} SLOTS=1
     base=$WORK/prep-base/data gen=$WORK/prep-gen/data
     [ -f "$base/meta.json" ] || { NAME=base EXTRA="" bash "$0" prepare > "$OUT/prepare-base.log" 2>&1 & }
-    bash "$0" gendata 2>&1 | tail -3  # GPU, while the CPU tokenises
+    # GPU, while the CPU tokenises; a failure leaves the LEVERS runs, which need no gendata, to run
+    bash "$0" gendata > "$OUT/gendata.log" 2>&1 || echo "gendata failed (see $OUT/gendata.log): no GEN_LEVERS runs"
     wait
     [ -f "$base/meta.json" ] || { echo "preparing the token folder failed: $OUT/prepare-base.log" >&2; exit 1; }
-    if [ ! -f "$gen/meta.json" ]; then  # docs, general and gendata, tokenised on the CPU while the first runs train
+    if [ ! -f "$gen/meta.json" ] && [ -f "$WORK/gen/gendata.json" ]; then  # docs, general and gendata, tokenised
+        # on the CPU while the first runs train
         # (weights are a training-time choice: each GEN_LEVERS run gives its own three)
         NAME=gen EXTRA="data.train=[data/docs/train/*.txt,data/general/train/*.txt,$WORK/gen] data.weights=[]" \
             bash "$0" prepare > "$OUT/prepare-gen.log" 2>&1 &
     fi
     TOK=$base SWEEP=${LEVERS:-lr1e3=train.lr=1e-3} bash "$0" sweep
     wait
+    [ -f "$WORK/gen/gendata.json" ] || exit 1
     [ -f "$gen/meta.json" ] || { echo "preparing the gendata mixture failed: $OUT/prepare-gen.log" >&2; exit 1; }
     TOK=$gen SWEEP=${GEN_LEVERS:-gen25=data.weights=[0.25,0.5,0.25]} bash "$0" sweep
     ;;
