@@ -29,7 +29,7 @@
 #                                        (three: docs, general, gendata) set the share (default "gen25=
 #                                        data.weights=[0.25,0.5,0.25]"); each run TOKENS (default 100M) with
 #                                        EVAL_EVERY (default 610) into $WORK/sweep/NAME, one run at a time on GPU 0
-#                                        (SLOTS=1: a lever's speed is not shared with another run)
+#                                        (SLOTS=1: a lever's speed is not shared with another run); then cloze
 #   bash eval/h200_long.sh cloze         the cloze task (eval/cloze.py: lm-eval's acc, without lm_eval) on the
 #                                        original and every finished sweep run; frontier.md gains its columns
 #   bash eval/h200_long.sh detach MODE   MODE (train, sweep, ...) in its own process session from a copy of the tree:
@@ -203,9 +203,10 @@ case "${1:-}" in
     fi
     TOK=$base SWEEP=${LEVERS:-lr1e3=train.lr=1e-3} bash "$0" sweep
     wait
-    [ -f "$WORK/gen/gendata.json" ] || exit 1
+    [ -f "$WORK/gen/gendata.json" ] || { bash "$0" cloze; exit 1; }
     [ -f "$gen/meta.json" ] || { echo "preparing the gendata mixture failed: $OUT/prepare-gen.log" >&2; exit 1; }
     TOK=$gen SWEEP=${GEN_LEVERS:-gen25=data.weights=[0.25,0.5,0.25]} bash "$0" sweep
+    bash "$0" cloze  # the original and every finished run; frontier.md gains the column
     ;;
   cloze)  # eval/cloze.py (lm-eval's cloze acc without lm_eval) on the original and every finished sweep run
     inputs
