@@ -31,7 +31,8 @@ and the split K2. --no-grid runs only the sweep:
 --sweep-k1: where the decode FFN's time goes at 95.7% zeros (M = 1 on the three large shapes, M = 8 at
 4096 x 14336). Beside dense, each case times the parts alone ("part:" names: no output check, they are not
 FFNs): the cuBLAS gate GEMV on the same W_gate (F.linear, the rate K1 could reach: both read all of W_gate),
-the decode K1 (gate_pack with decode tiles) under K1_DECODE's block shapes, warps and stages, and the chunked
+the decode K1 (gate_pack with decode tiles) under K1_DECODE's block shapes, warps and stages (and the
+GEMV-shaped K1, variant "gemv", at M = 1), and the chunked
 K2 on a packed input; then the whole FFN with each K1 config (that K1 + the chunked K2). The table line per
 case gives every K1 config's rate as cuBLAS gate GEMV time / K1 time:
   PYTHONPATH=$PWD python eval/bench_decode.py --no-grid --sweep-k1 --out $OUT/k1dec
@@ -78,7 +79,11 @@ K1_CASES = [(4096, 14336, 1, 0.957), (2048, 8192, 1, 0.957), (8192, 28672, 1, 0.
 K1_DECODE = {"k1": {}, "k1-k64": {"BLOCK_K": 64}, "k1-k256": {"BLOCK_K": 256}, "k1-w2": {"num_warps": 2},
              "k1-w8": {"num_warps": 8}, "k1-s2": {"num_stages": 2}, "k1-s6": {"num_stages": 6},
              "k1-k256w8": {"BLOCK_K": 256, "num_warps": 8}, "k1-k256s3": {"BLOCK_K": 256, "num_stages": 3},
-             "k1-k64w2s6": {"BLOCK_K": 64, "num_warps": 2, "num_stages": 6}}
+             "k1-k64w2s6": {"BLOCK_K": 64, "num_warps": 2, "num_stages": 6},
+             # the GEMV-shaped K1 (variant "gemv": M = 1 only, r5's K1 at M = 8)
+             "k1-gemv": {"variant": "gemv"}, "k1-gemv-k256": {"variant": "gemv", "BLOCK_K": 256},
+             "k1-gemv-w8": {"variant": "gemv", "num_warps": 8},
+             "k1-gemv-k64s6": {"variant": "gemv", "BLOCK_K": 64, "num_stages": 6}}
 PART = "part:"  # a sweep function that is a piece of the FFN: timed, not checked against the FFN's output
 
 # ----------------------------------------------------------------------------------------- functions

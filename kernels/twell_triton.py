@@ -9,6 +9,9 @@ NT = ceil(F / T). Layout and overflow rules: twell_reference.py.
 - `_k1_gate_pack` (r6's fallback for fp32, M <= 16 and unaligned inputs): tiled GEMM -> acc [BLOCK_M, T]
   fp32; the epilogue gives each positive value its slot with a cumulative sum along the tile (no atomics,
   deterministic). Neither writes a dense [M, F] tensor.
+- `_k1_gemv` (variant "gemv", M = 1 only; not routed: a candidate for `bench_decode.py --sweep-k1`): the
+  same packing from a GEMV, W_gate blocks [T, BLOCK_K] times x with fp32 products summed once per tile, no
+  MMA (at M = 1 the tl.dot of _k1_gate_pack pads x to 16 rows and stages W_gate through MMA layouts).
 """
 
 from __future__ import annotations
@@ -114,6 +117,36 @@ if HAS_TRITON:
             b_ptrs += BLOCK_K
 
         _k1_epilogue(acc, offs_m, offs_n, m_ok, n_ok, pid_n, cnt_ptr, col_ptr, val_ptr, NT, BLOCK_M, T, S, ENT)
+
+    @triton.jit
+    def _k1_gemv(
+        x_ptr, wg_ptr, cnt_ptr, col_ptr, val_ptr, F, D, NT, stride_wf,
+        T: tl.constexpr, BLOCK_K: tl.constexpr, S: tl.constexpr, ENT: tl.constexpr,
+        EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    ):
+        """K1 at M = 1: one program per column tile; acc [T, BLOCK_K] of fp32 products, summed over BLOCK_K
+        once at the end, then _k1_epilogue on two rows (row 1 masked out: no size-1 block dimension)."""
+        pid_n = tl.program_id(0)
+        offs_n = pid_n * T + tl.arange(0, T)  # [T]
+        n_ok = offs_n < F
+        offs_k = tl.arange(0, BLOCK_K)
+        w_ptrs = wg_ptr + offs_n.to(tl.int64)[:, None] * stride_wf + offs_k[None, :]  # [T, BK]
+        acc = tl.zeros([T, BLOCK_K], dtype=tl.float32)
+        for k in range(0, tl.cdiv(D, BLOCK_K)):
+            if EVEN_K and EVEN_N:  # no masks: the loads pipeline freely
+                w = tl.load(w_ptrs)
+                xk = tl.load(x_ptr + k * BLOCK_K + offs_k)
+            else:
+                k_ok = offs_k < D - k * BLOCK_K
+                w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                xk = tl.load(x_ptr + k * BLOCK_K + offs_k, mask=k_ok, other=0.0)
+            acc += w.to(tl.float32) * xk.to(tl.float32)[None, :]
+            w_ptrs += BLOCK_K
+        g = tl.sum(acc, 1)  # [T]
+        offs_m = tl.arange(0, 2)
+        m_ok = offs_m < 1
+        acc2 = tl.where(m_ok[:, None], g[None, :], 0.0)  # [2, T]
+        _k1_epilogue(acc2, offs_m, offs_n, m_ok, n_ok, pid_n, cnt_ptr, col_ptr, val_ptr, NT, 2, T, S, ENT)
 
     @triton.jit
     def _k1_epilogue(acc, offs_m, offs_n, m_ok, n_ok, pid_n, cnt_ptr, col_ptr, val_ptr, NT,
@@ -289,11 +322,12 @@ def gate_pack(
     entries: slot encoding ("split", "bf16", "fp16"; default from the dtype). variant "r5" runs
     _k1_gate_pack, autotuned on CUDA for M > 16 unless block sizes are given in `overrides`; "r6" runs
     _k1_r6 (autotuned over R6_TUNE; overrides: R6_DEFAULT's keys) where its conditions hold (16-bit inputs
-    with packed entries, M > 16, TMA-aligned tensors), else r5. autotune=True forces the autotuned
-    launch (tests drive it in the interpreter with a stand-in benchmark).
+    with packed entries, M > 16, TMA-aligned tensors), else r5; "gemv" runs _k1_gemv at M = 1 (overrides: T,
+    S, BLOCK_K, num_warps, num_stages), else r5. autotune=True forces the autotuned launch (tests drive it
+    in the interpreter with a stand-in benchmark).
     """
-    if variant not in ("r5", "r6"):
-        raise ValueError(f"variant={variant!r} is not 'r5' or 'r6'")
+    if variant not in ("r5", "r6", "gemv"):
+        raise ValueError(f"variant={variant!r} is not 'r5', 'r6' or 'gemv'")
     require_triton()
     m, d = x2d.shape
     f = w_gate.shape[0]
@@ -307,7 +341,7 @@ def gate_pack(
         ent = torch.empty(m, nt, SLOTS, dtype=torch.int32, device=x2d.device)  # [M, NT, S] packed words
         _gate_pack_r6(x2d, w_gate, cnt, ent, entries, overrides, autotune)
         return TwellPacked(cnt=cnt, col=None, val=None, tile=TILE, n_cols=f, ent=ent, entries=entries)
-    tuned = (x2d.is_cuda and m > 16 and cfg["T"] == TILE
+    tuned = (x2d.is_cuda and m > 16 and cfg["T"] == TILE and variant != "gemv"
              and not {"BLOCK_M", "BLOCK_K", "num_warps", "num_stages"} & overrides.keys())
     tuned = tuned if autotune is None else autotune
     if x2d.device.type == "cpu":  # interpreter: few large blocks run fastest
@@ -317,6 +351,12 @@ def gate_pack(
     cnt = torch.empty(m, nt, dtype=torch.int32, device=x2d.device)  # [M, NT]
     col = torch.empty(m, nt, s, dtype=torch.int32, device=x2d.device)  # [M, NT, S] col or packed word
     val = torch.empty(m, nt, s, dtype=torch.float32, device=x2d.device) if entries == "split" else cnt
+    if variant == "gemv" and m == 1:
+        bk = cfg["BLOCK_K"]
+        _k1_gemv[(nt,)](x2d, w_gate, cnt, col, val, f, d, nt, w_gate.stride(0), T=t, BLOCK_K=bk, S=s,
+                        ENT=ENT_CODES[entries], EVEN_K=(d % bk == 0), EVEN_N=(f % t == 0),
+                        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        return _packed(cnt, col, val, t, f, entries)
     args = (x2d, w_gate, cnt, col, val, m, f, d, nt, x2d.stride(0), w_gate.stride(0))
     # MB keys the autotuner (a constant otherwise, so it never causes a recompilation)
     common = dict(T=t, S=s, MB=min(next_pow2(m), 1 << 16) if tuned else 16, GROUP_M=8, IEEE=(x2d.dtype == torch.float32),
@@ -329,6 +369,11 @@ def gate_pack(
             *args, BLOCK_M=bm, BLOCK_K=bk, **common, EVEN_K=(d % bk == 0), EVEN_MN=(m % bm == 0 and f % t == 0),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
+    return _packed(cnt, col, val, t, f, entries)
+
+
+def _packed(cnt, col, val, t: int, f: int, entries: str) -> TwellPacked:
+    """K1's outputs as TwellPacked: split col / val, or one packed word per entry in `col`."""
     if entries == "split":
         return TwellPacked(cnt=cnt, col=col, val=val, tile=t, n_cols=f)
     return TwellPacked(cnt=cnt, col=None, val=None, tile=t, n_cols=f, ent=col, entries=entries)

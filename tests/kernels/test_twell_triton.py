@@ -175,6 +175,34 @@ def test_r6_tune_configs_and_autotuned_launch(monkeypatch):
     check_r6_packing(packed, x, wg, "r6 autotuned")
 
 
+@pytest.mark.parametrize("zeros", [0.0, 0.9, 1.0])
+@pytest.mark.parametrize("d,f", [(40, 300), (64, 256)])  # masked (d, F not block multiples) and unmasked loads
+def test_k1_gemv_packs_like_the_oracle(d, f, zeros):
+    """variant "gemv" (M = 1): the oracle's packing at decode tiles and at another tile / slot shape, with a
+    BLOCK_K that splits d into several blocks; the same counts and words as r5's K1 in fp16 (packed entries)."""
+    x, wg, _, _ = make_case(1, d, f, zeros, seed=3)
+    for cfg in ({}, {"BLOCK_K": 16}, {"T": 64, "S": 8}):
+        packed = tt.gate_pack(x, wg, variant="gemv", **cfg)
+        assert packed.tile == cfg.get("T", ref.DECODE_TILE)
+        check_packed(packed, x, wg, f"gemv {cfg}")
+        if zeros == 0.0 and packed.slots < packed.tile:  # every neuron active: full tiles are marked overflowed
+            assert packed.overflowed().all()
+    a, b = tt.gate_pack(x.half(), wg.half(), variant="gemv"), tt.gate_pack(x.half(), wg.half())
+    assert a.entries == b.entries == "fp16" and torch.equal(a.cnt, b.cnt)
+    kept = torch.arange(a.slots) < a.cnt.clamp(max=a.slots).unsqueeze(-1)
+    assert torch.equal(a.columns()[kept], b.columns()[kept])
+
+
+def test_k1_gemv_runs_r5_above_one_row():
+    """variant "gemv" at M > 1 is r5's K1 (the GEMV kernel reads one row of x)."""
+    x, wg, _, _ = make_case(5, 40, 300, 0.9, seed=3)
+    a, b = tt.gate_pack(x, wg, variant="gemv"), tt.gate_pack(x, wg)
+    kept = torch.arange(a.slots) < a.cnt.clamp(max=a.slots).unsqueeze(-1)  # later slots: undefined
+    assert torch.equal(a.cnt, b.cnt) and torch.equal(a.val[kept], b.val[kept])
+    with pytest.raises(ValueError, match="'gemv'"):
+        tt.gate_pack(x, wg, variant="r7")
+
+
 def test_r6_falls_back_to_r5_outside_its_domain():
     """fp32 inputs (split entries), decode M <= 16 (narrow tiles) and rows not 16-byte aligned (no TMA)
     run round 5's K1: the same packing as variant r5."""
@@ -214,6 +242,21 @@ def test_gpu_k1_pack_and_skewed_overflow():
         check_packed_values(packed, x, wg, gate, f"gpu K1 {variant}")
         out = tu.updown(x, packed, wg, wu, transpose_down(wd))
         bf16_rule(out, x, wg, wu, wd, f"gpu K2 skewed {variant}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,f", [(576, 1536), (4096, 14336)])
+def test_gpu_k1_gemv_decode(d, f):
+    """variant "gemv" on the GPU at M = 1, bf16, skewed 95.7% zeros: every packed value within the K1 bound and
+    the decode FFN on its packing (the chunked K2) within the bf16 rule, for each sweep config's block shape."""
+    x, wg, wu, wd = make_case(1, d, f, 0.957, seed=12, dtype=torch.bfloat16, device="cuda", skew=True)
+    gate = x.float() @ wg.float().t()
+    for cfg in ({}, {"BLOCK_K": 256}, {"num_warps": 8}):
+        packed = tt.gate_pack(x, wg, variant="gemv", **cfg)
+        assert packed.entries == "bf16" and packed.tile == ref.DECODE_TILE
+        check_packed_values(packed, x, wg, gate, f"gpu gemv K1 {cfg}")
+        out = tu.updown_decode_chunked(x, packed, wu, transpose_down(wd))
+        bf16_rule(out, x, wg, wu, wd, f"gpu gemv K1 + chunked K2 {cfg}")
 
 
 @pytest.mark.gpu
