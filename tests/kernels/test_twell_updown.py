@@ -70,7 +70,7 @@ def test_variants_and_default_encodings():
     for gone in ("r4", "r5tma", "r5", "r6"):
         with pytest.raises(ValueError, match=r"not one of \('r6c', 'r5c'\)"):
             tu.twell_ffn_triton(x, wg, wu, wdt, variant=gone)
-    with pytest.raises(ValueError, match="not 'r5' or 'r6'"):
+    with pytest.raises(ValueError, match="is not 'r5', 'r6' or 'gemv'"):
         tt.gate_pack(x, wg, variant="r5tma")
 
 
