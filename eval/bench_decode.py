@@ -80,8 +80,8 @@ K1_DECODE = {"k1": {}, "k1-k64": {"BLOCK_K": 64}, "k1-k256": {"BLOCK_K": 256}, "
              "k1-w8": {"num_warps": 8}, "k1-s2": {"num_stages": 2}, "k1-s6": {"num_stages": 6},
              "k1-k256w8": {"BLOCK_K": 256, "num_warps": 8}, "k1-k256s3": {"BLOCK_K": 256, "num_stages": 3},
              "k1-k64w2s6": {"BLOCK_K": 64, "num_warps": 2, "num_stages": 6},
-             # the GEMV-shaped K1 (variant "gemv": M = 1 only, r5's K1 at M = 8)
-             "k1-gemv": {"variant": "gemv"}, "k1-gemv-k256": {"variant": "gemv", "BLOCK_K": 256},
+             # the GEMV-shaped K1 (variant "gemv", BLOCK_K 256 unless given: M = 1 only, r5's K1 at M = 8)
+             "k1-gemv": {"variant": "gemv"}, "k1-gemv-k128": {"variant": "gemv", "BLOCK_K": 128},
              "k1-gemv-w8": {"variant": "gemv", "num_warps": 8},
              "k1-gemv-k64s6": {"variant": "gemv", "BLOCK_K": 64, "num_stages": 6}}
 PART = "part:"  # a sweep function that is a piece of the FFN: timed, not checked against the FFN's output

@@ -9,7 +9,7 @@ NT = ceil(F / T). Layout and overflow rules: twell_reference.py.
 - `_k1_gate_pack` (r6's fallback for fp32, M <= 16 and unaligned inputs): tiled GEMM -> acc [BLOCK_M, T]
   fp32; the epilogue gives each positive value its slot with a cumulative sum along the tile (no atomics,
   deterministic). Neither writes a dense [M, F] tensor.
-- `_k1_gemv` (variant "gemv", M = 1 only; not routed: a candidate for `bench_decode.py --sweep-k1`): the
+- `_k1_gemv` (variant "gemv", M = 1 only; what "r6", auto's K1, runs at M = 1): the
   same packing from a GEMV, W_gate blocks [T, BLOCK_K] times x with fp32 products summed once per tile, no
   MMA (at M = 1 the tl.dot of _k1_gate_pack pads x to 16 rows and stages W_gate through MMA layouts).
 """
@@ -250,6 +250,9 @@ ENT_CODES = {"split": 0, "bf16": 1, "fp16": 2}
 # "r5c" = _k1_gate_pack everywhere (kernels/NOTES.md, "Variants removed", has the others)
 VARIANTS = ("r6c", "r5c")
 DEFAULT_VARIANT = "r6c"
+# _k1_gemv's BLOCK_K: the fastest of 64 / 128 / 256 at M = 1 and 95.7% zeros on all three swept shapes (H200,
+# eval/results/generate-h200/decode-parts-0957/)
+GEMV_BLOCK_K = 256
 
 
 def split_variant(variant: str) -> tuple[str, bool]:
@@ -322,9 +325,9 @@ def gate_pack(
     entries: slot encoding ("split", "bf16", "fp16"; default from the dtype). variant "r5" runs
     _k1_gate_pack, autotuned on CUDA for M > 16 unless block sizes are given in `overrides`; "r6" runs
     _k1_r6 (autotuned over R6_TUNE; overrides: R6_DEFAULT's keys) where its conditions hold (16-bit inputs
-    with packed entries, M > 16, TMA-aligned tensors), else r5; "gemv" runs _k1_gemv at M = 1 (overrides: T,
-    S, BLOCK_K, num_warps, num_stages), else r5. autotune=True forces the autotuned launch (tests drive it
-    in the interpreter with a stand-in benchmark).
+    with packed entries, M > 16, TMA-aligned tensors), at M = 1 (without overrides) _k1_gemv, else r5;
+    "gemv" runs _k1_gemv at M = 1 (overrides: T, S, BLOCK_K, num_warps, num_stages), else r5. autotune=True
+    forces the autotuned launch (tests drive it in the interpreter with a stand-in benchmark).
     """
     if variant not in ("r5", "r6", "gemv"):
         raise ValueError(f"variant={variant!r} is not 'r5', 'r6' or 'gemv'")
@@ -332,7 +335,9 @@ def gate_pack(
     m, d = x2d.shape
     f = w_gate.shape[0]
     entries = entries or default_entries(x2d.dtype)
-    cfg = {**k1_config(m, d), **overrides}
+    if variant == "r6" and m == 1 and not overrides:  # batch-1 decode: the GEMV-shaped K1 beat r5's there
+        variant = "gemv"
+    cfg = {**k1_config(m, d), **({"BLOCK_K": GEMV_BLOCK_K} if variant == "gemv" else {}), **overrides}
     # r6 needs 16-bit inputs with packed entries, prefill tiles and TMA-aligned tensors; otherwise r5 runs
     if (variant == "r6" and x2d.dtype in (torch.bfloat16, torch.float16) and entries != "split"
             and cfg["T"] == TILE and _tma_ok(x2d, w_gate)):

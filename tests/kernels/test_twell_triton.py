@@ -193,6 +193,31 @@ def test_k1_gemv_packs_like_the_oracle(d, f, zeros):
     assert torch.equal(a.columns()[kept], b.columns()[kept])
 
 
+def test_r6_runs_the_gemv_k1_at_one_row(monkeypatch):
+    """auto's K1 ("r6") at M = 1 is _k1_gemv with GEMV_BLOCK_K (the decode sweep's fastest); at M > 1, or with
+    block overrides, it is not."""
+    launches = []
+    real = tt._k1_gemv
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launches.append(kw["BLOCK_K"])
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(tt, "_k1_gemv", Spy())
+    x, wg, _, _ = make_case(1, 40, 300, 0.9, seed=3)
+    a, b = tt.gate_pack(x, wg, variant="r6"), tt.gate_pack(x, wg, variant="gemv")
+    assert launches == [tt.GEMV_BLOCK_K] * 2
+    kept = torch.arange(a.slots) < a.cnt.clamp(max=a.slots).unsqueeze(-1)  # later slots: undefined
+    assert torch.equal(a.cnt, b.cnt) and torch.equal(a.val[kept], b.val[kept]) and torch.equal(a.col[kept], b.col[kept])
+    check_packed(a, x, wg, "r6 at M = 1")
+    tt.gate_pack(x, wg, variant="r6", BLOCK_K=16)
+    tt.gate_pack(make_case(2, 40, 300, 0.9, seed=3)[0], wg, variant="r6")
+    assert len(launches) == 2
+
+
 def test_k1_gemv_runs_r5_above_one_row():
     """variant "gemv" at M > 1 is r5's K1 (the GEMV kernel reads one row of x)."""
     x, wg, _, _ = make_case(5, 40, 300, 0.9, seed=3)

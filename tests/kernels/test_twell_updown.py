@@ -118,7 +118,8 @@ def test_decode_k2_routes_to_chunked_from_its_d():
     for m, d in ((1, 64), (3, 48)):
         x, wg, wu, wd = make_case(m, d, 96, 0.9, seed=9)
         packed, wdt = tt.gate_pack(x, wg), transpose_down(wd)
-        chunked = tu.updown_decode_chunked(x, packed, wu, wdt)
+        routed_k1 = tt.gate_pack(x, wg, variant=tt.split_variant(tt.DEFAULT_VARIANT)[0])  # the GEMV K1 at M = 1
+        chunked = tu.updown_decode_chunked(x, routed_k1, wu, wdt)
         split = tu.updown(x, packed, wg, wu, wdt, chunked=False)
         out = tu.twell_ffn_triton(x, wg, wu, wdt)
         assert torch.equal(out, chunked if m == 1 else split), (m, d)
