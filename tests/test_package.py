@@ -1,8 +1,11 @@
 """Packaging invariants: kernels only as sparsify.kernels; model-folder code flat and self-contained."""
 
 import ast
+import importlib
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 from sparsify.folder.format import shipped_code_files
 
@@ -18,6 +21,98 @@ def test_kernels_importable_only_as_sparsify_kernels(tmp_path):
             "print('clash' if s and s.origin and pathlib.Path(s.origin).parent == ours else 'ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _from_root(args, **kw):
+    """Python started the way a user starts it in the repository root: the root is sys.path[0]."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | kw.pop("env", {})
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, env=env, **kw)
+
+
+def test_repo_root_keeps_the_real_kernels_package_for_transformers():
+    """transformers imports the Hub's `kernels` package for every model class; started in the repository root,
+    Python finds our kernels/ folder first under that name. It must hand over to the installed distribution
+    (`from kernels import CUDAProperties` gives the real one), or, where none is installed, read as absent."""
+    code = """
+import importlib.metadata as md, pathlib, sys
+assert sys.path[0] in ("", str(pathlib.Path.cwd())), sys.path[0]
+try:
+    installed = md.version("kernels")
+except md.PackageNotFoundError:
+    installed = None
+import transformers
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.utils.import_utils import is_kernels_available
+import kernels
+ours = pathlib.Path("kernels").resolve()
+here = pathlib.Path(kernels.__file__).resolve().parent
+if installed:
+    assert here != ours, f"the top-level kernels is this repository's folder, not kernels {installed}"
+    assert getattr(kernels, "__version__", installed) == installed
+    import sparsify.kernels as sk
+    assert pathlib.Path(sk.__file__).resolve().parent == ours and hasattr(sk, "twell_ffn")
+    assert "twell_ffn" not in vars(kernels)
+else:
+    assert not is_kernels_available() and not hasattr(kernels, "__version__")
+LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1))
+print("installed" if installed else "absent", transformers.__version__)
+"""
+    out = _from_root(["-c", code])
+    assert out.returncode == 0, out.stderr[-3000:]
+    case, _ = out.stdout.split()
+    if case == "installed" and hasattr(importlib.import_module("kernels"), "CUDAProperties"):
+        check = _from_root(["-c", "from kernels import CUDAProperties; print(CUDAProperties.__module__)"])
+        assert check.returncode == 0 and check.stdout.startswith("kernels."), check.stderr[-2000:]
+    cli = _from_root(["-m", "sparsify", "--help"])
+    assert cli.returncode == 0 and "convert" in cli.stdout, cli.stderr[-2000:]
+    tests = _from_root(["-m", "pytest", "-q", "--collect-only", "tests/test_package.py", "tests/folder"])
+    assert tests.returncode == 0, (tests.stdout + tests.stderr)[-3000:]
+
+
+def test_top_level_kernels_hands_over_to_another_package_of_that_name(tmp_path):
+    """The hand-over itself, on a stand-in `kernels` package earlier on sys.path than site-packages: the import
+    from the root gives that package, with its submodules, and its own import errors are not swallowed."""
+    real = tmp_path / "site" / "kernels"
+    real.mkdir(parents=True)
+    (real / "__init__.py").write_text("from kernels._inner import CUDAProperties\n__version__ = '9.9'\n")
+    (real / "_inner.py").write_text("class CUDAProperties: pass\n")
+    code = ("import kernels, pathlib; from kernels import CUDAProperties; import kernels._inner as i; "
+            "print(kernels.__version__, pathlib.Path(kernels.__file__).parent == pathlib.Path(i.__file__).parent)")
+    out = _from_root(["-c", code], env={"PYTHONPATH": str(tmp_path / "site")})
+    assert out.returncode == 0 and out.stdout.split() == ["9.9", "True"], out.stderr[-2000:]
+    (real / "__init__.py").write_text("import no_such_module_xyz\n")
+    out = _from_root(["-c", "import kernels"], env={"PYTHONPATH": str(tmp_path / "site")})
+    assert out.returncode != 0 and "No module named 'no_such_module_xyz'" in out.stderr
+
+
+def test_a_broken_import_while_loading_is_named_as_such_not_as_a_corrupt_file(tmp_path, monkeypatch):
+    """A loader that catches everything while reading a checkpoint says an import failed, naming the module."""
+    import pytest
+    import transformers
+
+    from sparsify.errors import SparsifyError
+    from sparsify.folder.gguf import load_gguf
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+
+    def broken(*args, **kwargs):
+        try:
+            raise ImportError("cannot import name 'CUDAProperties' from 'kernels' (/x/kernels/__init__.py)",
+                              name="kernels", path="/x/kernels/__init__.py")
+        except ImportError as e:
+            raise RuntimeError("while building the model") from e
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", broken)
+    with pytest.raises(SparsifyError) as info:
+        load_gguf(gguf)
+    msg = str(info.value)
+    assert "an import failed" in msg and "'kernels'" in msg and "/x/kernels/__init__.py" in msg
+    assert "corrupt" not in msg and "download it again" not in msg
 
 
 def test_shipped_code_is_flat_and_self_contained():

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sparsify.errors import SparsifyError
+from sparsify.errors import SparsifyError, import_failure
 from sparsify.families import mlp_modules
 from sparsify.folder.gguf import load_gguf
 from sparsify.folder.format import DTYPES, MODELING_FILE
@@ -199,6 +199,8 @@ def load_model(spec: ModelSpec, device: str, dtype: str, trust_remote_code: bool
     except SparsifyError as e:
         raise SparsifyError(f"model {spec.name} ({where}) could not be loaded: {e}") from None
     except Exception as e:  # corrupt .gguf (struct.error), config without tokenizer (ValueError), no Hub (OSError)...
+        if (broken := import_failure(e)) is not None:
+            raise SparsifyError(f"model {spec.name} ({where}) could not be loaded: {broken}") from None
         msg = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
         hint = ("The .gguf file may be truncated or corrupt (download it again), or its architecture is not one "
                 "transformers can read; `sparsify convert` on it says which." if spec.gguf_file else

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from sparsify.errors import SparsifyError
+from sparsify.errors import SparsifyError, import_failure
 from sparsify.families import supported_list
 
 
@@ -57,6 +57,8 @@ def load_gguf(path: Path, dtype: str = "float32") -> tuple[Any, Any]:
                                                      dtype=getattr(torch, dtype))
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except Exception as e:
+        if (broken := import_failure(e)) is not None:
+            raise SparsifyError(f"cannot read {path}: {broken}") from None
         msg = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
         raise SparsifyError(f"cannot read {path} as a GGUF checkpoint ({msg}). The file may be truncated or "
                             "corrupt (download it again), or its architecture is not one transformers can "

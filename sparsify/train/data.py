@@ -28,7 +28,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from sparsify.errors import SparsifyError
+from sparsify.errors import SparsifyError, import_failure
 from sparsify.train.config import DataSection
 
 FORMAT = "sparsify-tokens/1"
@@ -522,6 +522,8 @@ def _load(src: Source, cfg: DataSection) -> Any:
         try:
             return datasets.load_dataset(name, config or None, split=cfg.hub_split, streaming=True)
         except Exception as e:  # the Hub raises many types; all mean "cannot read that dataset"
+            if (broken := import_failure(e)) is not None:
+                raise SparsifyError(f"cannot stream Hub dataset {name!r}: {broken}") from None
             raise SparsifyError(f"cannot stream Hub dataset {name!r} (config {config or 'default'}, split "
                                 f"{cfg.hub_split!r}): {e}. Check the name, data.hub_split, network access "
                                 "(HF_DATASETS_OFFLINE), or use local files.") from None
