@@ -47,6 +47,11 @@ FAMILIES: tuple[Family, ...] = (
 BY_MODEL_TYPE: dict[str, Family] = {f.model_type: f for f in FAMILIES}
 
 # Gate activations we know how to swap. ReLU is already the target (a second convert is a no-op swap).
+# The activation field of a folder trained with sparsity.method=threshold (h = g * [g > theta] * up, theta in the
+# weights): a name stock transformers does not know, so that it refuses the folder rather than load a dense ReLU
+# model without the thresholds; the shipped modeling code (kernels/modeling_sparsify.py) builds it. Same string there.
+THRESHOLD_ACT = "relu_threshold (load with trust_remote_code=True)"
+
 GATED_ACTIVATIONS = {"silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu_accurate", "relu"}
 
 # Families users bring that we refuse, each with the reason (better than "unknown").
@@ -86,7 +91,7 @@ def family_for(config: Any) -> Family:
             f"{supported_list()}. If your model is a Llama-style gated model under another name, "
             "open an issue with its config.json.")
     act = _get(config, family.act_field)
-    if act is not None and act not in GATED_ACTIVATIONS:
+    if act is not None and act not in GATED_ACTIVATIONS and act != THRESHOLD_ACT:
         raise SparsifyError(
             f"{family.name} config has {family.act_field}={act!r}, which is not a gate activation sparsify "
             f"can swap (expected one of {sorted(GATED_ACTIVATIONS)}).")

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from sparsify.version import __version__
-from sparsify.families import FAMILIES, activation_of, family_for
+from sparsify.families import FAMILIES, THRESHOLD_ACT, activation_of, family_for
 from sparsify.errors import SparsifyError
 from sparsify.folder.format import DTYPES, atomic_dir, finalize_folder
 from sparsify.folder.gguf import load_gguf, no_transformers_bars
@@ -140,6 +140,9 @@ def _convert_folder(src: Path, tmp: Path, dtype: str | None, progress: bool) -> 
     config = json.loads((src / "config.json").read_text())
     family_for(config)  # refuse unsupported models before copying anything
     source_activation = activation_of(config)
+    if source_activation == THRESHOLD_ACT:  # converting would drop its thresholds: a different model
+        raise SparsifyError(f"{src} is a thresholded sparsify folder (sparsity.method=threshold), already converted "
+                            "and fine-tuned: load, evaluate, bench or push it as it is.")
     shards = _weight_shards(src)
     for shard in shards:
         check_safetensors(shard)

@@ -61,6 +61,7 @@ def save_checkpoint(run: Run, out: Path) -> Path:
         rng_tensors, rng_meta = _rng_state()
         meta = {"format": CHECKPOINT_FORMAT, "state": asdict(run.state), "scheduler": run.sched.state_dict(),
                 "plateau": run.plateau.state_dict(), "l1_control": run.l1.state_dict(),
+                "threshold_control": run.threshold.state_dict(),
                 "train_kernels": run.ffn.state_dict(), "recipe": dump_recipe(run.recipe), "world": run.dist.world,
                 "version": __version__, "rng": rng_meta}
         with atomic_dir(folder, overwrite=True) as tmp:
@@ -148,6 +149,8 @@ def load_checkpoint(run: Run, folder: Path) -> None:
     run.state = TrainState(**meta["state"])
     run.plateau.load_state_dict(meta["plateau"])
     run.l1.load_state_dict(meta["l1_control"])
+    if "threshold_control" in meta:  # (absent from checkpoints of earlier versions: method l1)
+        run.threshold.load_state_dict(meta["threshold_control"])
     run.ffn.load_state_dict(meta["train_kernels"])  # the same layers packed with the same capacities
     _set_rng_state(blob["rng"], meta["rng"])
     # The final checkpoint records why the run ended; the resumed recipe may extend the budget or change the

@@ -139,6 +139,41 @@ class SparsitySection:
     )
     l1_min: float = doc(1e-4, "Target mode: the smallest coefficient a layer may get.")
     l1_max: float = doc(10.0, "Target mode: the largest coefficient a layer may get.")
+    method: Literal["l1", "threshold"] = doc(
+        "l1",
+        "How the zeros are bought. `l1`: the L1 penalty above, which shrinks every activation, the ones that stay "
+        "too. `threshold`: h = g * [g > theta] * up (g the gate pre-activation), theta per layer or per neuron "
+        "(`threshold`) and driven to `target` by a controller on the fraction of zeros (see threshold_gain), with no "
+        "penalty on magnitudes. Its phases: an L1 warm-up to `warmup_target` for `warmup_tokens` (in target mode), "
+        "then theta calibrated on one batch so that every layer sits at its `target`, then training (with "
+        "distill.kd) while the controller holds the target and the L1 penalty is off. The exported folder carries "
+        "theta (stock transformers refuses to load it without trust_remote_code).",
+    )
+    threshold: Literal["layer", "neuron"] = doc(
+        "layer",
+        "method threshold: one theta per layer, or one per neuron, theta_l * s_j with s_j = 1 / (|W_up[j]| "
+        "|W_down[:, j]|) (geometric mean 1 over the layer, fixed at calibration): a neuron whose output weighs "
+        "less is cut at a higher gate value. The controller moves theta_l.",
+    )
+    threshold_grad: Literal["ste", "exact"] = doc(
+        "ste",
+        "method threshold: the gradient of a gate value under theta. `ste` (straight-through): as under ReLU, so a "
+        "neuron just under theta that would help learns to cross it; `exact`: zero, like its forward value.",
+    )
+    threshold_gain: float = doc(
+        1.0,
+        "method threshold: change of log(theta_l) per step per unit of zeros below (above) layer l's target; the "
+        "error is clamped to +-0.05. theta acts at once (no weights to move), so the loop settles in a few steps.",
+    )
+    warmup_target: float | list[float] | None = doc(
+        None,
+        "method threshold: the zeros target (one value, or one per layer) of the L1 warm-up before theta is "
+        "calibrated, e.g. 0.85; None: the warm-up runs fixed-mode L1 (`l1`).",
+    )
+    warmup_tokens: int = doc(
+        0, "method threshold: training tokens of the L1 warm-up; theta is calibrated at the first step after them "
+        "(0: at the first step, from the bare swap).",
+    )
 
 
 @dataclass

@@ -24,13 +24,20 @@ def export(run: Run, model_dir: Path, out: Path, tokenizer: Any, history: list[d
         model = _plain_model(run, model_dir, model_sd)
         config = json.loads((model_dir / "config.json").read_text())
         dtype = getattr(torch, config.get("dtype") or config.get("torch_dtype") or "float32")
+        thresholds = _take_thresholds(run, model)  # method threshold: theta out of the training activations
         model = model.to("cpu", dtype)
+        for mlp, theta in thresholds:  # float32 whatever the weights' dtype: `<mlp>.threshold` in the weights
+            mlp.register_buffer("threshold", theta)
         train_lines = [h for h in history if "sparsity" in h]
         last = train_lines[-1] if train_lines else {}
         provenance = {"finetuned": True, "finetuned_from": str(model_dir), "steps": run.state.step,
                       "tokens": run.state.tokens, "sparsity": last.get("sparsity"), "stopped": run.state.stopped,
                       "l1": run.recipe.sparsity.l1, "normalization": run.recipe.sparsity.normalization,
                       "target": run.recipe.sparsity.target}
+        if thresholds:  # the folder's activation becomes THRESHOLD_ACT (sparsify.folder.format.relu_config)
+            sp = run.recipe.sparsity
+            provenance["threshold"] = {"mode": sp.threshold, "grad": sp.threshold_grad,
+                                       "warmup_tokens": sp.warmup_tokens, "warmup_target": sp.warmup_target}
         sparsity = {"step": run.state.step, "tokens": run.state.tokens, "per_layer": last.get("per_layer"),
                     "sparsity": last.get("sparsity"), "nonzeros": last.get("nonzeros"),
                     "evaluations": [h for h in history if "val_loss" in h]}
@@ -38,6 +45,28 @@ def export(run: Run, model_dir: Path, out: Path, tokenizer: Any, history: list[d
             "recipe.yaml": dump_recipe(run.recipe), "sparsity.json": json.dumps(sparsity, indent=2) + "\n"})
     run.dist.barrier()
     return target
+
+
+def _take_thresholds(run: Run, model: torch.nn.Module) -> list[tuple[torch.nn.Module, torch.Tensor]]:
+    """(mlp, theta [F] float32 on the CPU) of every layer of a method-threshold run, each MLP's ThresholdReLU put
+    back to a plain ReLU (the folder's modeling code applies theta); [] for method l1."""
+    from transformers.activations import ACT2FN
+
+    from sparsify.families import mlp_modules
+    from sparsify.train.objective import ActivationBlend, ThresholdReLU
+
+    if run.threshold is None or not run.threshold.enabled:
+        return []
+    if not run.threshold.calibrated:
+        raise RuntimeError("sparsity.method=threshold: the run ended before its thresholds were calibrated (the "
+                           "budget ends inside sparsity.warmup_tokens)")
+    taken = []
+    for mlp, theta in zip(mlp_modules(model), run.threshold.thresholds()):
+        for name in ActivationBlend.ACT_NAMES:
+            if isinstance(getattr(mlp, name, None), ThresholdReLU):
+                setattr(mlp, name, ACT2FN["relu"])
+        taken.append((mlp, theta.detach().float().cpu().clone()))
+    return taken
 
 
 def _plain_model(run: Run, model_dir: Path, model_sd: dict | None) -> torch.nn.Module:
@@ -48,7 +77,8 @@ def _plain_model(run: Run, model_dir: Path, model_sd: dict | None) -> torch.nn.M
     model = run.model
     if model_sd is not None:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        model.load_state_dict(model_sd)
+        training_only = (".act_fn.theta", ".act_fn.shape", ".activation_fn.theta", ".activation_fn.shape")
+        model.load_state_dict({k: v for k, v in model_sd.items() if not k.endswith(training_only)})
     if run.recipe.lora.r > 0:
         model = model.merge_and_unload()
     return model

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -50,7 +51,8 @@ from sparsify.train.export import export
 from sparsify.train.metrics import MetricsLog, flops_per_token, plot, read_history, step_record
 from sparsify.train.model import (build_optimizer, load_student, load_teacher, source_activation, total_steps_of,
                                   wrap_model)
-from sparsify.train.objective import ActivationBlend, L1Control, MlpDistill, Plateau, SparsityProbe, reinit_dead
+from sparsify.train.objective import (ActivationBlend, L1Control, MlpDistill, Plateau, SparsityProbe,
+                                      ThresholdControl, reinit_dead)
 from sparsify.train.preflight import load_recipe, raise_problems, recipe_problems
 from sparsify.train.profiling import StepProfiler
 from sparsify.train.step import Run, TrainState, evaluate_all, losses, train_step
@@ -139,6 +141,12 @@ def _refuse_unsupported(recipe: Recipe, dist: Dist) -> None:
         raise SparsifyError(f"sparsity.blend_steps={recipe.sparsity.blend_steps} is not below the run's {steps} "
                             "steps: the model would end between its source activation and ReLU. Lower blend_steps "
                             "or raise train.max_tokens / max_steps.")
+    warmup = recipe.sparsity.warmup_tokens
+    tokens_per_step = recipe.train.batch_size * recipe.train.grad_accum * dist.world * recipe.train.seq_len
+    if recipe.sparsity.method == "threshold" and warmup >= steps * tokens_per_step:
+        raise SparsifyError(f"sparsity.warmup_tokens={warmup:,} is not below the run's {steps} steps x "
+                            f"{tokens_per_step:,} tokens: theta would never be calibrated. Shorten the warm-up or "
+                            "raise train.max_tokens / max_steps.")
     if recipe.lora.r > 0 and dist.world > 1 and recipe.train.distributed == "fsdp":
         raise SparsifyError("lora.r > 0 with train.distributed=fsdp is not supported; use distributed=ddp for "
                             "LoRA (adapters are small) or lora.r=0 for a sharded full fine-tune.")
@@ -167,6 +175,7 @@ def _setup(recipe: Recipe, dist: Dist, model_dir: Path, data: TokenData) -> Run:
     if teacher is not None and recipe.train.compile and recipe.distill.kd > 0:
         teacher.compile()  # (distill.mlp alone runs only the teacher's MLPs, from the student's hooks)
     probe = SparsityProbe(model, recipe.sparsity.normalization)
+    threshold = ThresholdControl(model, recipe.sparsity, dist.device)  # (its activations: before the packed FFN)
     from sparsify.train.packed_ffn import install_packed_ffn  # patches the MLPs before compile / DDP wrap them
 
     ffn = install_packed_ffn(model, probe, recipe.train.kernels)
@@ -182,10 +191,12 @@ def _setup(recipe: Recipe, dist: Dist, model_dir: Path, data: TokenData) -> Run:
     plateau = Plateau(sp.plateau_tolerance, sp.plateau_window,
                       after=max(sp.ramp_steps if sp.schedule == "ramp" else 0, sp.blend_steps))
     loss_fn = torch.compile(losses) if recipe.train.compile else losses
-    l1 = L1Control(sp, len(probe.mlps), dist.device)
+    # method threshold: the L1 warm-up's control (its own target, or fixed mode), stopped at the calibration
+    l1 = L1Control(dataclasses.replace(sp, target=sp.warmup_target) if threshold.enabled else sp, len(probe.mlps),
+                   dist.device)
     mlp = MlpDistill(model, teacher) if recipe.distill.mlp > 0 else None
     return Run(recipe, dist, model, train_model, teacher, probe, data, opt, sched, TrainState(), plateau, loss_fn, l1,
-               ffn, blend, model_dir, mlp=mlp)
+               ffn, blend, model_dir, mlp=mlp, threshold=threshold)
 
 
 def _loop(run: Run, log: MetricsLog, history: list[dict], progress: bool, stop: StopRequest | None = None) -> None:
@@ -235,7 +246,7 @@ def _loop(run: Run, log: MetricsLog, history: list[dict], progress: bool, stop: 
 def _after_step(run: Run, logging_now: bool):
     """The step's sparsity statistics, when something needs them: dead-neuron re-init, the per-layer L1
     control, the packed-FFN decisions or the log. Returns them (None when nothing did)."""
-    if not (run.recipe.sparsity.reinit_dead or run.l1.adaptive or logging_now):
+    if not (run.recipe.sparsity.reinit_dead or run.l1.adaptive or run.threshold.calibrated or logging_now):
         run.probe.reset()
         return None
     stats = run.probe.step_stats(run.dist.reduce)
@@ -243,6 +254,7 @@ def _after_step(run: Run, logging_now: bool):
         reinit_dead(run.model, stats.inactive, run.state.step, run.recipe.train.seed)
     if not run.blend.active(run.state.step - 1):  # the blend's zeros say nothing about the targets
         run.l1.update(stats, run.state.tokens)
+    run.threshold.update(stats)
     if logging_now:
         run.ffn.update(stats.zeros, stats.nonzeros)  # train.kernels: which layers pack, and their capacity
         if run.ffn.changes and run.dist.main and run.verbose:
@@ -259,6 +271,9 @@ def _log_step(run: Run, log: MetricsLog, history: list[dict], bar: Any, record: 
     if run.l1.adaptive:  # the layer furthest below its target, and the coefficient range
         zeros, coef = record["per_layer"]["zeros"], record["per_layer"]["l1_coef"]
         line += f" min_zeros={min(zeros):.1%} coef={min(coef):.2g}..{max(coef):.2g}"
+    elif run.threshold.calibrated:  # method threshold: the layer furthest below its target, and theta's range
+        zeros, theta = record["per_layer"]["zeros"], record["per_layer"]["theta"]
+        line += f" min_zeros={min(zeros):.1%} theta={min(theta):.2g}..{max(theta):.2g}"
     bar.set_postfix_str(line)
     if bar.disable and run.dist.main and run.verbose:  # no bar (logs, batch jobs): a line per logged step
         mfu = f" mfu={record['mfu']:.1%}" if "mfu" in record else ""

@@ -55,8 +55,9 @@ class MetricsLog:
                 self.tb.add_scalar(key, value, step)
         for i, z in enumerate(record.get("per_layer", {}).get("zeros", [])):
             self.tb.add_scalar(f"zeros/layer_{i:02d}", z, step)
-        for i, c in enumerate(record.get("per_layer", {}).get("l1_coef", [])):
-            self.tb.add_scalar(f"l1_coef/layer_{i:02d}", c, step)
+        for key in ("l1_coef", "theta"):
+            for i, c in enumerate(record.get("per_layer", {}).get(key, [])):
+                self.tb.add_scalar(f"{key}/layer_{i:02d}", c, step)
         for name, d in record.get("heldout", {}).items():
             for key, value in d.items():
                 self.tb.add_scalar(f"heldout/{name}_{key}", value, step)
@@ -118,6 +119,8 @@ def step_record(run: Run, sums: dict, stats: StepStats, seconds: float, steps: i
         record["mfu"] = tokens_per_s * fpt / (peak * dist.world)
     record["per_layer"] = {"zeros": stats.zeros, "nonzeros": stats.nonzeros, "dead": stats.dead,
                            "l1_coef": coefs.tolist()}
+    if run.threshold is not None and run.threshold.enabled:  # method threshold: each layer's theta_l (0 until calibrated)
+        record["per_layer"]["theta"] = run.threshold.theta()
     if run.ffn.layers:  # train.kernels twell / auto: the path each layer takes from the next step on
         record["per_layer"]["packed"] = [layer.packed for layer in run.ffn.layers]
         record["per_layer"]["capacity"] = run.ffn.capacities

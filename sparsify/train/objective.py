@@ -177,13 +177,20 @@ class L1Control:
         self.target = None if targets is None else torch.tensor(targets, device=device, dtype=torch.float32)
         self.log_coef = torch.full((layers,), math.log(max(cfg.l1, cfg.l1_min)), device=device, dtype=torch.float32)
         self.start: torch.Tensor | None = None  # [L] zeros at the first update: where a target ramp begins
+        self.stopped = False  # stop(): no penalty from then on
 
     @property
     def adaptive(self) -> bool:
-        return self.target is not None
+        return self.target is not None and not self.stopped
+
+    def stop(self) -> None:
+        """The penalty is off for the rest of the run (sparsity.method=threshold, once theta is calibrated)."""
+        self.stopped = True
 
     def coefficients(self, step: int) -> torch.Tensor:
         """[L] float32 on the device: the weights of the per-layer L1 terms at optimizer step `step`."""
+        if self.stopped:
+            return torch.zeros_like(self.log_coef)
         if self.adaptive:
             return self.log_coef.exp()
         return torch.full_like(self.log_coef, l1_coefficient(self.cfg, step))
@@ -209,12 +216,149 @@ class L1Control:
         return self.start + (self.target - self.start) * min(1.0, tokens / ramp)
 
     def state_dict(self) -> dict:
-        return {"log_coef": self.log_coef.tolist(), "start": None if self.start is None else self.start.tolist()}
+        return {"log_coef": self.log_coef.tolist(), "start": None if self.start is None else self.start.tolist(),
+                "stopped": self.stopped}
 
     def load_state_dict(self, state: dict) -> None:
         self.log_coef.copy_(torch.tensor(state["log_coef"], dtype=torch.float32))
+        self.stopped = bool(state.get("stopped", False))
         if state.get("start") is not None:
             self.start = torch.tensor(state["start"], dtype=torch.float32, device=self.log_coef.device)
+
+
+class ThresholdReLU(nn.Module):
+    """The MLP activation of sparsity.method=threshold: g * [g > theta] (ReLU while theta is 0).
+
+    theta [F] float32 = exp(log theta_l) * shape, both buffers (in checkpoints, so --resume is exact), moved in place
+    by ThresholdControl (torch.compile sees inputs that change, not constants). g is compared in the dtype it comes
+    in (bf16 under autocast) against theta in float32, as the shipped kernels compare it. `ste`: the gradient of
+    g under theta passes as ReLU's does (value r - stop_grad(r * cut) is r * [g > theta], its derivative [g > 0]).
+    """
+
+    def __init__(self, width: int, ste: bool, device: torch.device):
+        super().__init__()
+        self.ste = ste
+        self.register_buffer("theta", torch.zeros(width, device=device, dtype=torch.float32))
+        self.register_buffer("shape", torch.ones(width, device=device, dtype=torch.float32))
+        self.sample: torch.Tensor | None = None  # calibration: set to an empty tensor to collect g / shape
+
+    def forward(self, g: torch.Tensor) -> torch.Tensor:
+        if self.sample is not None:  # (calibration only: an eager, no-grad forward)
+            self.sample = torch.cat([self.sample, _subsample(g.detach().float() / self.shape, 1 << 20)])
+        r = torch.relu(g)
+        cut = g <= self.theta  # [..., F] (promoted: compared in float32, g exactly as it came)
+        return r - (r * cut).detach() if self.ste else r.masked_fill(cut, 0)
+
+
+def _subsample(v: torch.Tensor, n: int) -> torch.Tensor:
+    """At most n values of v, flattened, drawn evenly with a stride (deterministic; tokens x neurons are many)."""
+    flat = v.flatten()
+    return flat[:: max(1, flat.numel() // n)][:n]
+
+
+class ThresholdControl:
+    """sparsity.method=threshold: the ThresholdReLU of every MLP and the controller of their thresholds.
+
+    Calibration (once, at the first step after sparsity.warmup_tokens): one eager, no-grad forward of a training
+    batch records g / s_j per layer; theta_l is the quantile of those values at the layer's target, so every layer
+    starts at its target (all processes average log theta_l). Then after every step, on the device:
+        log theta_l += threshold_gain * clamp(target_l - zeros_l, -0.05, 0.05)
+    The L1 penalty is off from the calibration on (L1Control.stop). A disabled control (method l1) does nothing.
+    """
+
+    LOG_MIN, LOG_MAX = math.log(1e-6), math.log(1e3)
+
+    def __init__(self, model: nn.Module, cfg: SparsitySection, device: torch.device):
+        self.cfg, self.enabled = cfg, cfg.method == "threshold"
+        self.mlps = mlp_modules(model) if self.enabled else []
+        self.acts = [self._install(m, device) for m in self.mlps]
+        targets = layer_targets(cfg, len(self.mlps)) if self.enabled else None
+        self.target = None if targets is None else torch.tensor(targets, device=device, dtype=torch.float32)
+        self.log_theta = torch.full((len(self.mlps),), self.LOG_MIN, device=device)  # [L]
+        self.calibrated = False
+
+    def _install(self, mlp: nn.Module, device: torch.device) -> ThresholdReLU:
+        name = next((n for n in ActivationBlend.ACT_NAMES if isinstance(getattr(mlp, n, None), nn.Module)), None)
+        if name is None:
+            raise ValueError(f"{type(mlp).__name__} has no act_fn / activation_fn module to threshold")
+        act = ThresholdReLU(gate_weight(mlp).shape[0], self.cfg.threshold_grad == "ste", device)
+        setattr(mlp, name, act)
+        return act
+
+    def due(self, tokens: int) -> bool:
+        """Whether the calibration happens before the step that starts after `tokens` training tokens."""
+        return self.enabled and not self.calibrated and tokens >= self.cfg.warmup_tokens
+
+    @torch.no_grad()
+    def calibrate(self, forward, reduce=None) -> None:
+        """`forward()` runs the model once, eagerly, on a training batch; `reduce(tensor, op)` all-reduces."""
+        if self.cfg.threshold == "neuron":
+            for mlp, act in zip(self.mlps, self.acts):
+                act.shape.copy_(neuron_shape(mlp))
+        for act in self.acts:
+            act.theta.zero_()
+            act.sample = act.theta.new_empty(0)
+        try:
+            forward()
+            quantiles = torch.stack([torch.quantile(a.sample, q) if a.sample.numel() else a.sample.new_zeros(())
+                                     for a, q in zip(self.acts, self.target.tolist())])  # [L]
+        finally:
+            for act in self.acts:
+                act.sample = None
+        log_theta = quantiles.clamp_min(0).log().clamp(self.LOG_MIN, self.LOG_MAX)
+        if reduce is not None:
+            world = reduce(torch.ones((), device=log_theta.device), "sum")
+            log_theta = reduce(log_theta, "sum") / world
+        self.log_theta.copy_(log_theta)
+        self.calibrated = True
+        self._write()
+
+    @torch.no_grad()
+    def update(self, stats: StepStats) -> None:
+        """After an optimizer step: one controller step on every layer's theta (calibrated runs only)."""
+        if not self.calibrated:
+            return
+        zeros = (1 - stats.per_token / stats.width).float()  # [L]
+        error = (self.target - zeros).clamp(-0.05, 0.05)
+        self.log_theta.add_(self.cfg.threshold_gain * error).clamp_(self.LOG_MIN, self.LOG_MAX)
+        self._write()
+
+    def _write(self) -> None:
+        theta = self.log_theta.exp()
+        for layer, act in enumerate(self.acts):
+            act.theta.copy_(theta[layer] * act.shape)
+
+    def theta(self) -> list[float]:
+        """theta_l per layer (the layer's scale; per-neuron thresholds are it times s_j): host copy, for logs."""
+        return self.log_theta.exp().tolist() if self.calibrated else [0.0] * len(self.acts)
+
+    def thresholds(self) -> list[torch.Tensor]:
+        """The [F] float32 threshold of every layer, as the exported folder carries them."""
+        return [act.theta for act in self.acts]
+
+    def state_dict(self) -> dict:
+        return {"log_theta": self.log_theta.tolist(), "calibrated": self.calibrated}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.log_theta.copy_(torch.tensor(state["log_theta"], dtype=torch.float32))
+        self.calibrated = bool(state["calibrated"])  # (theta and shape themselves are model buffers)
+
+
+@torch.no_grad()
+def neuron_shape(mlp: nn.Module) -> torch.Tensor:
+    """s_j = 1 / (|W_up[j]| |W_down[:, j]|), scaled to geometric mean 1: [F] float32."""
+    if hasattr(mlp, "gate_up_proj"):
+        w = _full(mlp.gate_up_proj.weight)
+        up = w[w.shape[0] // 2:]
+    else:
+        up = _full(mlp.up_proj.weight)  # [F, d]
+    down = _full(mlp.down_proj.weight)  # [d, F]
+    log_s = -(up.float().norm(dim=1).clamp_min(1e-12).log() + down.float().norm(dim=0).clamp_min(1e-12).log())
+    return (log_s - log_s.mean()).exp()
+
+
+def _full(w: torch.Tensor) -> torch.Tensor:
+    return w.full_tensor() if _is_dtensor(w) else w
 
 
 class MlpDistill:

@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 
 from sparsify.errors import SparsifyError
-from sparsify.families import activation_of
+from sparsify.families import THRESHOLD_ACT, activation_of
 from sparsify.sources import local_config, source_problem
 from sparsify.train.config import DataSection, Recipe, parse_recipe
 from sparsify.train.data import (HELDOUT_NAME, heldout_mismatch, match_files, missing_reason, overlap_problems,
@@ -125,6 +125,47 @@ def _check_sparsity(r: Recipe) -> Problems:
         e.append((("sparsity.target_ramp", "sparsity.target"),
                   f"sparsity.target_ramp: {sp.target_ramp} without sparsity.target; the ramp raises the targets of "
                   "target mode: set sparsity.target (e.g. 0.95), or sparsity.target_ramp=0"))
+    return e + _check_threshold(r)
+
+
+def _check_threshold(r: Recipe) -> Problems:
+    """sparsity.method=threshold and the keys that only it reads."""
+    e: Problems = []
+    sp, t = r.sparsity, r.train
+    if sp.method != "threshold":
+        used = [k for k, v in (("sparsity.warmup_target", sp.warmup_target is not None),
+                               ("sparsity.warmup_tokens", sp.warmup_tokens != 0)) if v]
+        if used:
+            e.append(((*used, "sparsity.method"), f"{' and '.join(used)}: set, but sparsity.method is `{sp.method}`; "
+                      "they describe the L1 warm-up of sparsity.method=threshold: set that, or drop them"))
+        return e
+    if sp.target is None:
+        e.append((("sparsity.method", "sparsity.target"), "sparsity.method: `threshold` needs sparsity.target, the "
+                  "fraction of zeros theta holds each layer at (one value or one per layer), e.g. sparsity.target=0.95"))
+    if sp.warmup_target is not None:
+        warm = sp.warmup_target if isinstance(sp.warmup_target, list) else [sp.warmup_target]
+        if not warm or any(not 0 < v < 1 for v in warm):
+            e.append((("sparsity.warmup_target",), f"sparsity.warmup_target: got {sp.warmup_target}; give the L1 "
+                      "warm-up's fraction of zeros in (0, 1), one value or one per layer, e.g. 0.85"))
+        elif sp.warmup_tokens == 0:
+            e.append((("sparsity.warmup_target", "sparsity.warmup_tokens"), "sparsity.warmup_target: set with "
+                      "sparsity.warmup_tokens = 0, so there is no warm-up to drive; set its length, e.g. "
+                      "sparsity.warmup_tokens=8_000_000, or drop warmup_target"))
+    if sp.warmup_tokens < 0:
+        e.append((("sparsity.warmup_tokens",), f"sparsity.warmup_tokens: got {sp.warmup_tokens}; must be >= 0"))
+    elif t.max_tokens is not None and sp.warmup_tokens >= t.max_tokens:
+        e.append((("sparsity.warmup_tokens", "train.max_tokens"), f"sparsity.warmup_tokens: {sp.warmup_tokens:,} is "
+                  f"not below train.max_tokens {t.max_tokens:,}: theta would never be calibrated; shorten the warm-up "
+                  "or raise the budget"))
+    if sp.threshold_gain <= 0:
+        e.append((("sparsity.threshold_gain",), f"sparsity.threshold_gain: got {sp.threshold_gain}; must be > 0"))
+    if sp.blend_steps > 0:
+        e.append((("sparsity.blend_steps", "sparsity.method"), f"sparsity.blend_steps: {sp.blend_steps} with "
+                  "sparsity.method=threshold; both replace the MLP activation. Set sparsity.blend_steps=0"))
+    if t.kernels != "dense" and sp.threshold_grad == "ste":
+        e.append((("train.kernels", "sparsity.threshold_grad"), f"train.kernels: `{t.kernels}` with "
+                  "sparsity.threshold_grad=ste; the packed FFN keeps only the gate values above theta, so it gives "
+                  "the exact gradient. Set sparsity.threshold_grad=exact, or train.kernels=dense"))
     return e
 
 
@@ -194,12 +235,17 @@ def _check_paths(r: Recipe) -> Problems:
         activation = activation_of(config)
     except SparsifyError as err:  # a family convert and finetune do not handle
         return e + [(("model.source",), f"model.source: {err}")]
+    if activation == THRESHOLD_ACT:
+        return e + [(("model.source",), f"model.source: {r.model.source} is a thresholded folder (trained with "
+                     "sparsity.method=threshold); fine-tuning one further is not supported. Start from the folder it "
+                     "was fine-tuned from (config.json sparsify.finetuned_from) or from the original model")]
     layers = config.get("num_hidden_layers")
-    if isinstance(r.sparsity.target, list) and len(r.sparsity.target) > 1 and layers \
-            and len(r.sparsity.target) != layers:
-        e.append((("sparsity.target", "model.source"),
-                  f"sparsity.target: {len(r.sparsity.target)} values, but {r.model.source} has {layers} layers; give "
-                  f"one value per layer, or a single number for all of them"))
+    for key in ("target", "warmup_target"):
+        values = getattr(r.sparsity, key)
+        if isinstance(values, list) and len(values) > 1 and layers and len(values) != layers:
+            e.append(((f"sparsity.{key}", "model.source"),
+                      f"sparsity.{key}: {len(values)} values, but {r.model.source} has {layers} layers; give "
+                      f"one value per layer, or a single number for all of them"))
     recorded = config.get("sparsify", {}).get("source_activation")  # the teacher's activation, if converted
     teacher = {f"distill.{k}": getattr(r.distill, k) for k in ("kd", "mlp") if getattr(r.distill, k) > 0}
     if teacher and activation == "relu" and recorded in (None, "relu"):  # (either loads the original model)

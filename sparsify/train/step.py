@@ -17,7 +17,7 @@ from torch import nn
 from sparsify.train.config import Recipe
 from sparsify.train.distributed import Dist
 from sparsify.train.model import load_teacher
-from sparsify.train.objective import ActivationBlend, L1Control, MlpDistill, Plateau, SparsityProbe
+from sparsify.train.objective import ActivationBlend, L1Control, MlpDistill, Plateau, SparsityProbe, ThresholdControl
 
 
 @dataclass
@@ -51,6 +51,7 @@ class Run:
     blend: ActivationBlend | None = None  # sparsity.blend_steps: source activation -> ReLU over the first steps
     model_dir: Path | None = None  # the ReLU folder trained (the original dense model is rebuilt from it)
     mlp: MlpDistill | None = None  # distill.mlp > 0: each sparse MLP against the original dense one
+    threshold: ThresholdControl | None = None  # sparsity.method=threshold: the thresholds and their controller
     reference: dict[str, float] = field(default_factory=dict)  # the original model's loss per evaluated text
     verbose: bool = True  # a line per logged step (when no progress bar) and per validation, on stderr
 
@@ -103,6 +104,8 @@ def train_step(run: Run) -> dict[str, torch.Tensor]:
     """One optimizer step over grad_accum micro-batches; returns the step's mean loss terms (device tensors)."""
     t, dist = run.recipe.train, run.dist
     run.blend.set_step(run.state.step)
+    if run.threshold is not None and run.threshold.due(run.state.tokens):
+        calibrate_thresholds(run)
     coef = run.l1.coefficients(run.state.step)  # [L]
     keys = ("loss", "ce", "l1", "kd") + (("mlp",) if run.mlp is not None else ())
     sums = {k: torch.zeros((), device=dist.device) for k in keys}
@@ -143,6 +146,29 @@ def train_step(run: Run) -> dict[str, torch.Tensor]:
     run.state.samples += t.batch_size * t.grad_accum * dist.world
     run.state.tokens += t.batch_size * t.grad_accum * dist.world * t.seq_len
     return sums
+
+
+def calibrate_thresholds(run: Run) -> None:
+    """sparsity.method=threshold, at the end of the L1 warm-up: theta of every layer from one eager, no-grad forward
+    of this step's first micro-batch (every process its own, averaged), then the L1 penalty is off."""
+    t, dist = run.recipe.train, run.dist
+    batch = run.data.train_batch(run.state.samples + dist.rank * t.batch_size, t.batch_size)[:, :-1].to(dist.device)
+
+    def forward() -> None:
+        was_training = run.model.training
+        run.model.eval()  # (no dropout in what is measured)
+        try:
+            with compute_context(run), torch.compiler.set_stance("force_eager"):  # a compiled model runs as is
+                run.model(input_ids=batch)
+        finally:
+            run.model.train(was_training)
+
+    run.threshold.calibrate(forward, dist.reduce if dist.world > 1 else None)
+    run.l1.stop()
+    if dist.main and run.verbose:
+        theta = run.threshold.theta()
+        print(f"step {run.state.step}: thresholds calibrated to the targets (theta {min(theta):.3g}..{max(theta):.3g}, "
+              f"{run.recipe.sparsity.threshold} mode); the L1 penalty is off from here", file=sys.stderr)
 
 
 def _clip(run: Run, clip: float) -> torch.Tensor:

@@ -1,0 +1,153 @@
+"""sparsity.method=threshold: h = g * [g > theta] * up, theta driven to the target by a controller on the zeros.
+
+The activation's values and gradients (straight-through and exact), the calibration and the controller on a tiny
+model, then the whole run on CPU: the L1 warm-up, the switch, the targets held, --resume exact across the switch,
+and the exported folder (theta in float32 in the weights, an activation stock transformers refuses).
+"""
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from sparsify.train.config import SparsitySection
+from sparsify.train.objective import StepStats, ThresholdControl, ThresholdReLU, neuron_shape
+
+from .test_finetune import metrics, recipe_dict, tiny_silu, tokens  # noqa: F401  (fixtures)
+
+THRESHOLD = ["sparsity.method=threshold", "sparsity.target=[0.9, 0.8]", "sparsity.warmup_target=0.7",
+             "sparsity.warmup_tokens=384", "train.log_every=2", "train.save_every=4", "train.keep_checkpoints=10",
+             "output.keep_checkpoints_when_done=true",
+             "train.lr=3e-4"]  # (at the suite's 3e-3, Adam moves this random model's 0.02-scale weights ~15% a step)
+
+
+@pytest.mark.parametrize("ste", [True, False])
+def test_threshold_relu_values_and_gradients(ste):
+    g = torch.tensor([-1.0, 0.0, 0.2, 0.5, 0.50001, 2.0], requires_grad=True)
+    act = ThresholdReLU(6, ste, torch.device("cpu"))
+    act.theta.copy_(torch.tensor([0.5] * 6))
+    y = act(g)
+    assert y.tolist() == [0.0, 0.0, 0.0, 0.0, pytest.approx(0.50001), 2.0]  # strictly greater than theta
+    y.sum().backward()
+    # straight-through: the gradient of every positive gate passes, as under ReLU; exact: only above theta
+    assert g.grad.tolist() == ([0, 0, 1, 1, 1, 1] if ste else [0, 0, 0, 0, 1, 1])
+
+
+def test_theta_zero_is_relu_bitwise_in_bf16():
+    g = torch.randn(4, 64, dtype=torch.bfloat16)
+    assert torch.equal(ThresholdReLU(64, True, torch.device("cpu"))(g), torch.relu(g))
+
+
+def _tiny_model(layers=2, d=16, f=64):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=d, intermediate_size=f, num_hidden_layers=layers,
+                                        num_attention_heads=2, num_key_value_heads=1, hidden_act="relu"))
+
+
+def _zeros(model, ids):
+    from sparsify.families import mlp_modules
+
+    seen = []
+    hooks = [m.down_proj.register_forward_pre_hook(lambda mod, a: seen.append(float((a[0] == 0).float().mean())))
+             for m in mlp_modules(model)]
+    with torch.no_grad():
+        model(input_ids=ids)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["layer", "neuron"])
+def test_calibration_puts_every_layer_at_its_target_and_the_controller_follows(mode):
+    model = _tiny_model()
+    cfg = SparsitySection(method="threshold", threshold=mode, target=[0.9, 0.75], threshold_gain=1.0)
+    control = ThresholdControl(model, cfg, torch.device("cpu"))
+    ids = torch.randint(0, 128, (4, 64))
+    relu_zeros = _zeros(model, ids)  # theta = 0 until calibrated: the ReLU model
+    assert all(z < 0.7 for z in relu_zeros) and control.theta() == [0.0, 0.0]
+    control.calibrate(lambda: model(input_ids=ids))
+    zeros = _zeros(model, ids)
+    assert zeros == pytest.approx([0.9, 0.75], abs=0.01), zeros
+    if mode == "neuron":  # theta_j = theta_l * s_j with s_j = 1 / (|W_up[j]| |W_down[:, j]|), geometric mean 1
+        mlp = model.model.layers[1].mlp
+        s = neuron_shape(mlp)
+        assert s.log().mean().abs() < 1e-5 and s.std() > 0
+        ratio = mlp.up_proj.weight.norm(dim=1) * mlp.down_proj.weight.norm(dim=0)
+        assert torch.allclose(control.acts[1].theta, control.theta()[1] * s) and \
+            torch.allclose(s * ratio, (s * ratio)[0].expand(64), rtol=1e-4)
+    # a layer below its target gets a higher theta, one above a lower one; the largest move is exp(0.05 * gain)
+    before = control.theta()
+    width = 64
+    control.update(StepStats(per_token=torch.tensor([(1 - 0.85) * width, (1 - 0.80) * width]),
+                             inactive=torch.zeros(2, width, dtype=torch.bool)))
+    after = control.theta()
+    assert after[0] == pytest.approx(before[0] * math.exp(0.05)) and after[1] == pytest.approx(before[1] * math.exp(-0.05))
+
+
+def test_threshold_run_warms_up_switches_holds_targets_exports_and_resumes_exactly(tiny_silu, tokens, tmp_path):
+    """12 steps of 64 tokens: 6 of L1 warm-up (384 tokens), the calibration, 6 with theta held at the targets."""
+    from transformers import AutoModelForCausalLM
+
+    from sparsify.families import THRESHOLD_ACT
+    from sparsify.train.finetune import finetune
+    from sparsify.train.preflight import load_recipe
+
+    out = tmp_path / "run"
+    finetune(load_recipe(recipe_dict(tiny_silu, out, tokens=tokens, max_steps=12), THRESHOLD), progress=False)
+    ref = metrics(out)
+    train = [m for m in ref if "sparsity" in m]
+    assert [m["step"] for m in train] == [2, 4, 6, 8, 10, 12]
+    for m in train[:3]:  # the warm-up: L1 on, theta 0
+        assert m["l1_coef"] > 0 and m["per_layer"]["theta"] == [0.0, 0.0]
+    for m in train[3:]:  # after the switch: L1 off, theta > 0, every layer near its target
+        assert m["l1_coef"] == 0 and all(t > 0 for t in m["per_layer"]["theta"])
+        assert m["per_layer"]["zeros"] == pytest.approx([0.9, 0.8], abs=0.04), m["per_layer"]["zeros"]
+
+    folder = out / "model"
+    config = json.loads((folder / "config.json").read_text())
+    assert config["hidden_act"] == THRESHOLD_ACT and config["sparsify"]["threshold"]["mode"] == "layer"
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+        theta = [f.get_tensor(f"model.layers.{i}.mlp.threshold") for i in range(2)]
+    assert not any(".act_fn." in k for k in keys)
+    assert all(t.dtype == torch.float32 and t.shape == (64,) for t in theta)
+    assert [float(t[0]) for t in theta] == pytest.approx(train[-1]["per_layer"]["theta"], rel=1e-6)
+    with pytest.raises(KeyError, match="trust_remote_code"):  # stock transformers: refused, never a dense ReLU model
+        AutoModelForCausalLM.from_pretrained(folder)
+
+    for resume_from in ("step-00000004", "step-00000008"):  # before and after the switch
+        again = tmp_path / f"again-{resume_from}"
+        shutil.copytree(out, again)
+        for ckpt in (again / "checkpoints").iterdir():
+            if ckpt.name > resume_from:
+                shutil.rmtree(ckpt)
+        shutil.rmtree(again / "model")
+        finetune(load_recipe(recipe_dict(tiny_silu, again, tokens=tokens, max_steps=12), THRESHOLD), resume=True,
+                 progress=False)
+        got = metrics(again)
+        assert [m["step"] for m in got] == [m["step"] for m in ref]
+        for a, b in zip(ref, got):
+            assert b.get("loss") == a.get("loss") and b.get("val_loss") == a.get("val_loss"), (resume_from, a["step"])
+            assert b.get("per_layer", {}).get("theta") == a.get("per_layer", {}).get("theta"), (resume_from, a["step"])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["sparsity.method=threshold", "sparsity.target=none"], "needs sparsity.target"),
+    (["sparsity.warmup_tokens=100"], "they describe the L1 warm-up of sparsity.method=threshold"),
+    (["sparsity.method=threshold", "sparsity.target=0.9", "sparsity.warmup_target=0.8"], "no warm-up to drive"),
+    (["sparsity.method=threshold", "sparsity.target=0.9", "sparsity.warmup_tokens=10_000"], "never be calibrated"),
+    (["sparsity.method=threshold", "sparsity.target=0.9", "train.kernels=twell"], "threshold_grad=exact"),
+    (["sparsity.method=threshold", "sparsity.target=0.9", "sparsity.blend_steps=2"], "both replace the MLP activation"),
+    (["sparsity.method=threshold", "sparsity.target=[0.9, 0.9, 0.9]"], "3 values, but"),
+])
+def test_threshold_recipe_problems_are_refused_before_work(tiny_silu, tmp_path, overrides, message):
+    from sparsify.errors import SparsifyError
+    from sparsify.train.preflight import load_recipe
+
+    with pytest.raises(SparsifyError, match=message):
+        load_recipe(recipe_dict(tiny_silu, tmp_path / "run", max_tokens=5_000), overrides)
