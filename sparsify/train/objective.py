@@ -251,9 +251,13 @@ class ThresholdReLU(nn.Module):
 
 
 def _subsample(v: torch.Tensor, n: int) -> torch.Tensor:
-    """At most n values of v, flattened, drawn evenly with a stride (deterministic; tokens x neurons are many)."""
+    """At most n values of v, drawn uniformly at random (a fixed seed: the same batch gives the same sample). Not a
+    stride: one that divides F would sample the same few neurons of every token."""
     flat = v.flatten()
-    return flat[:: max(1, flat.numel() // n)][:n]
+    if flat.numel() <= n:
+        return flat
+    gen = torch.Generator(device=flat.device).manual_seed(flat.numel())
+    return flat[torch.randint(0, flat.numel(), (n,), generator=gen, device=flat.device)]
 
 
 class ThresholdControl:

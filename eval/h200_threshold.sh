@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The threshold frontier (issue 30) on one lease of an H200, on top of eval/h200_long.sh (stage, sweep, detach, wait,
+# cloze): threshold runs of recipes/smollm2-135m.yaml side by side, then what the zeros buy in decode speed, gendata's
+# rate, the cloze task, and one frontier table over these runs and the recorded L1 ones.
+#
+# From the repository root on the GPU machine, one call each (a call sends at most 64 MiB: the bundle in 3 parts,
+# made on the CPU machine from the recipe's token folder, the GGUF and the gguf wheel; see ood-frontier-h200/README):
+#   bash eval/h200_long.sh stage .carry/p1          (carry .carry/p1), then p2, then p3
+#   bash eval/h200_threshold.sh sweep               the ARMS below, detached, SLOTS at a time (default: all)
+#   bash eval/h200_threshold.sh gpu-tests           the GPU tests of the thresholded kernel paths (beside the sweep)
+#   bash eval/h200_long.sh wait 540                 until the sweep ends
+#   PACK=$OUT bash eval/h200_threshold.sh after     decode speed per zeros level, gendata tokens/s, cloze, frontier
+# Knobs: ARMS ("name=override ...;..."), TOKENS (default 20M each), ZEROS (decode levels), GEN_TOKENS / GEN_BATCH.
+set -euo pipefail
+WORK=${WORK:-/tmp/sparsify-long}
+OUT_DIR=${RESULTS:-$WORK/results}
+WARM="sparsity.method=threshold sparsity.warmup_target=0.85 sparsity.warmup_tokens=6_000_000"
+ARMS=${ARMS:-"thr=$WARM;thr_exact=$WARM sparsity.threshold_grad=exact;thr_neuron=$WARM sparsity.threshold=neuron;\
+thr_nowarm=sparsity.method=threshold;thr_093=$WARM sparsity.target=0.93"}
+export TOKENS=${TOKENS:-20_000_000} EVAL_EVERY=${EVAL_EVERY:-305}
+
+case "${1:-}" in
+  sweep)
+    n=$(awk -F';' '{print NF}' <<< "$ARMS")
+    SLOTS=${SLOTS:-$n} SWEEP=$ARMS EXTRA="train.batch_size=8 train.grad_accum=2 ${EXTRA:-}" \
+        bash eval/h200_long.sh detach sweep
+    ;;
+  gpu-tests)
+    source eval/device_env.sh
+    PYTHONPATH=$PWD:$WORK/pydeps timeout "${TESTS_S:-300}" python -m pytest -q -ra -m gpu \
+        tests/kernels tests/train/test_packed_ffn.py tests/evaluation/test_loading.py -k "threshold or theta" 2>&1 \
+        | tee "$OUT_DIR/gpu-tests-threshold.log" | tail -25
+    ;;
+  after)
+    source eval/device_env.sh
+    export PYTHONPATH=$PWD:$WORK/pydeps HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+    mkdir -p "$OUT_DIR"
+    python eval/bench_decode.py --zeros "${ZEROS:-0.85,0.9,0.93,0.955}" --ms 1,8 --no-split --budget-s 100 \
+        --shapes 2048x8192,4096x14336,8192x28672 --out "$OUT_DIR/zeros-speed" 2>&1 | tail -12 || echo "bench_decode failed"
+    rm -rf "$WORK/gen"
+    GEN_TOKENS=${GEN_TOKENS:-3_000_000} GEN_BATCH=${GEN_BATCH:-1024} bash eval/h200_long.sh gendata 2>&1 | tail -12 \
+        | tee "$OUT_DIR/gendata.log" || echo "gendata failed"
+    cp "$WORK/gen/gendata.json" "$OUT_DIR/" 2>/dev/null || true
+    bash eval/h200_long.sh cloze || true
+    python eval/frontier.py "$OUT_DIR"/sweep/*/ --out "$OUT_DIR/frontier" --cloze "$OUT_DIR/cloze/cloze.json" \
+        --speed "$OUT_DIR/zeros-speed/decode-bench.json" \
+        --recorded eval/results/threshold-frontier-h200/recorded-l1-20M.json 2>&1 | tail -30 || true
+    if [ -n "${PACK:-}" ]; then tar -cJf "$PACK/results.tar.xz" -C "$OUT_DIR" . && ls -la "$PACK"; fi
+    ;;
+  *) echo "usage: $0 sweep | gpu-tests | after" >&2; exit 2 ;;
+esac
