@@ -46,8 +46,14 @@ FAMILIES: tuple[Family, ...] = (
 
 BY_MODEL_TYPE: dict[str, Family] = {f.model_type: f for f in FAMILIES}
 
-# Gate activations we know how to swap. ReLU is already the target (a second convert is a no-op swap).
-GATED_ACTIVATIONS = {"silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu_accurate", "relu"}
+# The activation field of a thresholded folder (h = g [g > theta] * up, theta per neuron): a name stock transformers
+# does not know, so it refuses the folder instead of dropping the thresholds. The shipped modeling code defines the
+# same string (kernels/modeling_sparsify.py THRESHOLD_ACT; tests/test_families.py checks they agree).
+THRESHOLD_ACT = "relu_threshold (load with trust_remote_code=True)"
+# Gate activations we know how to swap. ReLU is already the target (a second convert is a no-op swap); a thresholded
+# folder keeps its thresholds (its `sparsify.threshold` section stays, and with it THRESHOLD_ACT: format.relu_config).
+GATED_ACTIVATIONS = {"silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu_accurate", "relu",
+                     THRESHOLD_ACT}
 
 # Families users bring that we refuse, each with the reason (better than "unknown").
 REFUSED = {
@@ -91,6 +97,13 @@ def family_for(config: Any) -> Family:
             f"{family.name} config has {family.act_field}={act!r}, which is not a gate activation sparsify "
             f"can swap (expected one of {sorted(GATED_ACTIVATIONS)}).")
     return family
+
+
+def thresholded(config: Any) -> bool:
+    """Whether a config (a config.json dict or a config object) is a thresholded folder's: a `sparsify` section
+    with a `threshold` entry ({"mode": "layer" | "neuron"})."""
+    info = _get(config, "sparsify") or {}
+    return isinstance(info, dict) and isinstance(info.get("threshold"), dict)
 
 
 def activation_of(config: Any) -> str | None:
