@@ -89,7 +89,7 @@ def test_threshold_act_is_strict_keeps_g_and_compares_the_dtypes_value():
     assert torch.equal(leaf.grad, torch.tensor([[0.0, 0.0, 0.0, 1.0, 1.0, 1.0]]))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 def test_theta_zero_is_relu_bit_for_bit_in_torch(dtype):
     """theta = 0 gives today's results on every torch path (a case without gate values that round to zero)."""
     x, wg, wu, wd = dyadic_case(9, 48, 200, seed=3, dtype=dtype)
@@ -137,7 +137,7 @@ K1_CASES = {  # name: (rows, gate_pack kwargs); fp32 "r6" runs r5 (split entries
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("k1", list(K1_CASES))
 def test_k1_packs_exactly_the_columns_above_theta(k1, dtype):
     """Every K1 (r5 tiled GEMM with overflowing tiles, decode tiles, the GEMV at M = 1, r6's slot-major
@@ -166,7 +166,7 @@ def test_k1_gemv_bf16_compares_the_rounded_gate():
     expect_pack(packed, g_dt, th)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 def test_k2_recomputes_overflowed_tiles_with_theta(dtype):
     """K2's lossless path (tiles with cnt > S recomputed from x and W_gate) applies theta on g in x's dtype,
     keeping the fp32 value: twell_updown_reference's definition. The packing comes from the torch packer
