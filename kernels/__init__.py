@@ -13,10 +13,10 @@ top-level `kernels` stays an empty module without a version, which transformers 
 
 if __name__ == "sparsify.kernels":
     from .twell_ops import last_backend, transpose_down, twell_ffn
-    from .twell_reference import TwellPacked, ffn_reference, twell_pack, twell_unpack
+    from .twell_reference import TwellPacked, ffn_reference, threshold_act, twell_pack, twell_unpack
 
     __all__ = ["twell_ffn", "last_backend", "transpose_down", "TwellPacked", "ffn_reference", "twell_pack",
-               "twell_unpack"]
+               "twell_unpack", "threshold_act"]
 else:
     def _hand_over(name: str) -> None:
         """Replace this module in sys.modules by the package `name` found anywhere but this repository's root,

@@ -10,6 +10,10 @@ graphs (captured calls use that decision). TwELL is kept only when the median pa
 bucket. Once a bucket chose dense, `fast_path` runs the dense FFN after one lookup, and `grant_dense` lets a
 module skip even that until the next refresh (SparseMLP runs its own dense expression meanwhile).
 
+A call may carry a threshold theta [F] (float32: h = g [g > theta] * up): both paths compute that function,
+the density is the fraction of g > theta, and a bucket's state belongs to one theta tensor object (a call
+with another theta, or none, starts the bucket afresh: its density, hence its decision, differs).
+
 The clock (timing, graph capture), the store (per-layer state, W_down^T copies), the capture query and
 the sparse path are injected; CudaClock, WeightStore and TwellPath are the real ones.
 """
@@ -24,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.weak import WeakIdRef
 
-from .twell_reference import ffn_dense, transpose_down
+from .twell_reference import ffn_dense, threshold_act, transpose_down
 from .twell_triton import DEFAULT_VARIANT, gate_pack, split_variant
 from .twell_updown import k2_spills, updown
 
@@ -120,6 +124,7 @@ class LayerState:
     retune: bool = False  # density drifted since the last timing
     timing: bool = False  # calibration running: a drift seen meanwhile does not start a re-timing
     times: dict = field(default_factory=dict)
+    theta: torch.Tensor | None = None  # the threshold object this bucket was counted and timed with
 
     @property
     def all_dense(self) -> bool:
@@ -139,16 +144,16 @@ class TwellPath:
     """auto's sparse path: K1 then K2, = twell_ffn_triton(variant=DEFAULT_VARIANT), with K1's counts."""
 
     @staticmethod
-    def count(x2d: torch.Tensor, w_gate: torch.Tensor) -> torch.Tensor:
-        """Positive gate values (int64 scalar tensor, on x2d's device)."""
-        return gate_pack(x2d, w_gate, variant=K1_VARIANT).cnt.sum()
+    def count(x2d: torch.Tensor, w_gate: torch.Tensor, threshold: torch.Tensor | None = None) -> torch.Tensor:
+        """Active gate values, g > 0 or g > theta (int64 scalar tensor, on x2d's device)."""
+        return gate_pack(x2d, w_gate, variant=K1_VARIANT, threshold=threshold).cnt.sum()
 
     @staticmethod
-    def __call__(x2d, w_gate, w_up, w_down_t, on_count=None) -> torch.Tensor:
-        packed = gate_pack(x2d, w_gate, variant=K1_VARIANT)
+    def __call__(x2d, w_gate, w_up, w_down_t, on_count=None, threshold=None) -> torch.Tensor:
+        packed = gate_pack(x2d, w_gate, variant=K1_VARIANT, threshold=threshold)
         if on_count is not None:  # int32 sums to int64 in the reduction itself (no cast kernel)
             on_count(packed.cnt.sum())
-        return updown(x2d, packed, w_gate, w_up, w_down_t, compact=COMPACT)
+        return updown(x2d, packed, w_gate, w_up, w_down_t, compact=COMPACT, threshold=threshold)
 
     spills = staticmethod(k2_spills)
 
@@ -217,10 +222,12 @@ class Dispatcher:
         store: per-layer state and W_down^T copies keyed by weight tensor (WeightStore).
         policy: the rules (Policy).
         capturing: whether the current stream is capturing a CUDA graph.
-        sparse: the TwELL path (TwellPath: `__call__`, `count`, `spills`).
-        entry: what calibration times, (x2d, w_gate, w_up, w_down, w_down_t) -> y; default `run`
+        sparse: the TwELL path (TwellPath: `__call__`, `count`, `spills`; both take threshold=).
+        entry: what calibration times, (x2d, w_gate, w_up, w_down, w_down_t, threshold) -> y; default `run`
             (twell_ops passes twell_ffn(backend="auto"), so its argument checks are in the number).
     """
+
+    thresholds = True  # every call takes threshold= (twell_ops shares no older dispatcher that lacks it)
 
     def __init__(self, clock=None, store=None, policy: Policy = Policy(), capturing=None, sparse=None, entry=None):
         self.clock = clock or CudaClock()
@@ -278,10 +285,11 @@ class Dispatcher:
             self.store.put("down_t", w_down, cached)
         return cached
 
-    def fast_path(self, x, w_gate, w_up, w_down) -> torch.Tensor | None:
+    def fast_path(self, x, w_gate, w_up, w_down, threshold=None) -> torch.Tensor | None:
         """The dense FFN when this layer's M bucket chose dense (for graph capture too, or this call is not
-        being captured) and no refresh is due; else None. A layer only gets state after a fully checked
-        call, so no checks of its own: F.linear validates the shapes."""
+        being captured) with this threshold object and no refresh is due; else None. A layer only gets
+        state after a fully checked call (its threshold too), so no checks of its own: F.linear validates
+        the shapes."""
         if torch.compiler.is_compiling():  # first: dynamo cannot trace w_gate._version (a graph break per FFN)
             return None
         states = self.store.get("states", w_gate)
@@ -291,13 +299,14 @@ class Dispatcher:
         m = shape[0] if len(shape) == 2 else x.numel() // max(shape[-1], 1)
         st = states.get(1 << max(0, (m - 1).bit_length()))  # bucket(m), inline: the hot path of every dense call
         every = self.policy.refresh_dense
-        if st is None or st.decision != "dense" or st.calls % every == every - 1 or st.retune:
+        if (st is None or st.decision != "dense" or st.calls % every == every - 1 or st.retune
+                or st.theta is not threshold):
             return None
         if st.graph_decision != "dense" and self.capturing():
             return None  # graph replay chose twell for this bucket: the slow path runs it
         st.calls += 1
         self.last_backend = "dense"
-        return ffn_dense(x, w_gate, w_up, w_down)
+        return ffn_dense(x, w_gate, w_up, w_down, threshold)
 
     def grant_dense(self, w_gate: torch.Tensor, m: int) -> tuple[int, bool]:
         """(calls, in_capture): how many of this layer's next calls of m rows the caller may run as the plain
@@ -325,26 +334,27 @@ class Dispatcher:
         if st is not None:
             st.calls += calls
 
-    def run(self, x2d, w_gate, w_up, w_down, w_down_t=None) -> torch.Tensor:
+    def run(self, x2d, w_gate, w_up, w_down, w_down_t=None, threshold=None) -> torch.Tensor:
         """fast_path, else the slow path: twell_ffn(backend="auto") on [M, d] without argument checks."""
-        y = self.fast_path(x2d, w_gate, w_up, w_down)
-        return y if y is not None else self(x2d, w_gate, w_up, w_down, w_down_t)
+        y = self.fast_path(x2d, w_gate, w_up, w_down, threshold)
+        return y if y is not None else self(x2d, w_gate, w_up, w_down, w_down_t, threshold)
 
-    def __call__(self, x2d, w_gate, w_up, w_down, w_down_t=None) -> torch.Tensor:
-        """The slow path; w_down_t may be None (a cached copy is made only if twell is timed or run)."""
+    def __call__(self, x2d, w_gate, w_up, w_down, w_down_t=None, threshold=None) -> torch.Tensor:
+        """The slow path; w_down_t may be None (a cached copy is made only if twell is timed or run);
+        threshold: theta [F] float32 or None."""
         m, f = x2d.shape[0], w_gate.shape[0]
         states = self.store.get("states", w_gate)
         if states is None:  # a new layer, or W_gate changed in place (its density may have changed)
             states = {}
             self.store.put("states", w_gate, states)
         st = states.get(bucket(m))
-        if st is None:  # (not setdefault: that would build a LayerState on every call)
-            st = states[bucket(m)] = LayerState()
+        if st is None or st.theta is not threshold:  # (not setdefault: that would build a LayerState per call)
+            st = states[bucket(m)] = LayerState(theta=threshold)  # another theta: another density and decision
         if self.capturing():
             backend = "dense" if self.capture_dense else (st.graph_decision or "dense")
             self.note((tuple(w_gate.shape), x2d.dtype, bucket(m)), backend, "graph capture: decision timed in graph replay")
             return self._twell(st, x2d, w_gate, w_up, w_down, w_down_t) if backend == "twell" else ffn_dense(
-                x2d, w_gate, w_up, w_down)
+                x2d, w_gate, w_up, w_down, threshold)
         st.calls += 1
         if st.pending is not None:
             self._poll(st)
@@ -354,9 +364,9 @@ class Dispatcher:
             self.last_backend = st.decision
             if st.decision == "twell":
                 return self._twell(st, x2d, w_gate, w_up, w_down, w_down_t)
-            return ffn_dense(x2d, w_gate, w_up, w_down)
+            return ffn_dense(x2d, w_gate, w_up, w_down, threshold)
         if st.density is None:  # first call of this layer/bucket: one synchronous count
-            st.density = float(self.sparse.count(x2d, w_gate).item()) / (m * f)
+            st.density = float(self.sparse.count(x2d, w_gate, threshold).item()) / (m * f)
         if st.decision is None or st.retune:
             st.retunes += st.decision is not None
             st.retune = False
@@ -370,13 +380,14 @@ class Dispatcher:
             return self._twell(st, x2d, w_gate, w_up, w_down, w_down_t, refresh=refresh)
         g = torch.nn.functional.linear(x2d, w_gate)  # [M, F]
         if refresh:
-            self._count_async(st, (g > 0).sum(), m * f)
-        return torch.nn.functional.linear(torch.relu(g) * torch.nn.functional.linear(x2d, w_up), w_down)
+            self._count_async(st, (g > (0 if threshold is None else threshold)).sum(), m * f)
+        return torch.nn.functional.linear(threshold_act(g, threshold) * torch.nn.functional.linear(x2d, w_up), w_down)
 
     def _twell(self, st, x2d, w_gate, w_up, w_down, w_down_t, refresh: bool = False) -> torch.Tensor:
-        """auto's twell path, the one every twell decision runs (hot path, refreshes, capture, calibration)."""
+        """auto's twell path, the one every twell decision runs (hot path, refreshes, capture, calibration),
+        with the bucket's threshold."""
         on_count = (lambda nnz: self._count_async(st, nnz, x2d.shape[0] * w_gate.shape[0])) if refresh else None
-        return self.sparse(x2d, w_gate, w_up, self.down_t(w_down, w_down_t), on_count=on_count)
+        return self.sparse(x2d, w_gate, w_up, self.down_t(w_down, w_down_t), on_count=on_count, threshold=st.theta)
 
     def _count_async(self, st: LayerState, nnz: torch.Tensor, elements: int) -> None:
         """Copy a device count to a pinned host buffer, read once its event completes (no sync). Buffer and
@@ -418,14 +429,14 @@ class Dispatcher:
         if self.sparse.spills(*x2d.shape):  # hundreds of times slower: not worth a timing
             return self._dense_by_rule(st, f"K2 spills at M = {x2d.shape[0]}, d = {x2d.shape[1]}")
         fault = output_fault(self._twell(st, x2d, w_gate, w_up, w_down, w_down_t),
-                             ffn_dense(x2d, w_gate, w_up, w_down), p)
+                             ffn_dense(x2d, w_gate, w_up, w_down, st.theta), p)
         if fault is not None:  # never time (or choose) a path whose output is wrong
             self._dense_by_rule(st, f"twell output disagrees with dense ({fault})")
             log.error("twell_ffn %s: the TwELL kernels' output disagrees with dense (%s) on %s; this layer keeps "
                       "the dense FFN. Please report it with your GPU, torch and triton versions.",
                       (tuple(w_gate.shape), x2d.dtype, bucket(x2d.shape[0])), fault, x2d.device)
             return
-        call = lambda: self.entry(x2d, w_gate, w_up, w_down, w_down_t)  # noqa: E731
+        call = lambda: self.entry(x2d, w_gate, w_up, w_down, w_down_t, st.theta)  # noqa: E731
 
         def force(decision: str):  # the graph decision too: a dense fast path then skips its capture query
             def prepare() -> None:
@@ -476,7 +487,7 @@ class Dispatcher:
     def _graph_rounds(self, st, x2d, w_gate, w_up, w_down, w_down_t) -> dict[str, list[float]]:
         """Per-round GPU ms per call of both paths replayed from CUDA graphs: the kernels captured calls run."""
         n = self.policy.graph_calls
-        graphs = {"dense": self.clock.capture(lambda: ffn_dense(x2d, w_gate, w_up, w_down), n),
+        graphs = {"dense": self.clock.capture(lambda: ffn_dense(x2d, w_gate, w_up, w_down, st.theta), n),
                   "twell": self.clock.capture(lambda: self._twell(st, x2d, w_gate, w_up, w_down, w_down_t), n)}
         out = self._paired_rounds({k: (lambda: None, g.replay) for k, g in graphs.items()}, x2d, per_call=n)
         del graphs

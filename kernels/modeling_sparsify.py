@@ -10,6 +10,13 @@ SparseMLP keeps the parameter names (gate_proj / up_proj / down_proj, or Phi-3's
 state dicts load unchanged, and it calls those modules whenever gradients may flow (training, LoRA). At
 inference on CUDA with Triton it runs the TwELL kernels through `twell_ffn`; anywhere else the dense torch
 expression, identical to the stock model's.
+
+Thresholded folders (FATReLU / JumpReLU-style, h = g * [g > theta] * up): config.json's activation field
+(`hidden_act`, Gemma 2/3: `hidden_activation`) holds THRESHOLD_ACT, which stock transformers refuses
+(KeyError naming it: never a dense ReLU model without the thresholds), and the `sparsify` section holds
+`"threshold": {"mode": "layer" | "neuron"}`. `Sparse<Base>` builds the base model with "relu" in that field,
+restores THRESHOLD_ACT on the config (save_pretrained round-trips) and gives every SparseMLP a persistent
+float32 buffer `threshold` [F] (state-dict key `<mlp path>.threshold`), float32 whatever the model's dtype.
 """
 
 from __future__ import annotations
@@ -22,9 +29,15 @@ import transformers
 
 from .fast_decode import FastDecode, enable_fast_decode
 from .twell_ops import auto_decisions, dense_capture_active, dense_used, grant_dense, last_backend, twell_ffn
+from .twell_reference import threshold_act
 from .twell_triton import HAS_TRITON
 
-__all__ = ["SparseMLP", "sparsify_mlps", "set_ffn_backend", "default_backend", "enable_fast_decode", "FastDecode"]
+__all__ = ["SparseMLP", "sparsify_mlps", "set_ffn_backend", "default_backend", "enable_fast_decode", "FastDecode",
+           "THRESHOLD_ACT", "threshold_mode"]
+# The activation field of a thresholded folder: not an activation stock transformers knows, so its model classes
+# refuse the folder (KeyError naming this string) instead of building a ReLU model that drops the thresholds.
+THRESHOLD_ACT = "relu_threshold (load with trust_remote_code=True)"
+ACT_FIELDS = ("hidden_act", "hidden_activation")  # where a family's config names its MLP activation
 _KERNELS_MISSING = "" if HAS_TRITON else "triton is not installed"
 logger = logging.getLogger("sparsify")
 BACKENDS = ("auto", "twell", "dense")
@@ -41,7 +54,10 @@ def _announce(path: str, reason: str) -> None:
 
 
 class SparseMLP(nn.Module):
-    """relu(gate_proj(x)) * up_proj(x) -> down_proj, with a TwELL kernel path for CUDA inference.
+    """relu(gate_proj(x)) * up_proj(x) -> down_proj, with a TwELL kernel path for CUDA inference. With
+    `threshold=True` the gate activation is g * [g > theta] (twell_reference.threshold_act), theta the
+    persistent float32 buffer `threshold` [F] (zeros until a state dict fills it; float32 under any .to(),
+    .half(), from_pretrained(dtype=)); without, that buffer is None (not in the state dict).
 
     `ffn_backend` ("auto" | "twell" | "dense") is passed to twell_ffn; "dense" also skips the kernels.
     `last_path` records which path the last forward took: "twell_ffn:twell" / "twell_ffn:dense" (what the
@@ -53,7 +69,7 @@ class SparseMLP(nn.Module):
     often do), the grant holds for eager calls only: a call captured into a CUDA graph goes to auto.
     """
 
-    def __init__(self, mlp: nn.Module):
+    def __init__(self, mlp: nn.Module, threshold: bool = False):
         super().__init__()
         self.fused = hasattr(mlp, "gate_up_proj")
         if self.fused:  # Phi-3: one [2F, d] projection, gate first
@@ -62,12 +78,25 @@ class SparseMLP(nn.Module):
             self.gate_proj = mlp.gate_proj
             self.up_proj = mlp.up_proj
         self.down_proj = mlp.down_proj
+        w = mlp.down_proj.weight  # [d, F]
+        self.register_buffer("threshold", torch.zeros(w.shape[1], dtype=torch.float32, device=w.device)
+                             if threshold else None)
         self._granted = self._dense_left = 0  # calls of shape _dense_shape auto granted / still to run dense
         self._dense_shape: torch.Size | None = None
         self._grant_in_capture = False  # the grant also covers calls captured into CUDA graphs
         self.ffn_backend = "auto"
         self.last_path = ""
         self._views = None  # Phi-3: cached gate/up views (the dispatcher keys a layer by its W_gate object)
+
+    def _apply(self, fn, recurse=True):
+        """nn.Module._apply, then the threshold back in float32 if fn cast it (model.to(bf16), .half(),
+        .double()): the comparison is defined against float32 theta, and bf16 would move the thresholds."""
+        theta = self.threshold
+        out = super()._apply(fn, recurse)
+        moved = self.threshold
+        if theta is not None and moved is not None and moved.dtype != torch.float32:
+            self.threshold = theta.to(device=moved.device)  # the exact float32 values, on fn's device
+        return out
 
     @property
     def ffn_backend(self) -> str:
@@ -135,7 +164,7 @@ class SparseMLP(nn.Module):
             if not compiling:
                 self._settle_grant()
             w_gate, w_up, w_down = self._weights()  # [F, d], [F, d], [d, F]
-            y = twell_ffn(x, w_gate, w_up, w_down, backend=self.ffn_backend)
+            y = twell_ffn(x, w_gate, w_up, w_down, backend=self.ffn_backend, threshold=self.threshold)
             if not compiling:  # (traced: the op's path is only known when it runs)
                 _announce(f"twell_ffn (backend={self.ffn_backend})", "CUDA inference with Triton")
                 ran = last_backend()
@@ -152,21 +181,23 @@ class SparseMLP(nn.Module):
         return self._torch_ffn(x)
 
     def _torch_ffn(self, x: torch.Tensor) -> torch.Tensor:
-        """The stock model's expression through the nn.Linear modules (what stock transformers runs)."""
+        """The stock model's expression through the nn.Linear modules (what stock transformers runs), with the
+        threshold where there is one (plain autograd of g * [g > theta] * up)."""
         if self.fused:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(up * torch.relu(gate))
-        return self.down_proj(torch.relu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(up * threshold_act(gate, self.threshold))
+        return self.down_proj(threshold_act(self.gate_proj(x), self.threshold) * self.up_proj(x))
 
 
-def sparsify_mlps(model: nn.Module) -> int:
-    """Replace every gated MLP module in `model` by a SparseMLP sharing its projections; returns the count."""
+def sparsify_mlps(model: nn.Module, threshold: bool = False) -> int:
+    """Replace every gated MLP module in `model` by a SparseMLP sharing its projections (with a threshold
+    buffer each when `threshold`); returns the count."""
     targets = [(name, m) for name, m in model.named_modules()
                if not isinstance(m, SparseMLP) and hasattr(m, "down_proj")
                and (hasattr(m, "gate_up_proj") or (hasattr(m, "gate_proj") and hasattr(m, "up_proj")))]
     for name, mlp in targets:
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, SparseMLP(mlp))
+        setattr(model.get_submodule(parent_name), child, SparseMLP(mlp, threshold=threshold))
     return len(targets)
 
 
@@ -191,6 +222,13 @@ def default_backend(config) -> str:
     return "auto"
 
 
+def threshold_mode(config) -> str | None:
+    """The folder's threshold mode ("layer" | "neuron") from config.sparsify.threshold; None: no thresholds."""
+    info = getattr(config, "sparsify", None) or {}
+    threshold = info.get("threshold") if isinstance(info, dict) else None
+    return (threshold.get("mode") or "neuron") if isinstance(threshold, dict) else None
+
+
 _classes: dict[str, type] = {}
 
 
@@ -198,16 +236,38 @@ def _sparse_class(base_name: str) -> type:
     base = getattr(transformers, base_name)
 
     def __init__(self, config, *args, **kwargs):
-        base.__init__(self, config, *args, **kwargs)
-        sparsify_mlps(self)
+        # the base class builds its MLPs from the activation field: "relu" while it does (the threshold is ours)
+        fields = [f for f in ACT_FIELDS if getattr(config, f, None) == THRESHOLD_ACT]
+        for field in fields:
+            setattr(config, field, "relu")
+        try:
+            base.__init__(self, config, *args, **kwargs)
+        finally:
+            for field in fields:
+                setattr(config, field, THRESHOLD_ACT)
+        sparsify_mlps(self, threshold=bool(fields) or threshold_mode(config) is not None)
         set_ffn_backend(self, default_backend(config))
         info = getattr(config, "sparsify", None) or {}
         enable_fast_decode(self, enabled=info.get("fast_decode", True) is not False,
                            compile=info.get("compile_decode", True) is not False)
 
+    def _initialize_missing_keys(self, *args, **kwargs):
+        """from_pretrained's init of what the checkpoint lacked, then zeros for thresholds it lacked: transformers
+        materialises a missing buffer uninitialised, and SparseMLP sits inside the base model, whose own
+        _init_weights does not know it (loaded tensors carry transformers' _is_hf_initialized flag)."""
+        base._initialize_missing_keys(self, *args, **kwargs)
+        missing = [name for name, m in self.named_modules() if isinstance(m, SparseMLP) and m.threshold is not None
+                   and not getattr(m.threshold, "_is_hf_initialized", False)]
+        for name in missing:
+            self.get_submodule(name).threshold.zero_()
+        if missing:
+            logger.warning("sparsify: the checkpoint has no thresholds for %s; they run at 0 (plain ReLU)",
+                           ", ".join(missing))
+
     cls = type(f"Sparse{base_name}", (base,), {
         "__init__": __init__, "__module__": __name__, "__doc__": f"{base_name} with SparseMLP FFNs.",
         "set_ffn_backend": set_ffn_backend, "enable_fast_decode": enable_fast_decode,
+        "_initialize_missing_keys": _initialize_missing_keys,
     })
     return cls
 

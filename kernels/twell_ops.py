@@ -2,8 +2,9 @@
 
 Legend: M = tokens, d = hidden size, F = intermediate size. Weights in nn.Linear layout.
 
-twell_ffn(x, w_gate, w_up, w_down, *, backend="auto", w_down_t=None) returns
-relu(x @ w_gate.T) * (x @ w_up.T) @ w_down.T for x [..., d]. Backends: "dense" (three cuBLAS GEMMs; also
+twell_ffn(x, w_gate, w_up, w_down, *, backend="auto", w_down_t=None, threshold=None) returns
+act(x @ w_gate.T) * (x @ w_up.T) @ w_down.T for x [..., d], act = relu, or with a threshold theta [F]
+(float32) g * [g > theta] (twell_reference.threshold_act). Backends: "dense" (three cuBLAS GEMMs; also
 whenever gradients are needed), "twell" (K1 + K2 of twell_triton.py), "auto" (dispatch.py: per layer and
 M bucket, whichever path measured faster; CUDA only). Without CUDA or triton every backend runs the dense
 torch path, except "twell" on CPU with TRITON_INTERPRET=1 (the Triton interpreter: tests).
@@ -25,21 +26,22 @@ from .twell_updown import twell_ffn_triton
 BACKENDS = ("auto", "twell", "dense")
 
 
-def _auto_entry(x2d, w_gate, w_up, w_down, w_down_t):
+def _auto_entry(x2d, w_gate, w_up, w_down, w_down_t, threshold=None):
     """What the dispatcher's calibration times: the public call, argument checks included."""
-    return twell_ffn(x2d, w_gate, w_up, w_down, backend="auto", w_down_t=w_down_t)
+    return twell_ffn(x2d, w_gate, w_up, w_down, backend="auto", w_down_t=w_down_t, threshold=threshold)
 
 
 SHARED = "sparsify_twell_ffn_auto"  # the sys.modules entry that holds the process's one dispatcher
 _USED = ("note", "down_t", "fast_path", "grant_dense", "dense_used", "decisions", "dense_in_capture",
-         "twell_in_capture", "capture_dense", "last_backend")
+         "twell_in_capture", "capture_dense", "last_backend", "thresholds")
 
 
 def _process_auto() -> Dispatcher:
     """The process's one "auto". The custom op runs the code of the copy of this file that registered it first
     (sparsify.kernels and each model folder's copy can all be imported in one process), so every copy uses that
     copy's dispatcher: compiled calls then decide in the store the modules, the step check and bench read. A
-    copy that is first, or that finds a dispatcher lacking what it calls (an older copy's), makes its own."""
+    copy that is first, or that finds a dispatcher lacking what it calls (an older copy's, e.g. one without
+    thresholds), makes its own."""
     shared = getattr(sys.modules.get(SHARED), "auto", None)
     if shared is not None and all(hasattr(shared, name) for name in _USED):
         return shared
@@ -74,42 +76,66 @@ def _triton_ok(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _impl(x2d, w_gate, w_up, w_down, w_down_t, backend: str) -> torch.Tensor:
+def _impl(x2d, w_gate, w_up, w_down, w_down_t, backend: str, threshold=None) -> torch.Tensor:
     if backend == "dense" or not _triton_ok(x2d) or x2d.shape[0] == 0:
         AUTO.note(("dense", backend), "dense", "requested" if backend == "dense" else "no triton/CUDA for this tensor")
-        return ffn_dense(x2d, w_gate, w_up, w_down)
+        return ffn_dense(x2d, w_gate, w_up, w_down, threshold)
     if backend == "auto" and x2d.is_cuda:
-        return AUTO(x2d, w_gate, w_up, w_down, w_down_t)
+        return AUTO(x2d, w_gate, w_up, w_down, w_down_t, threshold)
     if backend == "auto":  # CPU interpreter: correct but slow, never chosen automatically
         AUTO.note(("cpu", "auto"), "dense", "auto on CPU")
-        return ffn_dense(x2d, w_gate, w_up, w_down)
+        return ffn_dense(x2d, w_gate, w_up, w_down, threshold)
     AUTO.note(("twell", "requested"), "twell", "requested")
-    return twell_ffn_triton(x2d, w_gate, w_up, AUTO.down_t(w_down, w_down_t))
+    return twell_ffn_triton(x2d, w_gate, w_up, AUTO.down_t(w_down, w_down_t), threshold=threshold)
+
+
+# The op's names, first free or threshold-taking one wins: a process where an older copy of this file (without
+# thresholds) registered sparsify::twell_ffn first gets a second op whose code honours them.
+OP_NAMES = ("twell_ffn", "twell_ffn_threshold")
+
+
+def _takes_threshold(op) -> bool:
+    return any(a.name == "threshold" for a in op.default._schema.arguments)
 
 
 def _define_op():
     """Register sparsify::twell_ffn once, even when several copies of this file are imported; the copy that
-    registers it publishes its dispatcher for the others (see _process_auto)."""
-    if hasattr(torch.ops, "sparsify") and hasattr(torch.ops.sparsify, "twell_ffn"):
-        return torch.ops.sparsify.twell_ffn
-    try:
-        @torch.library.custom_op("sparsify::twell_ffn", mutates_args=())
-        def op(
-            x2d: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
-            w_down_t: torch.Tensor | None, backend: str,
-        ) -> torch.Tensor:
-            return _impl(x2d, w_gate, w_up, w_down, w_down_t, backend)
+    registers it publishes its dispatcher for the others (see _process_auto). Reused only with the threshold
+    argument; next to an older copy's op, one of the next name in OP_NAMES."""
+    for name in OP_NAMES:
+        existing = getattr(torch.ops.sparsify, name, None) if hasattr(torch.ops, "sparsify") else None
+        if existing is not None:
+            if _takes_threshold(existing):
+                return existing
+            continue
+        try:
+            @torch.library.custom_op(f"sparsify::{name}", mutates_args=())
+            def op(
+                x2d: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                w_down_t: torch.Tensor | None, backend: str, threshold: torch.Tensor | None = None,
+            ) -> torch.Tensor:
+                return _impl(x2d, w_gate, w_up, w_down, w_down_t, backend, threshold)
 
-        @op.register_fake
-        def _(x2d, w_gate, w_up, w_down, w_down_t, backend):
-            return x2d.new_empty(x2d.shape[0], w_down.shape[0])
-    except RuntimeError:  # registered meanwhile by another copy of this module
-        return torch.ops.sparsify.twell_ffn
-    sys.modules.setdefault(SHARED, types.ModuleType(SHARED)).auto = AUTO
-    return op
+            @op.register_fake
+            def _(x2d, w_gate, w_up, w_down, w_down_t, backend, threshold=None):
+                return x2d.new_empty(x2d.shape[0], w_down.shape[0])
+        except RuntimeError:  # registered meanwhile by another copy of this module
+            return getattr(torch.ops.sparsify, name)
+        sys.modules.setdefault(SHARED, types.ModuleType(SHARED)).auto = AUTO
+        return op
+    raise RuntimeError(f"every sparsify op name {OP_NAMES} is taken by an op without the threshold argument")
 
 
 _op = _define_op()
+
+
+def _check_threshold(x: torch.Tensor, f: int, threshold: torch.Tensor) -> None:
+    if not isinstance(threshold, torch.Tensor):
+        raise ValueError(f"threshold must be a float32 tensor [F={f}] or None, got {type(threshold).__name__}.")
+    if threshold.dtype != torch.float32 or tuple(threshold.shape) != (f,) or threshold.device != x.device:
+        raise ValueError(
+            f"threshold is {threshold.dtype} {tuple(threshold.shape)} on {threshold.device}, expected float32 ({f},) "
+            f"on {x.device} (one theta per neuron of w_gate [F, d], on x's device; float32 whatever x's dtype).")
 
 
 def _check(x, w_gate, w_up, w_down, backend) -> None:
@@ -136,8 +162,9 @@ def twell_ffn(
     *,
     backend: str = "auto",
     w_down_t: torch.Tensor | None = None,
+    threshold: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """relu(x @ w_gate.T) * (x @ w_up.T) @ w_down.T with TwELL kernels when they are faster.
+    """act(x @ w_gate.T) * (x @ w_up.T) @ w_down.T with TwELL kernels when they are faster.
 
     Args:
         x: [..., d] activations (bf16/fp16/fp32).
@@ -145,13 +172,16 @@ def twell_ffn(
         backend: "auto" (fastest measured path), "twell" (force the sparse kernels) or "dense".
         w_down_t: optional cached `transpose_down(w_down)` ([F, d] contiguous); computed and cached
             per weight version when omitted.
+        threshold: optional theta [F] float32 on x's device: act(g) = g * [g > theta] (g compared as x's
+            dtype holds it, strictly greater; the value kept is g) instead of relu. "auto" keeps its
+            per-layer state for one theta object: pass the same tensor every call (a module's buffer).
 
     Returns:
         [..., d] in x's dtype. When autograd needs gradients, the dense torch path runs (inference-only
         kernels); `last_backend()` tells which path ran.
     """
     if backend == "auto":  # a bucket that chose dense: the same torch ops as the dense backend
-        y = AUTO.fast_path(x, w_gate, w_up, w_down)
+        y = AUTO.fast_path(x, w_gate, w_up, w_down, threshold)
         if y is not None:
             return y
     d = x.shape[-1]
@@ -159,13 +189,15 @@ def twell_ffn(
             or w_down.shape[0] != d or w_down.shape[-1] != w_gate.shape[0]
             or w_gate.dtype != x.dtype or w_up.dtype != x.dtype or w_down.dtype != x.dtype):
         _check(x, w_gate, w_up, w_down, backend)  # builds the full message
+    if threshold is not None:
+        _check_threshold(x, w_gate.shape[0], threshold)
     if torch.is_grad_enabled() and (x.requires_grad or w_gate.requires_grad or w_up.requires_grad
                                     or w_down.requires_grad):
         AUTO.note(("grad",), "dense", "gradients needed")
-        return ffn_dense(x, w_gate, w_up, w_down)
+        return ffn_dense(x, w_gate, w_up, w_down, threshold)
     x2d = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, d).contiguous()
     if torch.compiler.is_compiling():  # opaque op for dynamo / inductor
-        out = _op(x2d, w_gate.contiguous(), w_up.contiguous(), w_down, w_down_t, backend)
+        out = _op(x2d, w_gate.contiguous(), w_up.contiguous(), w_down, w_down_t, backend, threshold)
     else:  # eager (and CUDA-graph capture): skip the custom-op dispatch, ~20 us a call
-        out = _impl(x2d, w_gate.contiguous(), w_up.contiguous(), w_down, w_down_t, backend)
+        out = _impl(x2d, w_gate.contiguous(), w_up.contiguous(), w_down, w_down_t, backend, threshold)
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], w_down.shape[0])

@@ -3,14 +3,18 @@
 Legend: M = tokens, d = hidden size, F = intermediate size, T = tile width, S = slots per (row, tile),
 NT = ceil(F / T) tiles per row. Weights in nn.Linear layout: W_gate [F, d], W_up [F, d], W_down [d, F].
 
-The FFN: y = (relu(x W_gate^T) * (x W_up^T)) W_down^T.
+The FFN: y = (act(x W_gate^T) * (x W_up^T)) W_down^T with act = relu, or with a per-neuron threshold theta [F]
+(float32, >= 0; FATReLU / JumpReLU-style) act(g)_j = g_j * [g_j > theta_j] (`threshold_act`): g_j is compared
+in the precision the dense path has it (the input dtype's value of g: bf16 / fp16 rounding of the fp32
+accumulator to nearest even; fp32 inputs: the fp32 value) against theta_j in float32, strictly greater, and
+the value kept is g_j itself. theta = 0 is relu (up to gate values that round to zero in the input dtype).
 
 TwELL ("tiled ELL") layout used by our kernels
 -----------------------------------------------
 The intermediate dimension F is cut into NT tiles of T columns (the last one may be short). For each
-(row, tile) the gate GEMM's epilogue keeps the positive gate values (after ReLU) in S = T / C slots,
-C being the compression factor:
-- ``cnt`` [M, NT] int32: the TRUE number of positive gate values in the (row, tile), even when it
+(row, tile) the gate GEMM's epilogue keeps the active gate values (g > 0, or g > theta with a threshold)
+in S = T / C slots, C being the compression factor:
+- ``cnt`` [M, NT] int32: the TRUE number of active gate values in the (row, tile), even when it
   exceeds S.
 - the S slots of each (row, tile), in one of two encodings (``TwellPacked.entries``):
   * "bf16" / "fp16" (round 5, the default for bf16/fp16 inputs): ``ent`` [M, NT, S] int32, one 32-bit
@@ -21,9 +25,9 @@ C being the compression factor:
     is unlimited because the tile index comes from the slot's position. The value rounding equals the
     dense path's (cuBLAS writes the gate in bf16/fp16 before ReLU too).
   * "split" (fp32 inputs): ``col`` [M, NT, S] int32 global column index j and
-    ``val`` [M, NT, S] float32 relu(g_j) (the fp32 GEMM accumulator, exact up to the GEMM's rounding).
+    ``val`` [M, NT, S] float32 g_j (the fp32 GEMM accumulator, exact up to the GEMM's rounding).
   In both, entries are in ascending column order within the tile (slot = rank among the tile's
-  positives, from a cumulative sum, so the layout is deterministic).
+  active columns, from a cumulative sum, so the layout is deterministic).
 Slots at or beyond min(cnt, S) are undefined (never read).
 
 The paper's layout (one uint32 per slot, bf16 value bits << 16 | uint16 column, slot 0 = count) is the
@@ -32,7 +36,7 @@ relative to the tile.
 
 Overflow is lossless. A (row, tile) with cnt > S keeps its first S entries but is marked overflowed by
 cnt itself; every consumer (the fused up/down kernel, `twell_unpack`) recomputes such a tile densely
-from x and W_gate instead of trusting its slots. No flag, no host sync, no dropped entries: rows with
+from x and W_gate (applying theta, when there is one) instead of trusting its slots. No flag, no host sync, no dropped entries: rows with
 every neuron active simply run densely.
 
 Defaults: prefill T = 128, C = 8 (S = 16); decode (M <= 16) T = 32, S = 32 (C = 1: cannot overflow).
@@ -57,9 +61,9 @@ ENTRY_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 class TwellPacked:
     """Gate activations of M rows in TwELL layout (see module docstring)."""
 
-    cnt: torch.Tensor  # [M, NT] int32, true count of positive gate values per (row, tile)
+    cnt: torch.Tensor  # [M, NT] int32, true count of active gate values per (row, tile)
     col: torch.Tensor | None  # "split": [M, NT, S] int32, global column index per slot
-    val: torch.Tensor | None  # "split": [M, NT, S] float32, relu(gate) per slot
+    val: torch.Tensor | None  # "split": [M, NT, S] float32, the kept gate value per slot
     tile: int  # T
     n_cols: int  # F
     ent: torch.Tensor | None = None  # "bf16"/"fp16": [M, NT, S] int32, value bits << 16 | column in tile
@@ -85,7 +89,7 @@ class TwellPacked:
         return base + (self.ent & 0xFFFF)
 
     def values(self) -> torch.Tensor:
-        """[M, NT, S] float32 relu(gate) of each slot, whatever the encoding."""
+        """[M, NT, S] float32 kept gate value of each slot, whatever the encoding."""
         if self.entries == "split":
             return self.val
         return unpack_entry_values(self.ent, self.entries)
@@ -106,8 +110,21 @@ def unpack_entry_values(ent: torch.Tensor, entries: str) -> torch.Tensor:
     return (ent >> 16).to(torch.int16).view(ENTRY_DTYPES[entries]).float()
 
 
-def twell_pack(gate: torch.Tensor, tile: int = TILE, slots: int = SLOTS, entries: str = "split") -> TwellPacked:
-    """Pack pre-activation gate values [M, F] (any float dtype) into TwELL; ReLU is applied here.
+def threshold_act(g: torch.Tensor, threshold: torch.Tensor | None = None) -> torch.Tensor:
+    """g * [g > theta] in g's dtype ([..., F]; threshold: [F] float32, broadcast over the rows), relu(g) when
+    threshold is None: the one definition every torch path of the FFN uses. The comparison promotes g to
+    float32 (exact for bf16 / fp16 values), so g is compared as its dtype holds it; autograd gives g's gradient
+    where g > theta and zero elsewhere (none to theta)."""
+    if threshold is None:
+        return torch.relu(g)
+    return torch.where(g > threshold, g, 0.0)
+
+
+def twell_pack(gate: torch.Tensor, tile: int = TILE, slots: int = SLOTS, entries: str = "split",
+               threshold: torch.Tensor | None = None) -> TwellPacked:
+    """Pack pre-activation gate values [M, F] (any float dtype) into TwELL: the columns with g > 0, or with
+    g > threshold [F] (float32) where one is given, g compared as `gate`'s dtype holds it (pass the gate
+    rounded to the input dtype to get what the kernels pack for 16-bit inputs).
 
     entries: "split" (int32 col + fp32 val) or "bf16"/"fp16" (one int32 word per slot, see module doc).
     """
@@ -118,7 +135,12 @@ def twell_pack(gate: torch.Tensor, tile: int = TILE, slots: int = SLOTS, entries
     g = torch.zeros(m, nt * tile, dtype=torch.float32, device=gate.device)
     g[:, :f] = gate.float()
     g = g.view(m, nt, tile)  # [M, NT, T]
-    active = g > 0
+    if threshold is None:
+        active = g > 0
+    else:  # padding columns: g = 0 > theta = 0 is False
+        th = torch.zeros(nt * tile, dtype=torch.float32, device=gate.device)
+        th[:f] = threshold
+        active = g > th.view(nt, tile)
     cnt = active.sum(-1, dtype=torch.int32)  # [M, NT]
     pos = active.to(torch.int32).cumsum(-1) - 1  # [M, NT, T] slot of each active column
     keep = active & (pos < slots)
@@ -135,8 +157,10 @@ def twell_pack(gate: torch.Tensor, tile: int = TILE, slots: int = SLOTS, entries
     return TwellPacked(cnt=cnt, col=None, val=None, tile=tile, n_cols=f, ent=ent, entries=entries)
 
 
-def twell_unpack(packed: TwellPacked, dense_gate: torch.Tensor | None = None) -> torch.Tensor:
-    """Rebuild relu(gate) [M, F] float32. Overflowed tiles need `dense_gate` ([M, F], pre-activation)."""
+def twell_unpack(packed: TwellPacked, dense_gate: torch.Tensor | None = None,
+                 threshold: torch.Tensor | None = None) -> torch.Tensor:
+    """Rebuild act(gate) [M, F] float32. Overflowed tiles need `dense_gate` ([M, F], pre-activation), rebuilt
+    as threshold_act(dense_gate, threshold): pass the threshold the packing used."""
     m, nt = packed.cnt.shape
     tile, f, s = packed.tile, packed.n_cols, packed.slots
     out = torch.zeros(m, nt * tile, dtype=torch.float32, device=packed.cnt.device)
@@ -151,38 +175,48 @@ def twell_unpack(packed: TwellPacked, dense_gate: torch.Tensor | None = None) ->
                 "(the pre-activation gate [M, F]) so twell_unpack can rebuild them losslessly."
             )
         full = torch.zeros_like(out)
-        full[:, :f] = dense_gate.float().relu()
+        full[:, :f] = threshold_act(dense_gate, threshold).float()
         mask = ovf.repeat_interleave(tile, dim=1)  # [M, NT*T]
         out[mask] = full[mask]
     return out[:, :f]
 
 
 def twell_updown_reference(
-    x: torch.Tensor, packed: TwellPacked, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
+    x: torch.Tensor, packed: TwellPacked, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+    threshold: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """What the fused up/down kernel computes from a TwELL gate: [M, d] float32."""
+    """What the fused up/down kernel computes from a TwELL gate: [M, d] float32. Its overflowed tiles keep the
+    fp32 recomputed g; with a threshold they compare g rounded to x's dtype (as the kernel does)."""
     xf = x.float()  # [M, d]
-    gate = xf @ w_gate.float().t() if bool(packed.overflowed().any()) else None  # [M, F]
+    gate = None
+    if bool(packed.overflowed().any()):
+        gate = xf @ w_gate.float().t()  # [M, F]
+        if threshold is not None:  # decide on x's dtype's value, keep the fp32 one
+            gate = torch.where(gate.to(x.dtype).float() > threshold, gate, 0.0)
     h = twell_unpack(packed, gate) * (xf @ w_up.float().t())  # [M, F]
     return h @ w_down.float().t()
 
 
 def ffn_reference(
-    x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
+    x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+    threshold: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """relu(x W_gate^T) * (x W_up^T) W_down^T in float32 (the oracle); returns float32 [..., d]."""
+    """act(x W_gate^T) * (x W_up^T) W_down^T in float32 (the oracle); returns float32 [..., d]. act: relu, or
+    threshold_act with `threshold` [F] on the fp32 gate."""
     xf = x.float()
-    h = torch.relu(xf @ w_gate.float().t()) * (xf @ w_up.float().t())  # [..., F]
+    h = threshold_act(xf @ w_gate.float().t(), threshold) * (xf @ w_up.float().t())  # [..., F]
     return h @ w_down.float().t()
 
 
 def ffn_dense(
-    x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
+    x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+    threshold: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The plain dense FFN in the input dtype (cuBLAS on GPU): the 'dense' backend and CPU fallback."""
+    """The plain dense FFN in the input dtype (cuBLAS on GPU): the 'dense' backend and CPU fallback. With a
+    threshold [F] (float32), g * [g > theta] on the gate as this dtype holds it."""
     g = torch.nn.functional.linear(x, w_gate)  # [..., F]
     u = torch.nn.functional.linear(x, w_up)  # [..., F]
-    return torch.nn.functional.linear(torch.relu(g) * u, w_down)  # [..., d]
+    return torch.nn.functional.linear(threshold_act(g, threshold) * u, w_down)  # [..., d]
 
 
 def transpose_down(w_down: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,10 @@
 Legend: M = tokens, d = hidden size, F = intermediate size, T = tile width, S = slots per (row, tile),
 NT = ceil(F / T). Layout and overflow rules: twell_reference.py.
 
+Every K1 packs the columns with g > 0, or with a threshold theta [F] (HAS_THETA) those with g > theta_j, g
+rounded to the input dtype first (`_in_dtype`, the value the dense path compares); HAS_THETA = 0 compiles
+to the code without theta.
+
 - `_k1_r6` (16-bit prefill, the default): TMA loads, NSUB tiles of T columns per program (NSUB = 2: a
   128 x 256 GEMM tile) and a slot-major epilogue: two 64-bit masks of a row's positive columns, then per
   slot its column (the s-th set bit) and value (tl.gather from the accumulator), stored together.
@@ -56,6 +60,28 @@ if HAS_TRITON:
         return (hi << 16) | col
 
     @triton.jit
+    def _in_dtype(g, RND: tl.constexpr):
+        """fp32 g rounded to nearest even to the input dtype (RND: 1 bf16, 2 fp16, 0 fp32: g itself), as fp32:
+        the gate value the dense path holds, which a threshold compares against. bf16 in integers, as
+        _pack_cols (adding to the bit pattern rounds the magnitude, negative values stay negative)."""
+        if RND == 1:
+            b = g.to(tl.int32, bitcast=True)
+            return ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        elif RND == 2:
+            return g.to(tl.float16).to(tl.float32)
+        else:
+            return g
+
+    @triton.jit
+    def _active(acc, th_ptr, cols, c_ok, HAS_THETA: tl.constexpr, RND: tl.constexpr):
+        """[BM, T] bool: which gate values of acc (columns `cols` [T], in range where c_ok) K1 keeps: g > 0, or
+        with a threshold g > theta_j on g in the input dtype (theta loaded once per tile)."""
+        if HAS_THETA:
+            th = tl.load(th_ptr + cols, mask=c_ok, other=0.0)  # [T] float32
+            return (_in_dtype(acc, RND) > th[None, :]) & c_ok[None, :]
+        return (acc > 0) & c_ok[None, :]
+
+    @triton.jit
     def _pack_words(acc, T: tl.constexpr, ENT: tl.constexpr):
         """[BM, T] fp32 gate values -> int32 words, column = position in the tile."""
         return _pack_cols(acc, tl.arange(0, T)[None, :], ENT)
@@ -79,11 +105,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _k1_gate_pack(
-        x_ptr, wg_ptr, cnt_ptr, col_ptr, val_ptr,
+        x_ptr, wg_ptr, cnt_ptr, col_ptr, val_ptr, th_ptr,
         M, F, D, NT, stride_xm, stride_wf,
         BLOCK_M: tl.constexpr, T: tl.constexpr, BLOCK_K: tl.constexpr, S: tl.constexpr,
         MB, GROUP_M: tl.constexpr, IEEE: tl.constexpr, ENT: tl.constexpr,
-        EVEN_K: tl.constexpr, EVEN_MN: tl.constexpr,
+        EVEN_K: tl.constexpr, EVEN_MN: tl.constexpr, HAS_THETA: tl.constexpr, RND: tl.constexpr,
     ):
         # MB (the power-of-two bucket of M) is unused in the body: it is the autotuner's key.
         # ENT: slot encoding, 0 = "split" (col int32 + val fp32), 1 = "bf16", 2 = "fp16" (one int32 word
@@ -116,13 +142,14 @@ if HAS_TRITON:
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
 
-        _k1_epilogue(acc, offs_m, offs_n, m_ok, n_ok, pid_n, cnt_ptr, col_ptr, val_ptr, NT, BLOCK_M, T, S, ENT)
+        _k1_epilogue(acc, offs_m, offs_n, m_ok, n_ok, pid_n, cnt_ptr, col_ptr, val_ptr, th_ptr, NT, BLOCK_M, T, S,
+                     ENT, HAS_THETA, RND)
 
     @triton.jit
     def _k1_gemv(
-        x_ptr, wg_ptr, cnt_ptr, col_ptr, val_ptr, F, D, NT, stride_wf,
+        x_ptr, wg_ptr, cnt_ptr, col_ptr, val_ptr, th_ptr, F, D, NT, stride_wf,
         T: tl.constexpr, BLOCK_K: tl.constexpr, S: tl.constexpr, ENT: tl.constexpr,
-        EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+        EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, HAS_THETA: tl.constexpr, RND: tl.constexpr,
     ):
         """K1 at M = 1: one program per column tile; acc [T, BLOCK_K] of fp32 products, summed over BLOCK_K
         once at the end, then _k1_epilogue on two rows (row 1 masked out: no size-1 block dimension)."""
@@ -146,13 +173,15 @@ if HAS_TRITON:
         offs_m = tl.arange(0, 2)
         m_ok = offs_m < 1
         acc2 = tl.where(m_ok[:, None], g[None, :], 0.0)  # [2, T]
-        _k1_epilogue(acc2, offs_m, offs_n, m_ok, n_ok, pid_n, cnt_ptr, col_ptr, val_ptr, NT, 2, T, S, ENT)
+        _k1_epilogue(acc2, offs_m, offs_n, m_ok, n_ok, pid_n, cnt_ptr, col_ptr, val_ptr, th_ptr, NT, 2, T, S, ENT,
+                     HAS_THETA, RND)
 
     @triton.jit
-    def _k1_epilogue(acc, offs_m, offs_n, m_ok, n_ok, pid_n, cnt_ptr, col_ptr, val_ptr, NT,
-                     BLOCK_M: tl.constexpr, T: tl.constexpr, S: tl.constexpr, ENT: tl.constexpr):
-        """ReLU + TwELL packing of acc [BM, T]; slot = rank of the column among the tile's positives."""
-        active = (acc > 0) & m_ok[:, None] & n_ok[None, :]  # [BM, T]
+    def _k1_epilogue(acc, offs_m, offs_n, m_ok, n_ok, pid_n, cnt_ptr, col_ptr, val_ptr, th_ptr, NT,
+                     BLOCK_M: tl.constexpr, T: tl.constexpr, S: tl.constexpr, ENT: tl.constexpr,
+                     HAS_THETA: tl.constexpr, RND: tl.constexpr):
+        """ReLU (or theta) + TwELL packing of acc [BM, T]; slot = rank of the column among the tile's active ones."""
+        active = _active(acc, th_ptr, offs_n, n_ok, HAS_THETA, RND) & m_ok[:, None]  # [BM, T]
         act_i = active.to(tl.int32)
         pos = tl.cumsum(act_i, 1) - 1  # [BM, T]
         cnt = tl.sum(act_i, 1)  # [BM] true count, may exceed S (overflow marker)
@@ -180,19 +209,19 @@ if HAS_TRITON:
         return ((v * 0x0101010101010101) >> 56).to(tl.int32)
 
     @triton.jit
-    def _k1_epilogue_slots(acc, pid_m, tile, M, F, cnt_ptr, ent_ptr, NT,
+    def _k1_epilogue_slots(acc, pid_m, tile, M, F, cnt_ptr, ent_ptr, th_ptr, NT,
                            BLOCK_M: tl.constexpr, T: tl.constexpr, S: tl.constexpr, ENT: tl.constexpr,
-                           HW: tl.constexpr):
+                           HW: tl.constexpr, HAS_THETA: tl.constexpr, RND: tl.constexpr):
         """Slot-major epilogue of acc [BM, T] (T <= 128). Per row two 64-bit masks of the positive
         columns (a select and a row sum per element, in the MMA accumulator's register layout: a scan
         along the tile needs a layout conversion through shared memory, and a per-column scatter of
         64-bit addresses spilled registers at 128 x 256 tiles); then per (row, slot) [BM, S]: the column
         of slot s is the s-th set bit, its value is gathered from acc, and the row's S words are stored
-        together. Same slots as _k1_epilogue: rank of the column among the tile's positives."""
+        together. Same slots as _k1_epilogue: rank of the column among the tile's active ones."""
         rows = tl.arange(0, BLOCK_M)
         cols = tl.arange(0, T)
         m_ok = pid_m * BLOCK_M + rows < M
-        active = (acc > 0) & (tile * T + cols < F)[None, :]  # [BM, T]
+        active = _active(acc, th_ptr, tile * T + cols, tile * T + cols < F, HAS_THETA, RND)  # [BM, T]
         lo_col = cols < 64
         bit = tl.full([T], 1, tl.int64) << (cols & 63).to(tl.int64)  # [T]
         lo = tl.sum(tl.where(active & lo_col[None, :], bit[None, :], 0), 1)  # [BM] distinct bits: sum = or
@@ -217,9 +246,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _k1_r6(
-        x_desc, wg_desc, cnt_ptr, ent_ptr, M, F, D, NT,
+        x_desc, wg_desc, cnt_ptr, ent_ptr, th_ptr, M, F, D, NT,
         BLOCK_M: tl.constexpr, T: tl.constexpr, BLOCK_K: tl.constexpr, S: tl.constexpr,
         MB, GROUP_M: tl.constexpr, ENT: tl.constexpr, NSUB: tl.constexpr, HW: tl.constexpr,
+        HAS_THETA: tl.constexpr, RND: tl.constexpr,
     ):
         """K1 for 16-bit inputs with packed entries: TMA loads; NSUB tiles of T columns per program (one x
         K-slice feeds NSUB MMAs: NSUB = 2 is a 128 x 256 GEMM tile); the slot-major epilogue per tile."""
@@ -235,9 +265,10 @@ if HAS_TRITON:
             if NSUB == 2:
                 b1 = wg_desc.load([(t0 + 1) * T, k * BLOCK_K])
                 acc1 = tl.dot(a, tl.trans(b1), acc1)
-        _k1_epilogue_slots(acc0, pid_m, t0, M, F, cnt_ptr, ent_ptr, NT, BLOCK_M, T, S, ENT, HW)
+        _k1_epilogue_slots(acc0, pid_m, t0, M, F, cnt_ptr, ent_ptr, th_ptr, NT, BLOCK_M, T, S, ENT, HW, HAS_THETA, RND)
         if NSUB == 2 and t0 + 1 < NT:  # the last group may hold one tile only
-            _k1_epilogue_slots(acc1, pid_m, t0 + 1, M, F, cnt_ptr, ent_ptr, NT, BLOCK_M, T, S, ENT, HW)
+            _k1_epilogue_slots(acc1, pid_m, t0 + 1, M, F, cnt_ptr, ent_ptr, th_ptr, NT, BLOCK_M, T, S, ENT, HW,
+                               HAS_THETA, RND)
 
 
 def require_triton() -> None:
@@ -316,11 +347,20 @@ def k1_autotuner():
     return _k1_tuned
 
 
+def theta_args(x2d: torch.Tensor, threshold: torch.Tensor | None) -> dict:
+    """The kernels' threshold arguments: th_ptr (theta [F] float32, or a never-read placeholder), HAS_THETA and
+    RND (the input dtype theta compares g in: ENT_CODES' numbering)."""
+    if threshold is None:
+        return dict(th_ptr=x2d, HAS_THETA=False, RND=0)
+    return dict(th_ptr=threshold.contiguous(), HAS_THETA=True, RND=ENT_CODES[default_entries(x2d.dtype)])
+
+
 def gate_pack(
     x2d: torch.Tensor, w_gate: torch.Tensor, *, entries: str | None = None, variant: str = "r5",
-    autotune: bool | None = None, **overrides,
+    autotune: bool | None = None, threshold: torch.Tensor | None = None, **overrides,
 ) -> TwellPacked:
     """K1: relu(x2d @ w_gate.T) packed as TwELL. x2d [M, d] row-contiguous, w_gate [F, d] contiguous.
+    threshold: theta [F] float32: pack the columns with g > theta_j instead, g rounded to x2d's dtype.
 
     entries: slot encoding ("split", "bf16", "fp16"; default from the dtype). variant "r5" runs
     _k1_gate_pack, autotuned on CUDA for M > 16 unless block sizes are given in `overrides`; "r6" runs
@@ -344,7 +384,7 @@ def gate_pack(
         nt = n_tiles(f, TILE)
         cnt = torch.empty(m, nt, dtype=torch.int32, device=x2d.device)  # [M, NT]
         ent = torch.empty(m, nt, SLOTS, dtype=torch.int32, device=x2d.device)  # [M, NT, S] packed words
-        _gate_pack_r6(x2d, w_gate, cnt, ent, entries, overrides, autotune)
+        _gate_pack_r6(x2d, w_gate, cnt, ent, entries, overrides, autotune, threshold)
         return TwellPacked(cnt=cnt, col=None, val=None, tile=TILE, n_cols=f, ent=ent, entries=entries)
     tuned = (x2d.is_cuda and m > 16 and cfg["T"] == TILE and variant != "gemv"
              and not {"BLOCK_M", "BLOCK_K", "num_warps", "num_stages"} & overrides.keys())
@@ -356,16 +396,17 @@ def gate_pack(
     cnt = torch.empty(m, nt, dtype=torch.int32, device=x2d.device)  # [M, NT]
     col = torch.empty(m, nt, s, dtype=torch.int32, device=x2d.device)  # [M, NT, S] col or packed word
     val = torch.empty(m, nt, s, dtype=torch.float32, device=x2d.device) if entries == "split" else cnt
+    th = theta_args(x2d, threshold)
     if variant == "gemv" and m == 1:
         bk = cfg["BLOCK_K"]
-        _k1_gemv[(nt,)](x2d, w_gate, cnt, col, val, f, d, nt, w_gate.stride(0), T=t, BLOCK_K=bk, S=s,
-                        ENT=ENT_CODES[entries], EVEN_K=(d % bk == 0), EVEN_N=(f % t == 0),
-                        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        _k1_gemv[(nt,)](x2d, w_gate, cnt, col, val, th["th_ptr"], f, d, nt, w_gate.stride(0), T=t, BLOCK_K=bk, S=s,
+                        ENT=ENT_CODES[entries], EVEN_K=(d % bk == 0), EVEN_N=(f % t == 0), HAS_THETA=th["HAS_THETA"],
+                        RND=th["RND"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return _packed(cnt, col, val, t, f, entries)
-    args = (x2d, w_gate, cnt, col, val, m, f, d, nt, x2d.stride(0), w_gate.stride(0))
+    args = (x2d, w_gate, cnt, col, val, th.pop("th_ptr"), m, f, d, nt, x2d.stride(0), w_gate.stride(0))
     # MB keys the autotuner (a constant otherwise, so it never causes a recompilation)
     common = dict(T=t, S=s, MB=min(next_pow2(m), 1 << 16) if tuned else 16, GROUP_M=8, IEEE=(x2d.dtype == torch.float32),
-                  ENT=ENT_CODES[entries])
+                  ENT=ENT_CODES[entries], **th)
     if tuned:
         k1_autotuner()[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * nt,)](*args, **common)
     else:
@@ -400,24 +441,27 @@ def k1_r6_autotuner():
     return _k1_r6_tuned
 
 
-def _gate_pack_r6(x2d, w_gate, cnt, ent, entries, overrides: dict, autotune: bool | None = None):
-    """Launch _k1_r6 into cnt [M, NT] / ent [M, NT, S]: autotuned over R6_TUNE on CUDA unless `overrides`
-    sets block keys (R6_DEFAULT fills the rest; autotune=True/False forces either). Returns Triton's
-    launch result (on GPU the compiled kernel: the sweep reads its registers and spills)."""
+def _gate_pack_r6(x2d, w_gate, cnt, ent, entries, overrides: dict, autotune: bool | None = None,
+                  threshold: torch.Tensor | None = None):
+    """Launch _k1_r6 into cnt [M, NT] / ent [M, NT, S] (threshold: theta [F] float32 or None): autotuned over
+    R6_TUNE on CUDA unless `overrides` sets block keys (R6_DEFAULT fills the rest; autotune=True/False forces
+    either). Returns Triton's launch result (on GPU the compiled kernel: the sweep reads its registers and
+    spills)."""
     m, d = x2d.shape
     f = w_gate.shape[0]
     nt = cnt.shape[1]
-    common = dict(T=TILE, S=SLOTS, GROUP_M=8, ENT=ENT_CODES[entries], HW=x2d.is_cuda)
+    common = dict(T=TILE, S=SLOTS, GROUP_M=8, ENT=ENT_CODES[entries], HW=x2d.is_cuda, **theta_args(x2d, threshold))
+    th_ptr = common.pop("th_ptr")
     if autotune or (autotune is None and x2d.is_cuda and not R6_DEFAULT.keys() & overrides.keys()):
         descs = (TensorDescriptor.from_tensor(x2d, [64, 64]), TensorDescriptor.from_tensor(w_gate, [TILE, 64]))
         return k1_r6_autotuner()[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(nt, meta["NSUB"]),)](
-            *descs, cnt, ent, m, f, d, nt, MB=min(next_pow2(m), 1 << 16), **common)
+            *descs, cnt, ent, th_ptr, m, f, d, nt, MB=min(next_pow2(m), 1 << 16), **common)
     cfg = {**R6_DEFAULT, **overrides}
     bm, bk, nsub = cfg["BLOCK_M"], cfg["BLOCK_K"], cfg["NSUB"]
     progs = triton.cdiv(m, bm) * triton.cdiv(nt, nsub)
     descs = (TensorDescriptor.from_tensor(x2d, [bm, bk]), TensorDescriptor.from_tensor(w_gate, [TILE, bk]))
     return _k1_r6[(progs,)](
-        *descs, cnt, ent, m, f, d, nt, BLOCK_M=bm, BLOCK_K=bk, MB=16, NSUB=nsub, num_warps=cfg["num_warps"],
+        *descs, cnt, ent, th_ptr, m, f, d, nt, BLOCK_M=bm, BLOCK_K=bk, MB=16, NSUB=nsub, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **common)
 
 

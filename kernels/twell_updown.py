@@ -6,9 +6,11 @@ NT = ceil(F / T), E = gathered rows per chunk, K = kept entries of a row.
 - `_k2_updown`: one program per (row, split); x row and the fp32 output row stay in registers. It walks
   the row's kept entries E at a time, gathers W_up[j] and W_down^T[j] (both loads issued before the
   reductions), h = val * dot(x, W_up[j]) never leaves registers, out += h * W_down^T[j]. Overflowed tiles
-  are recomputed densely from W_gate (lossless). SPLIT > 1 (decode) adds into an fp32 output with atomics.
+  are recomputed densely from W_gate (lossless; with a threshold theta, HAS_THETA, g is kept where g
+  rounded to x's dtype > theta_j, as K1 decides). SPLIT > 1 (decode) adds into an fp32 output with atomics.
 - `_k2_dec_chunked` (decode at M = 1, and at d >= DECODE_CHUNKED_MIN_D): d in chunks through an [M, K]
-  scratch, so nothing of length d stays in registers (the split `_k2_updown` spills at d = 8192).
+  scratch, so nothing of length d stays in registers (the split `_k2_updown` spills at d = 8192). Its
+  tiles cannot overflow (S >= T), so a threshold is all in K1's packing.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 
 from .twell_reference import TwellPacked
 from .twell_triton import (ENT_CODES, DEFAULT_VARIANT, HAS_TRITON, gate_pack, next_pow2, require_triton, split_variant,
-                           tl, triton)
+                           theta_args, tl, triton)
 
 # A decode K2 (M <= K2_SPLIT_MAX_M) runs chunked at M <= DECODE_CHUNKED_MAX_M, and at every decode M from
 # d = DECODE_CHUNKED_MIN_D on, where the split _k2_updown spills (the chunked-K2 sweep, kernels/NOTES.md)
@@ -52,12 +54,12 @@ def _sm_count(device: torch.device) -> int:
 
 
 if HAS_TRITON:
-    from .twell_triton import unpack_value
+    from .twell_triton import _in_dtype, unpack_value
 
     @triton.jit
     def _k2_entries(col_ptr, val_ptr, row, NT, S: tl.constexpr, p, K, cum, start, tiles,
                     T: tl.constexpr, ENT: tl.constexpr):
-        """Column (int64) and relu(gate) of the row's entries of rank p [E]; tile found by prefix sum."""
+        """Column (int64) and kept gate value of the row's entries of rank p [E]; tile found by prefix sum."""
         p_ok = p < K
         t = tl.sum((cum[None, :] <= p[:, None]).to(tl.int32), 1)  # [E] tile of each entry
         st = tl.sum(tl.where(tiles[None, :] == t[:, None], start[None, :], 0), 1)  # [E]
@@ -104,6 +106,7 @@ if HAS_TRITON:
         T: tl.constexpr, S: tl.constexpr, NT_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
         E: tl.constexpr, SPLIT: tl.constexpr, ENT: tl.constexpr,
         sj_ptr, sg_ptr, KMAX, COMPACT: tl.constexpr,
+        th_ptr, HAS_THETA: tl.constexpr, RND: tl.constexpr,
     ):
         # COMPACT (round-5 variant, SPLIT == 1): a prologue copies the row's kept entries, in rank order,
         # to a per-row scratch list (global column int32, value fp32), so the main loop reads E
@@ -158,7 +161,12 @@ if HAS_TRITON:
                         wg = tl.load(wg_ptr + rows, mask=m2, other=0.0)  # [E, BD]
                         wu = tl.load(wu_ptr + rows, mask=m2, other=0.0)
                         wd = tl.load(wdt_ptr + rows, mask=m2, other=0.0)
-                        g = tl.maximum(tl.sum(wg.to(tl.float32) * x[None, :], 1), 0.0)
+                        g = tl.sum(wg.to(tl.float32) * x[None, :], 1)  # [E]
+                        if HAS_THETA:  # K1's decision (on g in x's dtype); the fp32 value is kept, as relu keeps it
+                            th = tl.load(th_ptr + jj, mask=j_ok, other=0.0)
+                            g = tl.where(_in_dtype(g, RND) > th, g, 0.0)
+                        else:
+                            g = tl.maximum(g, 0.0)
                         h = g * tl.sum(wu.to(tl.float32) * x[None, :], 1)  # [E]
                         acc += tl.sum(h[:, None] * wd.to(tl.float32), 0)
 
@@ -178,7 +186,7 @@ if HAS_TRITON:
         """K2 for decode at any d (updown_decode_chunked): nothing of length d stays in registers.
 
         Program (row, split) takes the row's entries of rank split * E + lane + k * E * SPLIT. Pass 1:
-        u = W_up[j] . x over d in BD chunks, h = relu(g) * u, stored with j to the row's scratch (hs, js:
+        u = W_up[j] . x over d in BD chunks, h = g * u (g: the packed value), stored with j to the row's scratch (hs, js:
         [M, KMAX], rank order). Pass 2: for each BD chunk of d, sum over the program's entries of
         h * W_down^T[j, chunk], one fp32 atomic add per chunk. W_up and W_down^T rows are read once; x and
         the scratch come back from L2. Slots must hold every entry (S >= T: decode tiles cannot overflow)."""
@@ -237,9 +245,11 @@ def _slot_ptrs(packed: TwellPacked) -> tuple[torch.Tensor, torch.Tensor]:
 
 def updown(
     x2d: torch.Tensor, packed: TwellPacked, w_gate: torch.Tensor, w_up: torch.Tensor,
-    w_down_t: torch.Tensor, *, compact: bool = False, chunked: bool | None = None, **overrides,
+    w_down_t: torch.Tensor, *, compact: bool = False, chunked: bool | None = None,
+    threshold: torch.Tensor | None = None, **overrides,
 ) -> torch.Tensor:
     """K2: (unpack(packed) * (x2d @ w_up.T)) @ w_down_t -> [M, d] in x2d's dtype. w_down_t is [F, d].
+    threshold: the theta [F] float32 K1 packed with (overflowed tiles are recomputed with it), or None.
 
     compact=True (variants r6c / r5c; ignored when K2 splits rows, M <= 16): per-row compacted entry
     lists before the gather loop. chunked: when K2 splits rows, run updown_decode_chunked (True), the
@@ -268,6 +278,7 @@ def updown(
         d, f, nt, x2d.stride(0), out.stride(0),
         T=packed.tile, S=packed.slots, NT_PAD=next_pow2(nt), BLOCK_D=next_pow2(d),
         E=cfg["E"], SPLIT=split, ENT=ENT_CODES[packed.entries], num_warps=cfg["num_warps"], **extra,
+        **theta_args(x2d, threshold),
     )
     return out.to(x2d.dtype) if split > 1 else out
 
@@ -311,9 +322,10 @@ def updown_decode_chunked(
 
 def twell_ffn_triton(
     x2d: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down_t: torch.Tensor,
-    variant: str = DEFAULT_VARIANT,
+    variant: str = DEFAULT_VARIANT, threshold: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The whole sparse FFN on [M, d]: K1 (gate + pack) then K2 (fused up/down). variant: "r6c" or "r5c"."""
+    """The whole sparse FFN on [M, d]: K1 (gate + pack) then K2 (fused up/down). variant: "r6c" or "r5c".
+    threshold: theta [F] float32 (h = g [g > theta] * up), or None (relu)."""
     k1, compact = split_variant(variant)
-    packed = gate_pack(x2d, w_gate, variant=k1)
-    return updown(x2d, packed, w_gate, w_up, w_down_t, compact=compact)
+    packed = gate_pack(x2d, w_gate, variant=k1, threshold=threshold)
+    return updown(x2d, packed, w_gate, w_up, w_down_t, compact=compact, threshold=threshold)

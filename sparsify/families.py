@@ -46,13 +46,14 @@ FAMILIES: tuple[Family, ...] = (
 
 BY_MODEL_TYPE: dict[str, Family] = {f.model_type: f for f in FAMILIES}
 
-# Gate activations we know how to swap. ReLU is already the target (a second convert is a no-op swap).
-# The activation field of a folder trained with sparsity.method=threshold (h = g * [g > theta] * up, theta in the
-# weights): a name stock transformers does not know, so that it refuses the folder rather than load a dense ReLU
-# model without the thresholds; the shipped modeling code (kernels/modeling_sparsify.py) builds it. Same string there.
+# The activation field of a thresholded folder (h = g [g > theta] * up, theta per neuron): a name stock transformers
+# does not know, so it refuses the folder instead of dropping the thresholds. The shipped modeling code defines the
+# same string (kernels/modeling_sparsify.py THRESHOLD_ACT; tests/test_families.py checks they agree).
 THRESHOLD_ACT = "relu_threshold (load with trust_remote_code=True)"
-
-GATED_ACTIVATIONS = {"silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu_accurate", "relu"}
+# Gate activations we know how to swap. ReLU is already the target (a second convert is a no-op swap); a thresholded
+# folder keeps its thresholds (its `sparsify.threshold` section stays, and with it THRESHOLD_ACT: format.relu_config).
+GATED_ACTIVATIONS = {"silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu_accurate", "relu",
+                     THRESHOLD_ACT}
 
 # Families users bring that we refuse, each with the reason (better than "unknown").
 REFUSED = {
@@ -91,11 +92,18 @@ def family_for(config: Any) -> Family:
             f"{supported_list()}. If your model is a Llama-style gated model under another name, "
             "open an issue with its config.json.")
     act = _get(config, family.act_field)
-    if act is not None and act not in GATED_ACTIVATIONS and act != THRESHOLD_ACT:
+    if act is not None and act not in GATED_ACTIVATIONS:
         raise SparsifyError(
             f"{family.name} config has {family.act_field}={act!r}, which is not a gate activation sparsify "
             f"can swap (expected one of {sorted(GATED_ACTIVATIONS)}).")
     return family
+
+
+def thresholded(config: Any) -> bool:
+    """Whether a config (a config.json dict or a config object) is a thresholded folder's: a `sparsify` section
+    with a `threshold` entry ({"mode": "layer" | "neuron"})."""
+    info = _get(config, "sparsify") or {}
+    return isinstance(info, dict) and isinstance(info.get("threshold"), dict)
 
 
 def activation_of(config: Any) -> str | None:

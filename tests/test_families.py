@@ -84,3 +84,15 @@ def test_family_for_rejects_with_supported_list():
         family_for({"model_type": "gpt2"})
     with pytest.raises(Exception, match=r"hidden_act='tanh'"):
         family_for({"model_type": "llama", "hidden_act": "tanh"})
+
+
+def test_threshold_activation_name_is_the_shipped_codes_and_a_known_one():
+    """The families table accepts a thresholded folder's activation field, spelled as the shipped modeling code
+    spells it (that file cannot import sparsify, so both define the string)."""
+    from sparsify.families import THRESHOLD_ACT, thresholded
+    from sparsify.kernels.modeling_sparsify import THRESHOLD_ACT as SHIPPED
+
+    assert THRESHOLD_ACT == SHIPPED and "trust_remote_code=True" in THRESHOLD_ACT
+    config = {"model_type": "gemma2", "hidden_activation": THRESHOLD_ACT, "sparsify": {"threshold": {"mode": "layer"}}}
+    assert family_for(config).name == "Gemma 2" and thresholded(config)
+    assert not thresholded({"model_type": "llama", "sparsify": {}}) and not thresholded({"model_type": "llama"})

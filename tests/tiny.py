@@ -38,3 +38,40 @@ def tiny_model_folder(folder: Path, seed: int = 0) -> Path:
     tiny_llama(seed, len(tok)).save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
+
+
+def thresholded_copy(folder: Path, out: Path, seed: int = 0, scale: float = 0.5) -> list:
+    """`out`: the sparsify folder `folder` with per-neuron thresholds, written the way an export writes one: config
+    THRESHOLD_ACT in the family's activation field and `sparsify.threshold`, state dict `<mlp path>.threshold`
+    (float32) through save_model_folder. theta uniform in [0, scale) with every 4th at 0 (relu) and every 9th at
+    1e4 (never active). Returns the thetas, one [F] tensor per layer."""
+    import json
+    import shutil
+
+    from sparsify.evaluation.loading import installed_modeling
+    from sparsify.families import THRESHOLD_ACT, family_for, mlp_modules
+    from sparsify.folder.format import save_model_folder
+
+    src = out.parent / f".{out.name}.relu"
+    shutil.copytree(folder, src)
+    config = json.loads((src / "config.json").read_text())
+    family = family_for(config)
+    config[family.act_field] = THRESHOLD_ACT
+    config["sparsify"]["threshold"] = {"mode": "neuron"}
+    (src / "config.json").write_text(json.dumps(config))
+    model = getattr(installed_modeling(), f"Sparse{family.causal_lm}").from_pretrained(src)  # thresholds at 0
+    gen = torch.Generator().manual_seed(seed)
+    thetas = []
+    for mlp in mlp_modules(model):
+        theta = torch.rand(mlp.threshold.shape, generator=gen) * scale
+        theta[::4], theta[1::9] = 0.0, 1e4
+        mlp.threshold.copy_(theta)
+        thetas.append(theta)
+    tok = None
+    if (src / "tokenizer.json").is_file():
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(src)
+    save_model_folder(model, tok, out, provenance={})
+    shutil.rmtree(src)
+    return thetas

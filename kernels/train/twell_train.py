@@ -1,11 +1,14 @@
 """Training FFN with a packed activation save: forward + backward of y = down(relu(gate(x)) * up(x)) that
 keeps for backward only a bitmask of the active slots and the gate/up values there (no dense [M, F] tensor).
+With a threshold theta [F] (float32) the activation is g * [g > theta] instead of relu (the active slots are
+those with g > theta_j, g compared as the dtype holds it, as twell_reference.threshold_act): the gradient is
+the exact one of that expression, zero at g <= theta (no straight-through estimate).
 
 Legend: M = tokens (rows of x), d = hidden size, F = intermediate size, C = capacity (packed values per row),
 R = spill rows (dense side buffer), NW = ceil(F / 32) mask words per row, e = bytes per element of the dtype.
 Weights in nn.Linear layout: w_gate, w_up [F, d], w_down [d, F].
 
-    sparse_ffn_train(x, w_gate, w_up, w_down, normalization=, capacity=) -> (y, l1, nnz, fired)
+    sparse_ffn_train(x, w_gate, w_up, w_down, normalization=, capacity=, threshold=) -> (y, l1, nnz, fired)
 
 y = relu(x Wg^T) * (x Wu^T) Wd^T, l1 = sum|h| / M ("sum_hidden": sum over F, mean over tokens, the paper's
 code and SparsityProbe's default) or mean|h| ("mean"), nnz = count of h != 0, fired [F] bool = neuron j had
@@ -64,7 +67,8 @@ Why this design (what dense autograd saves, and what we save instead)
 - Backends: "triton" (CUDA; or CPU with TRITON_INTERPRET=1, fp32 only: the tests), "torch" (the same
   packed format in plain torch: the reference, and what runs on CPU without the interpreter), "auto".
 
-Imports: torch, optional triton, stdlib only (this directory never imports the sparsify package).
+Imports: torch, optional triton, stdlib, and the kernel bundle's twell_reference (threshold_act, the one
+definition of the thresholded activation); this directory never imports the rest of the sparsify package.
 """
 
 from __future__ import annotations
@@ -74,6 +78,8 @@ import os
 
 import torch
 import torch.nn.functional as F
+
+from ..twell_reference import threshold_act
 
 try:  # the module must import (and the torch backend work) without triton
     import triton
@@ -152,14 +158,15 @@ if HAS_TRITON:
     @triton.jit
     def _fwd_pack(
         g_ptr, u_ptr, h_ptr, mask_ptr, vals_ptr, side_ptr, slot_ptr, ctr_ptr, nnz_ptr, act_ptr, l1_ptr, fired_ptr,
-        M, F, C, R, NW, UP_OFF,
-        BM: tl.constexpr, BF: tl.constexpr,
+        th_ptr, M, F, C, R, NW, UP_OFF,
+        BM: tl.constexpr, BF: tl.constexpr, HAS_THETA: tl.constexpr,
     ):
         """Rows [pid BM, pid BM + BM) of g, u [M, F] (contiguous): h = relu(g) * u -> h_ptr, mask words, the
         first C active (g, u) pairs -> vals [2, M, C], per row: count of h != 0 (nnz_ptr), of g > 0
         (act_ptr), sum |h| in fp32 (l1_ptr); fired [F] uint8 set to 1 where some h != 0 (racy stores of the
         same value: no atomics). Overflowing rows (count > C) take slots from ctr_ptr; the first R copy
-        their whole g | u row to side [R, 2F]; slot_ptr gets -1 (fits) or the slot."""
+        their whole g | u row to side [R, 2F]; slot_ptr gets -1 (fits) or the slot. HAS_THETA: active is
+        g > theta (th_ptr [F] float32, one load per column block) instead of g > 0, h = g * u there."""
         pid = tl.program_id(0)
         rows = pid * BM + tl.arange(0, BM)  # [BM]
         row_ok = rows < M
@@ -177,7 +184,11 @@ if HAS_TRITON:
             off = r64[:, None] * F + cols[None, :]
             g = tl.load(g_ptr + off, mask=m2, other=0.0)  # [BM, BF] dtype
             u = tl.load(u_ptr + off, mask=m2, other=0.0)
-            act = g > 0
+            if HAS_THETA:  # g as the dtype holds it against float32 theta (the torch path's comparison)
+                th = tl.load(th_ptr + cols, mask=col_ok, other=0.0)  # [BF]
+                act = (g.to(tl.float32) > th[None, :]) & m2
+            else:
+                act = g > 0
             h = tl.where(act, g.to(tl.float32) * u.to(tl.float32), 0.0).to(h_ptr.dtype.element_ty)  # one rounding
             tl.store(h_ptr + off, h, mask=m2)
             hnz = h != 0
@@ -300,7 +311,7 @@ if HAS_TRITON:
             g = tl.where(sp, tl.load(side_ptr + soff, mask=sp, other=0.0).to(tl.float32), g)
             u = tl.where(sp, tl.load(side_ptr + soff + F, mask=sp, other=0.0).to(tl.float32), u)
             off = r64[:, None] * F + cols[None, :]
-            rr = act & rec[:, None]  # recomputed rows: the forward's mask decides activity, relu on the value
+            rr = act & rec[:, None]  # recomputed rows: the forward's mask decides activity (g > 0 or g > theta >= 0)
             g = tl.where(rr, tl.maximum(tl.load(du_ptr + off, mask=rr, other=0.0).to(tl.float32), 0.0), g)
             u = tl.where(rr, tl.load(h_ptr + off, mask=rr, other=0.0).to(tl.float32), u)
             dh = tl.load(dh_ptr + off, mask=m2, other=0.0).to(tl.float32)
@@ -333,14 +344,14 @@ def unpack_mask(words: torch.Tensor, f: int) -> torch.Tensor:
     return bits.view(m, nw * WORD)[:, :f].bool()
 
 
-def _fwd_torch(x, w_gate, w_up, w_down, capacity: int, spill_rows: int, normalization: str):
+def _fwd_torch(x, w_gate, w_up, w_down, capacity: int, spill_rows: int, normalization: str, threshold=None):
     """The forward in plain torch, same outputs and packed format as the Triton path (overflow slots in row
     order). No host sync (scatters to a trash slot instead of boolean indexing)."""
     m, f = x.shape[0], w_gate.shape[0]
     g = F.linear(x, w_gate)  # [M, F]
     u = F.linear(x, w_up)
-    act = g > 0
-    h = torch.relu(g) * u  # [M, F] dtype, as dense autograd computes it
+    act = g > (0 if threshold is None else threshold)
+    h = threshold_act(g, threshold) * u  # [M, F] dtype, as dense autograd computes it
     y = F.linear(h, w_down)
     hnz = h != 0
     nnz_rows = hnz.sum(1, dtype=torch.int32)  # [M]
@@ -365,7 +376,8 @@ def _fwd_torch(x, w_gate, w_up, w_down, capacity: int, spill_rows: int, normaliz
 
 
 def _gate_up_dense(x, w_gate, w_up, mask, vals, side, slot, spill_rows: int):
-    """Dense [M, F] relu(gate) and up rebuilt from the saved state (the torch backward's unpack)."""
+    """Dense [M, F] act(gate) and up rebuilt from the saved state (the torch backward's unpack): the forward's
+    mask decides the active slots (relu or threshold alike)."""
     f, capacity = w_gate.shape[0], vals.shape[-1]
     act = unpack_mask(mask, f)
     pos = (act.cumsum(1) - 1).clamp(0, capacity - 1)
@@ -382,7 +394,7 @@ def _gate_up_dense(x, w_gate, w_up, mask, vals, side, slot, spill_rows: int):
 
 def _bwd_torch(dy, coef, x, w_gate, w_up, w_down, mask, vals, side, slot, spill_rows: int):
     act, g, u = _gate_up_dense(x, w_gate, w_up, mask, vals, side, slot, spill_rows)
-    h = g * u  # [M, F] (g >= 0: relu(gate) at active slots)
+    h = g * u  # [M, F] (g > 0: the kept gate value at active slots)
     dh = dy @ w_down  # [M, F]
     dh = dh + (coef * torch.sign(h.float())).to(dh.dtype)
     zero = torch.zeros((), dtype=dh.dtype, device=dh.device)
@@ -401,7 +413,7 @@ def _bwd_gemms(dy, x, w_gate, w_up, dgate, dup, h):
 
 
 # ------------------------------------------------------------------------------------------------ launchers
-def _fwd_triton(x, w_gate, w_up, w_down, capacity: int, spill_rows: int, normalization: str):
+def _fwd_triton(x, w_gate, w_up, w_down, capacity: int, spill_rows: int, normalization: str, threshold=None):
     m, f = x.shape[0], w_gate.shape[0]
     dev, dt = x.device, x.dtype
     g = F.linear(x, w_gate)  # [M, F] cuBLAS, the same call as dense autograd's
@@ -420,8 +432,8 @@ def _fwd_triton(x, w_gate, w_up, w_down, capacity: int, spill_rows: int, normali
     cfg = _config(x, FWD_CONFIG)
     grid = (triton.cdiv(m, cfg["BM"]),)
     _fwd_pack[grid](g, u, h, mask, vals, side, slot, ctr, nnz_rows, act_rows, l1_rows, fired,
-                    m, f, capacity, spill_rows, nw, vals.stride(0), BM=cfg["BM"], BF=cfg["BF"],
-                    num_warps=cfg["num_warps"])
+                    g if threshold is None else threshold.contiguous(), m, f, capacity, spill_rows, nw, vals.stride(0),
+                    BM=cfg["BM"], BF=cfg["BF"], HAS_THETA=threshold is not None, num_warps=cfg["num_warps"])
     del g, u
     y = F.linear(h, w_down)  # [M, d]
     l1 = l1_rows.sum() / _denominator(m, f, normalization)
@@ -448,12 +460,12 @@ def _bwd_triton(dy, coef, x, w_gate, w_up, w_down, mask, vals, side, slot, spill
 _FWD_NAME, _BWD_NAME = "sparsify::ffn_train_fwd", "sparsify::ffn_train_bwd"
 
 
-def _fwd_impl(x, w_gate, w_up, w_down, capacity, spill_rows, normalization, backend):
+def _fwd_impl(x, w_gate, w_up, w_down, capacity, spill_rows, normalization, backend, threshold=None):
     with torch.autocast(x.device.type, enabled=False):
         if x.shape[0] == 0:
-            return _fwd_torch(x, w_gate, w_up, w_down, capacity, spill_rows, normalization)
+            return _fwd_torch(x, w_gate, w_up, w_down, capacity, spill_rows, normalization, threshold)
         fn = _fwd_triton if _use_triton(x, backend) else _fwd_torch
-        return fn(x, w_gate, w_up, w_down, capacity, spill_rows, normalization)
+        return fn(x, w_gate, w_up, w_down, capacity, spill_rows, normalization, threshold)
 
 
 def _bwd_impl(dy, dl1, x, w_gate, w_up, w_down, mask, vals, side, slot, spill_rows, normalization, backend):
@@ -477,7 +489,7 @@ def _define_ops():
         return ns.ffn_train_fwd, ns.ffn_train_bwd
 
     @fwd.register_fake
-    def _(x, w_gate, w_up, w_down, capacity, spill_rows, normalization, backend):
+    def _(x, w_gate, w_up, w_down, capacity, spill_rows, normalization, backend, threshold=None):
         m, f, dt = x.shape[0], w_gate.shape[0], x.dtype
         i32 = dict(dtype=torch.int32, device=x.device)
         return (x.new_empty(m, w_down.shape[0]), x.new_empty((), dtype=torch.float32), x.new_empty(m, **i32),
@@ -490,13 +502,13 @@ def _define_ops():
         return torch.empty_like(x), torch.empty_like(w_gate), torch.empty_like(w_up), torch.empty_like(w_down)
 
     def setup_context(ctx, inputs, output):
-        x, w_gate, w_up, w_down, capacity, spill_rows, normalization, backend = inputs
+        x, w_gate, w_up, w_down, capacity, spill_rows, normalization, backend, threshold = inputs
         mask, vals, side, slot = output[5:]
         ctx.save_for_backward(x, w_gate, w_up, w_down, mask, vals, side, slot)
         ctx.spill_rows, ctx.normalization, ctx.backend = spill_rows, normalization, backend
 
-    def backward(ctx, dy, dl1, *unused):
-        return (*_backward(ctx, dy, dl1, bwd), None, None, None, None)
+    def backward(ctx, dy, dl1, *unused):  # (the mask saved the pattern: no gradient for theta)
+        return (*_backward(ctx, dy, dl1, bwd), None, None, None, None, None)
 
     fwd.register_autograd(backward, setup_context=setup_context)
     return fwd, bwd
@@ -504,11 +516,11 @@ def _define_ops():
 
 def _fwd_op_schema(
     x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, capacity: int,
-    spill_rows: int, normalization: str, backend: str,
+    spill_rows: int, normalization: str, backend: str, threshold: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor, torch.Tensor]:
     """(y, l1, nnz per row, active per row, fired, mask, vals, side, slot) for x [M, d] (contiguous)."""
-    return _fwd_impl(x, w_gate, w_up, w_down, capacity, spill_rows, normalization, backend)
+    return _fwd_impl(x, w_gate, w_up, w_down, capacity, spill_rows, normalization, backend, threshold)
 
 
 def _bwd_op_schema(
@@ -541,9 +553,9 @@ class _EagerFFN(torch.autograd.Function):
     the Triton launches traced)."""
 
     @staticmethod
-    def forward(ctx, x, w_gate, w_up, w_down, capacity, spill_rows, normalization, backend):
+    def forward(ctx, x, w_gate, w_up, w_down, capacity, spill_rows, normalization, backend, threshold):
         y, l1, nnz_rows, act_rows, fired, mask, vals, side, slot = _fwd_impl(
-            x, w_gate, w_up, w_down, capacity, spill_rows, normalization, backend)
+            x, w_gate, w_up, w_down, capacity, spill_rows, normalization, backend, threshold)
         ctx.save_for_backward(x, w_gate, w_up, w_down, mask, vals, side, slot)  # (intermediates: no double backward)
         ctx.spill_rows, ctx.normalization, ctx.backend = spill_rows, normalization, backend
         ctx.mark_non_differentiable(nnz_rows, act_rows, fired)
@@ -551,11 +563,11 @@ class _EagerFFN(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dl1, *unused):
-        return (*_backward(ctx, dy, dl1, _bwd_impl), None, None, None, None)
+        return (*_backward(ctx, dy, dl1, _bwd_impl), None, None, None, None, None)
 
 
 # ------------------------------------------------------------------------------------------------ public API
-def _check(x, w_gate, w_up, w_down, normalization, capacity, spill_rows, backend) -> None:
+def _check(x, w_gate, w_up, w_down, normalization, capacity, spill_rows, backend, threshold=None) -> None:
     problems = []
     if normalization not in NORMALIZATIONS:
         problems.append(f"normalization={normalization!r} is not one of {NORMALIZATIONS}")
@@ -574,6 +586,10 @@ def _check(x, w_gate, w_up, w_down, normalization, capacity, spill_rows, backend
         problems.append(f"capacity={capacity} must be >= 1 (values kept per row)")
     if spill_rows is not None and spill_rows < 0:
         problems.append(f"spill_rows={spill_rows} must be >= 0")
+    if threshold is not None and (threshold.dtype != torch.float32 or tuple(threshold.shape) != (f,)
+                                  or threshold.device != x.device):
+        problems.append(f"threshold is {threshold.dtype} {tuple(threshold.shape)} on {threshold.device}, expected "
+                        f"float32 ({f},) on {x.device} (one theta per neuron, float32 whatever x's dtype)")
     if problems:
         raise ValueError("sparse_ffn_train: " + "; ".join(problems) + ".")
 
@@ -589,6 +605,7 @@ def sparse_ffn_train(
     spill_rows: int | None = None,
     backend: str = "auto",
     row_counts: bool = False,
+    threshold: torch.Tensor | None = None,
 ):
     """The FFN of a ReLU-gated layer for training, saving packed activations (module docstring).
 
@@ -603,6 +620,8 @@ def sparse_ffn_train(
         backend: "auto" (Triton on CUDA, or on CPU under TRITON_INTERPRET=1 in fp32; else torch), "triton",
             "torch" (the reference implementation of the same format).
         row_counts: also return the per-row count of active slots [M] int32 (for choosing the capacity).
+        threshold: theta [F] float32 (not cast under autocast): act(g) = g * [g > theta] instead of relu, with
+            its exact gradient (zero at g <= theta; none for theta).
 
     Returns:
         y [..., d] in the compute dtype; l1: fp32 scalar with grad; nnz: int64 scalar, count of h != 0;
@@ -612,7 +631,7 @@ def sparse_ffn_train(
     if torch.is_autocast_enabled(dev):
         dt = torch.get_autocast_dtype(dev)
         x, w_gate, w_up, w_down = x.to(dt), w_gate.to(dt), w_up.to(dt), w_down.to(dt)
-    _check(x, w_gate, w_up, w_down, normalization, capacity, spill_rows, backend)
+    _check(x, w_gate, w_up, w_down, normalization, capacity, spill_rows, backend, threshold)
     d, f = x.shape[-1], w_gate.shape[0]
     x2d = x.reshape(-1, d)
     if x2d.stride(-1) != 1 or x2d.stride(0) != d:
@@ -621,7 +640,7 @@ def sparse_ffn_train(
     capacity = min(int(capacity), f) if capacity is not None else default_capacity(f)
     spill_rows = int(spill_rows) if spill_rows is not None else default_spill_rows(m)
     args = (x2d, w_gate.contiguous(), w_up.contiguous(), w_down.contiguous(), capacity, spill_rows, normalization,
-            backend)
+            backend, threshold)
     if torch.compiler.is_compiling():  # an opaque node for dynamo / AOTAutograd / inductor
         y, l1, nnz_rows, act_rows, fired = _fwd_op(*args)[:5]
     else:
@@ -631,10 +650,10 @@ def sparse_ffn_train(
     return out + (act_rows,) if row_counts else out
 
 
-def ffn_train_reference(x, w_gate, w_up, w_down, normalization: str = "sum_hidden"):
+def ffn_train_reference(x, w_gate, w_up, w_down, normalization: str = "sum_hidden", threshold=None):
     """The dense expression under plain autograd (the oracle of the tests and the benchmark's baseline):
-    (y, l1, nnz, fired) computed as SparsityProbe computes them from h."""
-    h = torch.relu(F.linear(x, w_gate)) * F.linear(x, w_up)  # [..., F]
+    (y, l1, nnz, fired) computed as SparsityProbe computes them from h; threshold: theta [F] or None (relu)."""
+    h = threshold_act(F.linear(x, w_gate), threshold) * F.linear(x, w_up)  # [..., F]
     a = h.abs()
     l1 = a.float().sum(-1).mean() if normalization == "sum_hidden" else a.float().mean()
     nz = h != 0

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from sparsify.evaluation.report import fmt, is_metric, markdown_table, ood_ratios, ood_texts, with_stderr
+from sparsify.families import thresholded
 from sparsify.sources import is_hub_id
 
 TAGS = ["sparsify", "relu", "activation-sparsity", "twell"]
@@ -44,12 +45,15 @@ def _card(title: str, model_id: str, config: dict, meta: dict[str, Any], pinned:
     if is_hub_id(source) and not Path(source).exists():
         front["base_model"] = source
     front = yaml.safe_dump({**front, **meta}, sort_keys=False, allow_unicode=True)
-    return "\n\n".join([f"---\n{front}---", f"# {title}", _about(config, prov), _load_section(model_id, pinned)])
+    return "\n\n".join([f"---\n{front}---", f"# {title}", _about(config, prov),
+                        _load_section(model_id, pinned, thresholded(config))])
 
 
 def _about(config: dict, prov: dict) -> str:
     family = config.get("model_type", "?")
     act = config.get("hidden_act") or config.get("hidden_activation") or "?"
+    if thresholded(config):
+        act = f"ReLU with a learned threshold per {prov['threshold'].get('mode') or 'neuron'} (g kept where g > theta)"
     how = "ReLU swap + L1 continued pretraining" if prov.get("finetuned") else "ReLU swap, no continued pretraining"
     lines = [f"A `{family}` model whose gated MLP uses `{act}`, so many FFN hidden activations are exactly zero; "
              f"made with sparsify ({how}) and shipped with TwELL sparse GPU kernels ([paper]({PAPER}))."]
@@ -59,11 +63,15 @@ def _about(config: dict, prov: dict) -> str:
     return "\n\n".join(lines)
 
 
-def _load_section(model_id: str, pinned: bool) -> str:
-    """Loading code for a Hub repo (a pinned `revision=`) or a local folder (none: its code is what is there)."""
+def _load_section(model_id: str, pinned: bool, threshold: bool = False) -> str:
+    """Loading code for a Hub repo (a pinned `revision=`) or a local folder (none: its code is what is there).
+    A thresholded model has no stock-code load (transformers refuses its activation name)."""
     rev = ", revision=revision" if pinned else ""
     pin = '\nrevision = "main"  # pin a commit hash here: remote code runs on your machine' if pinned else ""
     where = "repository" if pinned else "folder"
+    stock = ("# stock transformers refuses it (KeyError): its thresholds need the modeling code above"
+             if threshold else "# or stock transformers code only (a plain dense ReLU model, no custom code):\n"
+             f'dense = AutoModelForCausalLM.from_pretrained("{model_id}"{rev})')
     return f"""## How to load
 
 ```python
@@ -72,8 +80,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 tok = AutoTokenizer.from_pretrained("{model_id}"{rev}, trust_remote_code=True)
 # TwELL sparse kernels on CUDA (needs triton); dense torch on CPU or without triton:
 model = AutoModelForCausalLM.from_pretrained("{model_id}"{rev}, trust_remote_code=True)
-# or stock transformers code only (a plain dense ReLU model, no custom code):
-dense = AutoModelForCausalLM.from_pretrained("{model_id}"{rev})
+{stock}
 ```
 
 `trust_remote_code=True` runs the modeling and kernel files in this {where}. Read them; from the Hub, pin

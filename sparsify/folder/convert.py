@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from sparsify.version import __version__
-from sparsify.families import FAMILIES, THRESHOLD_ACT, activation_of, family_for
+from sparsify.families import FAMILIES, activation_of, family_for, thresholded
 from sparsify.errors import SparsifyError
 from sparsify.folder.format import DTYPES, atomic_dir, finalize_folder
 from sparsify.folder.gguf import load_gguf, no_transformers_bars
@@ -140,13 +140,10 @@ def _convert_folder(src: Path, tmp: Path, dtype: str | None, progress: bool) -> 
     config = json.loads((src / "config.json").read_text())
     family_for(config)  # refuse unsupported models before copying anything
     source_activation = activation_of(config)
-    if source_activation == THRESHOLD_ACT:  # converting would drop its thresholds: a different model
-        raise SparsifyError(f"{src} is a thresholded sparsify folder (sparsity.method=threshold), already converted "
-                            "and fine-tuned: load, evaluate, bench or push it as it is.")
     shards = _weight_shards(src)
     for shard in shards:
         check_safetensors(shard)
-    _copy_shards(shards, tmp, dtype, progress)
+    _copy_shards(shards, tmp, dtype, progress, keep_fp32=thresholded(config))
     for f in sorted(src.iterdir()):  # tokenizer, generation config, licence, index, ...
         if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES) and f.suffix != ".py" and \
                 f.name not in ("README.md", "config.json") and not f.name.startswith("."):
@@ -220,7 +217,9 @@ def check_safetensors(path: Path) -> dict[str, Any]:
     return header
 
 
-def _copy_shards(shards: list[Path], tmp: Path, dtype: str | None, progress: bool) -> None:
+def _copy_shards(shards: list[Path], tmp: Path, dtype: str | None, progress: bool, keep_fp32: bool = False) -> None:
+    """Copy (or, with dtype, cast) the shards into tmp; keep_fp32: a thresholded folder's `*.threshold` tensors
+    stay float32 (the thresholds are defined in float32 whatever the weights' dtype)."""
     from tqdm.auto import tqdm
 
     total = sum(s.stat().st_size for s in shards)
@@ -229,7 +228,7 @@ def _copy_shards(shards: list[Path], tmp: Path, dtype: str | None, progress: boo
             if dtype is None:
                 _copy_file(shard, tmp / shard.name, bar)
             else:
-                _cast_shard(shard, tmp / shard.name, dtype)
+                _cast_shard(shard, tmp / shard.name, dtype, keep_fp32)
                 bar.update(shard.stat().st_size)
 
 
@@ -248,8 +247,9 @@ def _copy_file(src: Path, dst: Path, bar: Any, chunk: int = 256 * 2**20) -> None
             bar.update(n)
 
 
-def _cast_shard(src: Path, dst: Path, dtype: str) -> None:
-    """Rewrite one shard with floating-point tensors cast to `dtype` (one shard in memory at a time)."""
+def _cast_shard(src: Path, dst: Path, dtype: str, keep_fp32: bool = False) -> None:
+    """Rewrite one shard with floating-point tensors cast to `dtype` (one shard in memory at a time), but
+    `*.threshold` tensors with keep_fp32."""
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -258,7 +258,8 @@ def _cast_shard(src: Path, dst: Path, dtype: str) -> None:
     with safe_open(src, framework="pt") as f:
         metadata = f.metadata() or {}
         tensors = {k: f.get_tensor(k) for k in f.keys()}
-    tensors = {k: v.to(target) if v.is_floating_point() else v for k, v in tensors.items()}
+    tensors = {k: v.to(target) if v.is_floating_point() and not (keep_fp32 and k.endswith(".threshold")) else v
+               for k, v in tensors.items()}
     save_file(tensors, dst, metadata={**metadata, "format": "pt"})
 
 

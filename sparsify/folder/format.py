@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from sparsify.version import __version__
-from sparsify.families import THRESHOLD_ACT, Family, family_for
+from sparsify.families import THRESHOLD_ACT, Family, family_for, thresholded
 from sparsify.folder.card import folder_card
 from sparsify.errors import SparsifyError
 
@@ -128,10 +128,12 @@ def install_code(folder: Path) -> None:
 
 
 def relu_config(config: dict[str, Any], family: Family, provenance: dict[str, Any]) -> dict[str, Any]:
-    """config.json for a sparsify folder: same family and fields, ReLU activation, auto_map, provenance."""
+    """config.json for a sparsify folder: same family and fields, ReLU activation, auto_map, provenance. A
+    thresholded folder (`sparsify.threshold` in the config or the provenance) gets THRESHOLD_ACT instead, which
+    stock transformers refuses: its thresholds load only with the sparsify modeling code."""
     config = dict(config)
     config["sparsify"] = {**config.get("sparsify", {}), **provenance, "version": __version__}
-    act = THRESHOLD_ACT if config["sparsify"].get("threshold") else "relu"  # theta in the weights: see families
+    act = THRESHOLD_ACT if thresholded(config) else "relu"
     for field in {family.act_field, *(f for f in ACT_FIELDS if f in config)}:
         config[field] = act
     config["architectures"] = [family.causal_lm]

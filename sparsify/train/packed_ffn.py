@@ -26,7 +26,9 @@ slower and larger.
 
 Families: separate gate_proj/up_proj and Phi-3's fused gate_up_proj (its first F rows are the gate) are packed;
 an MLP with biases runs dense (logged once). LoRA-wrapped projections are refused (the adapters' own
-autograd would be bypassed). The activation must be ReLU (a converted model).
+autograd would be bypassed). The activation must be ReLU (a converted model), or the training side's threshold
+activation: an act_fn with a float32 buffer `theta` [F], read at every forward (h = g [g > theta] * up, the
+exact gradient; a straight-through estimator is the training side's to refuse with packed kernels).
 """
 
 from __future__ import annotations
@@ -103,11 +105,11 @@ class PackedFFN:
                     "(lora.r > 0). Set train.kernels=dense to keep LoRA, or lora.r=0 for a full fine-tune with "
                     "the packed FFN kernels.")
         act = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)
-        if not isinstance(act, nn.ReLU):
+        if not (isinstance(act, nn.ReLU) or _theta(mlp) is not None):
             raise SparsifyError(
-                f"train.kernels={self.mode!r} computes relu(gate) * up, but layer {index}'s MLP activation is "
-                f"{type(act).__name__}; convert the model to ReLU first (sparsify convert), or set "
-                "train.kernels=dense.")
+                f"train.kernels={self.mode!r} computes relu(gate) * up (or g [g > theta] * up with a threshold "
+                f"activation), but layer {index}'s MLP activation is {type(act).__name__}; convert the model to "
+                "ReLU first (sparsify convert), or set train.kernels=dense.")
         supported = all(getattr(p, "bias", None) is None for p in projs.values())
         if not supported:
             log.info("train.kernels: layer %d MLP has biases; it runs the dense path", index)
@@ -134,7 +136,7 @@ class PackedFFN:
             w_gate, w_up = mlp.gate_proj.weight, mlp.up_proj.weight
         y, l1, nnz, fired, counts = sparse_ffn_train(
             x, w_gate, w_up, mlp.down_proj.weight, normalization=self.probe.normalization,
-            capacity=layer.capacity, row_counts=True)
+            capacity=layer.capacity, row_counts=True, threshold=_theta(mlp))
         if self.probe.in_step:  # the down_proj hook's condition (grad enabled is known here)
             self.probe.record(l1, nnz, fired)
             layer.counts = counts.detach()
@@ -203,6 +205,12 @@ class PackedFFN:
             if layer.mlp.__dict__.get("forward") is not None:
                 del layer.mlp.forward
         self.layers = []
+
+
+def _theta(mlp: nn.Module) -> torch.Tensor | None:
+    """The threshold theta [F] float32 of an MLP whose act_fn is the training side's threshold activation (its
+    buffer `theta`), read at each forward (the controller moves it); None for ReLU."""
+    return getattr(getattr(mlp, "act_fn", None), "theta", None)
 
 
 def install_packed_ffn(model: nn.Module, probe: Any, mode: str) -> PackedFFN:

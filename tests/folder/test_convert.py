@@ -182,6 +182,26 @@ def test_dtype_cast_bf16(llama_dir, tmp_path):
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
 
 
+def test_thresholded_folder_converts_with_its_thresholds(llama_dir, tmp_path):
+    """convert of a thresholded sparsify folder (a dtype change, say) keeps THRESHOLD_ACT, the threshold section
+    and the thresholds in float32; its card tells that stock transformers refuses it."""
+    from sparsify.families import THRESHOLD_ACT
+    from tests.tiny import thresholded_copy
+
+    thetas = thresholded_copy(convert(llama_dir, tmp_path / "relu", progress=False), tmp_path / "thr")
+    out = convert(tmp_path / "thr", tmp_path / "bf16", dtype="bf16", progress=False)
+    config = json.loads((out / "config.json").read_text())
+    assert config["hidden_act"] == THRESHOLD_ACT and config["sparsify"]["threshold"] == {"mode": "neuron"}
+    weights = load_file(out / "model.safetensors")
+    for i, theta in enumerate(thetas):
+        assert weights[f"model.layers.{i}.mlp.threshold"].dtype == torch.float32
+        assert torch.equal(weights[f"model.layers.{i}.mlp.threshold"], theta)
+    assert weights["model.layers.0.mlp.gate_proj.weight"].dtype == torch.bfloat16
+    card = (out / "README.md").read_text()
+    assert "threshold per neuron" in card and "stock transformers refuses it" in card
+    assert "plain dense ReLU model" in (tmp_path / "relu" / "README.md").read_text()
+
+
 def test_output_overlapping_source_refused(llama_dir, tmp_path):
     keep = tmp_path / "precious.txt"
     keep.write_text("x")

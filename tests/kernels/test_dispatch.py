@@ -62,21 +62,23 @@ class Clock:
 
 
 class Kernels:
-    """A stand-in TwELL path (no interpreter): the dense FFN and the gate's positive count. `calls` logs
-    each call (True when it counted for a refresh); `wrong` garbles the output; `spills` is K2's rule."""
+    """A stand-in TwELL path (no interpreter): the dense FFN and the gate's active count (threshold too).
+    `calls` logs each call (True when it counted for a refresh), `thetas` its threshold; `wrong` garbles the
+    output; `spills` is K2's rule."""
 
     def __init__(self, wrong=None, spills=lambda m, d: False):
-        self.wrong, self.spills, self.calls = wrong, spills, []
+        self.wrong, self.spills, self.calls, self.thetas = wrong, spills, [], []
 
     @staticmethod
-    def count(x2d, w_gate):
-        return (x2d @ w_gate.t() > 0).sum()
+    def count(x2d, w_gate, threshold=None):
+        return (x2d @ w_gate.t() > (0 if threshold is None else threshold)).sum()
 
-    def __call__(self, x2d, w_gate, w_up, w_down_t, on_count=None):
+    def __call__(self, x2d, w_gate, w_up, w_down_t, on_count=None, threshold=None):
         self.calls.append(on_count is not None)
+        self.thetas.append(threshold)
         if on_count is not None:
-            on_count(self.count(x2d, w_gate))
-        y = ref.ffn_dense(x2d, w_gate, w_up, w_down_t.t())
+            on_count(self.count(x2d, w_gate, threshold))
+        y = ref.ffn_dense(x2d, w_gate, w_up, w_down_t.t(), threshold)
         return y if self.wrong is None else self.wrong(y)
 
 

@@ -305,9 +305,10 @@ def test_auto_decided_dense_skips_the_op_until_the_refresh(tiny, monkeypatch):
     dispatch = sys.modules[ops.AUTO.__module__]
     calls = []
 
-    def op(x, w_gate, w_up, w_down, backend="auto"):  # twell_ffn(backend="auto") as it runs on CUDA
+    def op(x, w_gate, w_up, w_down, backend="auto", threshold=None):  # twell_ffn(backend="auto") as on CUDA
         calls.append(tuple(x.shape))
-        return ops.AUTO.run(x.reshape(-1, x.shape[-1]), w_gate, w_up, w_down).reshape(*x.shape[:-1], -1)
+        return ops.AUTO.run(x.reshape(-1, x.shape[-1]), w_gate, w_up, w_down,
+                            threshold=threshold).reshape(*x.shape[:-1], -1)
 
     ids = torch.randint(3, TINY["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(7))
     ref = tiny.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)
@@ -342,8 +343,8 @@ def test_auto_decided_dense_skips_the_op_until_the_refresh(tiny, monkeypatch):
             monkeypatch.setattr(mod, "_capturing", lambda: capturing[0])
             monkeypatch.setattr(ops.AUTO, "capturing", lambda: capturing[0])
             ran_twell = []
-            monkeypatch.setattr(ops.AUTO, "sparse", lambda x2d, wg, wu, wd_t, on_count=None: (
-                ran_twell.append(1), ops.ffn_dense(x2d, wg, wu, wd_t.t()))[1])  # the TwELL path, on CPU
+            monkeypatch.setattr(ops.AUTO, "sparse", lambda x2d, wg, wu, wd_t, on_count=None, threshold=None: (
+                ran_twell.append(1), ops.ffn_dense(x2d, wg, wu, wd_t.t(), threshold))[1])  # the TwELL path, on CPU
             for _ in range(4):
                 assert torch.equal(mlp(x), mlp._torch_ffn(x))
             assert len(calls) == 6 and mlp._grant_in_capture is False  # the first call took an eager-only grant

@@ -96,3 +96,45 @@ def test_compiled_fast_decode_matches_eager_on_cuda(backend, tmp_path):
     assert fast.compile and fast.compile_error is None
     assert fast.captures == 1 and fast.replays == 62
     assert torch.equal(eager, got)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["llama", "phi3"])
+def test_thresholded_folder_runs_twell_with_its_thresholds_on_cuda(model_type, tmp_path):
+    """A thresholded folder in bf16 on CUDA: the thresholds stay float32, dense / twell / auto logits agree
+    (the same h pattern up to bf16 rounding), and differ from the same weights without thresholds; in fp32 the
+    compiled, graph-captured generate() gives the eager dense tokens."""
+    from tests.tiny import thresholded_copy
+
+    make_source(model_type, tmp_path / "src")
+    thresholded_copy(convert(tmp_path / "src", tmp_path / "relu", progress=False), tmp_path / "thr")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "thr", trust_remote_code=True, dtype=torch.bfloat16)
+    model = model.cuda().eval()
+    assert {m.threshold.dtype for m in mlp_modules(model)} == {torch.float32}
+    ids = torch.randint(0, 96, (3, 17), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    logits = {}
+    with torch.no_grad():
+        for backend in ("dense", "twell", "auto"):
+            model.set_ffn_backend(backend)
+            logits[backend] = model(ids).logits.float()
+        assert {m.last_path for m in mlp_modules(model)} <= {"twell_ffn:twell", "twell_ffn:dense"}
+        model.set_ffn_backend("dense")
+        saved = [m.threshold.clone() for m in mlp_modules(model)]
+        for m in mlp_modules(model):
+            m.threshold.zero_()
+        plain = model(ids).logits.float()
+        for m, t in zip(mlp_modules(model), saved):
+            m.threshold.copy_(t)
+    scale = logits["dense"].abs().max().item()
+    assert (plain - logits["dense"]).abs().max().item() > 0.05 * scale, "the thresholds change nothing"
+    for backend in ("twell", "auto"):  # bf16 end to end: a few bf16 ulps of the logits
+        assert (logits[backend] - logits["dense"]).abs().max().item() <= 3e-2 * scale, backend
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "thr", trust_remote_code=True, dtype=torch.float32)
+    model = model.cuda().eval()  # fp32: greedy tokens are comparable exactly, as in the tests above
+    fast = model._fast_decode
+    model.set_ffn_backend("dense")
+    fast.enabled = False
+    eager = model.generate(ids[:2, :4], max_new_tokens=8, do_sample=False)
+    fast.enabled = True
+    model.set_ffn_backend("auto")
+    assert torch.equal(model.generate(ids[:2, :4], max_new_tokens=8, do_sample=False), eager)

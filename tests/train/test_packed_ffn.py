@@ -20,6 +20,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from sparsify.errors import SparsifyError
+from sparsify.families import mlp_modules
 from sparsify.kernels.train import twell_train as tt
 from sparsify.train.model import checkpoint_activations
 from sparsify.train.objective import SparsityProbe
@@ -83,14 +84,15 @@ def assert_close(got, want, what, rtol=2e-5, atol=1e-5):
 
 
 def check_against_dense(case, *, backend, capacity=None, spill_rows=None, normalization="sum_hidden", coef=0.7,
-                        shape=None):
+                        shape=None, threshold=None):
     x, w_gate, w_up, w_down = case
     if shape is not None:
         x = x.reshape(*shape, x.shape[-1])
     dy = torch.randn(*x.shape[:-1], w_down.shape[0], generator=torch.Generator().manual_seed(1))
-    want = run(tt.ffn_train_reference, x, w_gate, w_up, w_down, dy, coef, normalization=normalization)
+    want = run(tt.ffn_train_reference, x, w_gate, w_up, w_down, dy, coef, normalization=normalization,
+               threshold=threshold)
     got = run(tt.sparse_ffn_train, x, w_gate, w_up, w_down, dy, coef, normalization=normalization,
-              capacity=capacity, spill_rows=spill_rows, backend=backend)
+              capacity=capacity, spill_rows=spill_rows, backend=backend, threshold=threshold)
     assert_close(got[0], want[0], "y")
     assert_close(got[1], want[1], "l1")
     assert got[2].item() == want[2].item(), f"nnz {got[2].item()} != {want[2].item()}"
@@ -134,6 +136,51 @@ def test_l1_term_and_leading_dims(backend, normalization):
     case = make_case(33, 16, 48, 0.8, rows="d", seed=5)
     check_against_dense(case, backend=backend, normalization=normalization, coef=3.0, shape=(3, 11))
     check_against_dense(case, backend=backend, normalization=normalization, coef=0.0, capacity=4, spill_rows=1)
+
+
+def theta_case(m, d, f, *, rows="", seed=0):
+    """make_case at 0% zeros (every g of an ordinary row > 0) and theta [F] float32 that cuts most of them:
+    every 5th neuron at 0 (relu), every 7th at 1e4 (never active), every 6th exactly at a gate value of row 0
+    (strictly greater: cut there), the others at random quantiles of their column."""
+    case = make_case(m, d, f, 0.0, rows=rows, seed=seed)
+    g = torch.nn.functional.linear(case[0], case[1]).detach()  # [M, F], as both paths compute it
+    q = torch.rand(f, generator=torch.Generator().manual_seed(seed + 100)) * 0.4 + 0.5  # [F] in [0.5, 0.9)
+    theta = torch.stack([torch.quantile(g[:, j], q[j]) for j in range(f)]).clamp(min=0)
+    theta[0::5], theta[1::7] = 0.0, 1e4
+    theta[2::6] = g[0, 2::6].clamp(min=0)
+    return case, theta.contiguous()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("capacity,spill_rows", [(None, None), (4, 64), (2, 3)])
+def test_threshold_forward_and_gradients_are_exact(backend, capacity, spill_rows):
+    """h = g [g > theta] * up: packed exactly where g > theta, the gradient of that expression (zero at g <=
+    theta), rows fitting, spilled and recomputed, plus all-dense, all-zero and negative rows."""
+    case, theta = theta_case(33, 40, 100, rows="dzn", seed=21)
+    got = check_against_dense(case, backend=backend, capacity=capacity, spill_rows=spill_rows, threshold=theta)
+    plain = check_against_dense(case, backend=backend, capacity=capacity, spill_rows=spill_rows)
+    assert got[2].item() < 0.8 * plain[2].item(), "theta cuts nothing: the test is blind"
+    g = torch.nn.functional.linear(case[0], case[1]).detach()
+    assert got[2].item() == int((torch.where(g > theta, g, 0.0) * (case[0] @ case[2].t()) != 0).sum())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_threshold_zero_is_relu_bit_for_bit(backend):
+    case = make_case(33, 40, 100, 0.9, rows="dz", seed=22)
+    dy = torch.randn(33, 40, generator=torch.Generator().manual_seed(1))
+    a = run(tt.sparse_ffn_train, *case, dy, 0.5, capacity=8, spill_rows=2, backend=backend, threshold=torch.zeros(100))
+    b = run(tt.sparse_ffn_train, *case, dy, 0.5, capacity=8, spill_rows=2, backend=backend)
+    for x, y in zip((*a[:4], *a[4]), (*b[:4], *b[4])):
+        assert torch.equal(x, y)
+
+
+@needs_triton
+def test_triton_and_torch_pack_the_same_columns_above_theta():
+    (x, w_gate, w_up, w_down), theta = theta_case(33, 40, 100, rows="dz", seed=23)
+    args = (x.detach(), w_gate.detach(), w_up.detach(), w_down.detach(), 8, 4, "sum_hidden")
+    a, b = (tt._fwd_op(*args, backend, theta) for backend in ("torch", "triton"))
+    assert torch.equal(a[5], b[5]) and torch.equal(a[3], b[3])  # mask words, active per row
+    assert torch.equal(tt.unpack_mask(b[5], 100), torch.nn.functional.linear(x, w_gate) > theta)
 
 
 @needs_triton
@@ -234,12 +281,40 @@ def test_gpu_matches_dense_within_its_rounding_and_never_syncs(dtype, capacity, 
         assert_close(g, r, f"{name} ({dtype})", rtol=max(2 * err_d / r.abs().max().item(), 1e-5), atol=1e-6)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_threshold_matches_dense_and_never_syncs(dtype):
+    """CUDA with theta: the packed op's mask is the dense expression's (same cuBLAS gate), y and the gradients
+    within 2x dense autograd's error against the fp32 oracle; no host sync."""
+    (x, w_gate, w_up, w_down), theta = theta_case(1000, 256, 1000, rows="dzn" * 3, seed=24)
+    x, w_gate, w_up, w_down = (t.detach().cuda().requires_grad_() for t in (x, w_gate, w_up, w_down))
+    theta = theta.cuda()
+    dy = torch.randn(1000, 256, device="cuda")
+    low = [t.detach().to(dtype).requires_grad_() for t in (x, w_gate, w_up, w_down)]
+    ref = run(tt.ffn_train_reference, x, w_gate, w_up, w_down, dy, 0.5, threshold=theta)
+    dense = run(tt.ffn_train_reference, *low, dy.to(dtype), 0.5, threshold=theta)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = run(tt.sparse_ffn_train, *low, dy.to(dtype), 0.5, capacity=64, spill_rows=4, threshold=theta)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert got[2].item() == dense[2].item() and torch.equal(got[3], dense[3])
+    for name, g, d, r in zip(("y", "l1", "dx", "dw_gate", "dw_up", "dw_down"), (*got[:2], *got[4]),
+                             (*dense[:2], *dense[4]), (*ref[:2], *ref[4])):
+        err_d = (d.float() - r).abs().max().item()
+        assert_close(g, r, f"{name} ({dtype})", rtol=max(2 * err_d / r.abs().max().item(), 1e-5), atol=1e-6)
+
+
 def test_bad_arguments_are_named():
     x, w_gate, w_up, w_down = make_case(4, 16, 48, 0.5)
     with pytest.raises(ValueError, match=r"w_down has shape \(48, 16\), expected \(16, 48\)"):
         tt.sparse_ffn_train(x, w_gate, w_up, w_down.t())
     with pytest.raises(ValueError, match="normalization='max'.*capacity=0"):
         tt.sparse_ffn_train(x, w_gate, w_up, w_down, normalization="max", capacity=0)
+    for bad in (torch.zeros(48, dtype=torch.bfloat16), torch.zeros(47)):
+        with pytest.raises(ValueError, match=r"threshold is .* expected float32 \(48,\)"):
+            tt.sparse_ffn_train(x, w_gate, w_up, w_down, threshold=bad)
 
 
 # ------------------------------------------------------------------------------------------- model integration
@@ -280,6 +355,16 @@ def train_steps(model, mode, steps=3, capacity=None, checkpointing=False, normal
     return out, packed
 
 
+def assert_trains_alike(packed, dense):
+    """train_steps outputs: the same losses, gradients and sparsity stats at every step, and final logits."""
+    for step, (a, b) in enumerate(zip(dense[:-1], packed[:-1])):
+        assert a[0] == pytest.approx(b[0], rel=1e-5, abs=1e-6), f"step {step} loss"
+        for name in a[1]:
+            assert_close(b[1][name], a[1][name], f"step {step} grad {name}", rtol=1e-4, atol=1e-6)
+        assert a[2] == pytest.approx(b[2]) and a[3] == b[3], f"step {step} stats"
+    assert_close(packed[-1], dense[-1], "eval logits after the steps", rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_packed_model_trains_like_dense(checkpointing):
     """Three optimizer steps of a tiny Llama (random ReLU MLPs: ~50% zeros): same losses, gradients, sparsity
@@ -289,12 +374,7 @@ def test_packed_model_trains_like_dense(checkpointing):
     assert state.packed_layers == [0, 1]
     counts = state.layers[0].counts
     assert (counts <= 24).any() and (counts > 24).any(), counts
-    for step, (a, b) in enumerate(zip(dense[:-1], packed[:-1])):
-        assert a[0] == pytest.approx(b[0], rel=1e-5, abs=1e-6), f"step {step} loss"
-        for name in a[1]:
-            assert_close(b[1][name], a[1][name], f"step {step} grad {name}", rtol=1e-4, atol=1e-6)
-        assert a[2] == pytest.approx(b[2]) and a[3] == b[3], f"step {step} stats"
-    assert_close(packed[-1], dense[-1], "eval logits after 3 steps", rtol=1e-4, atol=1e-5)
+    assert_trains_alike(packed, dense)
 
 
 def test_compiled_packed_model_fullgraph_matches_eager_dense():
@@ -348,6 +428,51 @@ def test_auto_mode_hysteresis_capacity_and_refusals():
                                         num_attention_heads=2, num_key_value_heads=1, hidden_act="silu"))
     with pytest.raises(SparsifyError, match="convert the model to ReLU"):
         install_packed_ffn(silu, SparsityProbe(silu, "mean"), "twell")
+
+
+class ThetaAct(torch.nn.Module):
+    """A stand-in of the training side's threshold activation: act_fn with a float32 buffer `theta` [F]."""
+
+    def __init__(self, theta):
+        super().__init__()
+        self.register_buffer("theta", theta)
+
+    def forward(self, g):
+        return torch.where(g > self.theta, g, 0.0)
+
+
+def thresholded(model, seed=0):
+    """Each MLP's act_fn replaced by ThetaAct with a theta cutting ~70% of the ReLU's actives."""
+    gen = torch.Generator().manual_seed(seed)
+    for mlp in mlp_modules(model):
+        f = mlp.down_proj.weight.shape[1]
+        theta = torch.rand(f, generator=gen) * 0.3
+        theta[::5] = 0.0
+        mlp.act_fn = ThetaAct(theta)
+    return model
+
+
+def test_packed_model_with_thresholds_trains_like_dense():
+    """The MLPs' act_fn.theta (read at every forward, moved in place between steps as a controller does)
+    reaches the packed FFN: losses, gradients, sparsity stats and logits as the dense model's own forward."""
+    def steps(mode):
+        model = thresholded(tiny_llama())
+        out, packed = train_steps(model, mode, capacity=16)
+        return out, packed, model
+
+    dense, _, _ = steps("dense")
+    packed, state, model = steps("twell")
+    assert state.packed_layers == [0, 1]
+    plain, _ = train_steps(tiny_llama(), "dense")
+    assert sum(dense[0][2]) < 0.8 * sum(plain[0][2]), "the thresholds cut nothing"
+    assert_trains_alike(packed, dense)
+    mlp = mlp_modules(model)[0]
+    x = torch.randn(5, 16, generator=torch.Generator().manual_seed(3))
+    with torch.enable_grad():
+        before = mlp(x)
+        mlp.act_fn.theta.add_(1e4)  # in place, as a controller moves it: the next forward reads the new value
+        after = mlp(x)
+    assert before.abs().max() > 0 and after.abs().max() == 0
 
 
 def test_lora_is_refused_with_the_settings_named():
