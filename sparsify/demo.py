@@ -80,7 +80,8 @@ def demo(out: str | Path = "sparsify-demo", *, steps: int = 20, limit: int = 20,
     say(f"[3/3] eval original / bare ReLU swap / fine-tuned -> {report_dir}"
         + ("" if tasks else " (no eval/tasks/ folder here: accuracy skipped)"))
     report = evaluate([f"orig={SMOLLM2_ALIAS}", f"relu={relu_dir}", f"ft={ft_dir / 'model'}"], tasks=tasks,
-                      texts=[HELDOUT_TEXT], limit=limit, out=report_dir, text_tokens=text_tokens, progress=progress)
+                      texts=[HELDOUT_TEXT], limit=limit, out=report_dir, overwrite=True, text_tokens=text_tokens,
+                      progress=progress)
     _print_summary(report, report_dir)
     return report
 

@@ -104,7 +104,7 @@ class EvalSettings:
 
 def evaluate(models: list[str | Path], *, tasks: list[str] | None = None, texts: list[str | Path] | None = None,
              ood_texts: list[str | Path] = (), limit: int | None = None, speed: bool = False,
-             out: str | Path | None = None, **options: Any) -> dict:
+             out: str | Path | None = None, overwrite: bool = False, **options: Any) -> dict:
     """Evaluate one or more models side by side and (if `out`) write report.json, report.md and plots.
 
     Args:
@@ -119,7 +119,10 @@ def evaluate(models: list[str | Path], *, tasks: list[str] | None = None, texts:
             model's.
         limit: at most this many examples per task.
         speed: time prefill/decode, TwELL vs dense (CUDA only; on CPU the section says so).
-        out: output folder; files are replaced atomically.
+        out: output folder for report.json, report.md and the plots, written at once at the end; it must not
+            exist (checked before any model loads) unless `overwrite`.
+        overwrite: replace an existing `out` that holds a report (whole, atomically; a folder holding anything
+            else is refused).
         **options: EvalSettings fields (batch_size, window, text_tokens, device, dtype, trust_remote_code,
             grid, progress). dtype: auto, bf16/bfloat16, fp16/float16 or fp32/float32. trust_remote_code: run the
             modeling code a Hub model or folder ships; without it such code never runs (sparsify folders
@@ -134,6 +137,10 @@ def evaluate(models: list[str | Path], *, tasks: list[str] | None = None, texts:
     problems = settings_problems(settings)
     if problems:
         raise SparsifyError(" ".join(problems))
+    if out is not None:
+        from sparsify.evaluation.report import check_report_output
+
+        check_report_output(out, overwrite)  # before hours of work, not after
     torch_dtype(settings.dtype, "cpu")  # an unknown --dtype fails before any model is loaded
     specs = parse_models(list(models))
     text_paths = check_texts(settings.texts + settings.ood_texts)
@@ -150,7 +157,7 @@ def evaluate(models: list[str | Path], *, tasks: list[str] | None = None, texts:
     if out is not None:
         from sparsify.evaluation.report import write_report
 
-        write_report(report, Path(out))
+        write_report(report, Path(out), overwrite)
     return report
 
 
@@ -259,7 +266,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=None,
                         help="at most N examples per task, for quick runs (default: all)")
     parser.add_argument("--speed", action="store_true", help="time prefill/decode, TwELL vs dense (CUDA only)")
-    parser.add_argument("--out", default="eval-report", help="output folder (default: %(default)s)")
+    parser.add_argument("--out", default="eval-report",
+                        help="output folder for report.json, report.md and the plots; it must not exist, unless "
+                             "--overwrite (default: %(default)s)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing --out report (the whole folder, at the end of the run; a folder "
+                             "holding anything but a report is refused)")
     parser.add_argument("--batch-size", type=int, default=8, help="lm-eval batch size (default: %(default)s)")
     parser.add_argument("--window", type=int, default=1024,
                         help="perplexity window in tokens; each token is scored with >= window/2 context "
@@ -292,7 +304,7 @@ def main(args: argparse.Namespace) -> int:
               f"held-out text bundled with sparsify ({HELDOUT_TEXT.name}: Python HOWTO documents); pass --text "
               "FILE for your own, or --text none to skip them.", file=sys.stderr)
     report = evaluate(args.models, tasks=tasks, texts=texts, ood_texts=args.ood_text, limit=args.limit, speed=args.speed,
-                      out=args.out, batch_size=args.batch_size, window=args.window,
+                      out=args.out, overwrite=args.overwrite, batch_size=args.batch_size, window=args.window,
                       text_tokens=None if args.text_tokens == 0 else args.text_tokens, device=args.device, dtype=args.dtype,
                       trust_remote_code=args.trust_remote_code, grid=grid, progress=not args.quiet)
     from sparsify.evaluation.report import summary

@@ -32,25 +32,26 @@ DTYPES = {"auto": None, "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "flo
 ACT_FIELDS = ("hidden_act", "hidden_activation")
 
 
-def check_output(out: str | os.PathLike, overwrite: bool = False) -> None:
-    """Refuses an output path that exists (unless `overwrite`) or is not a folder: call it before long work."""
+def check_output(out: str | os.PathLike, overwrite: bool = False, flag: str = "-o/--output") -> None:
+    """Refuses an output path that exists (unless `overwrite`) or is not a folder: call it before long work.
+    `flag` is the option that named it, for the message."""
     out = Path(out).absolute()
     if out.exists() and not overwrite:
         raise SparsifyError(f"output folder {out} already exists; pass --overwrite to replace it, "
-                            "or choose another -o/--output.")
+                            f"or choose another {flag}.")
     if out.exists() and not out.is_dir():
-        raise SparsifyError(f"output path {out} exists and is not a folder; choose another -o/--output.")
+        raise SparsifyError(f"output path {out} exists and is not a folder; choose another {flag}.")
 
 
 @contextlib.contextmanager
-def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+def atomic_dir(out: str | os.PathLike, overwrite: bool = False, flag: str = "-o/--output") -> Iterator[Path]:
     """Yield a fresh temporary folder beside `out`; on success it replaces `out`, on any failure
     (exception, Ctrl-C) it is removed and `out` is left as it was.
 
     Leftovers of a run killed with SIGKILL (`.NAME.tmp-*`, `.NAME.old-*` beside `out`) are removed on entry.
     """
     out = Path(out).absolute()
-    check_output(out, overwrite)
+    check_output(out, overwrite, flag)
     out.parent.mkdir(parents=True, exist_ok=True)
     for stale in [*out.parent.glob(f".{out.name}.tmp-*"), *out.parent.glob(f".{out.name}.old-*")]:
         if _is_dead_leftover(stale):

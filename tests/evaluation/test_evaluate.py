@@ -90,9 +90,58 @@ def test_eval_without_text_uses_the_bundled_heldout_text_and_says_so(tiny_folder
     assert row["perplexity"]["python-howto-heldout.txt"]["tokens"] == 299 and row["sparsity"]["tokens"] == 300
     # the tokens and the window say why another tool's perplexity on the same file differs
     assert "perplexity on python-howto-heldout.txt (299 tokens, 256-token windows): a " in captured.out
-    assert cli.main(["eval", f"a={tiny_folders[0]}", "--tasks", "none", "--text", "none", "--out", str(out), "-q"]) == 0
+    assert cli.main(["eval", f"a={tiny_folders[0]}", "--tasks", "none", "--text", "none", "--out", str(out), "-q",
+                     "--overwrite"]) == 0
     report = json.loads((out / "report.json").read_text())
     assert report["models"][0]["perplexity"] == {} and "no --text given" not in capsys.readouterr().err
+
+
+def test_a_second_eval_into_the_same_out_is_refused_and_overwrite_replaces_it_whole(tiny_folders, tmp_path, capsys,
+                                                                                      monkeypatch):
+    """A second `sparsify eval --out DIR` silently replaced the report there (issue 32). It is refused before any
+    model loads, the folder untouched; --overwrite replaces the whole folder at the end (no plot of the earlier
+    report left beside the new one), a crash on the way leaves the earlier report as it was, and a folder holding
+    anything but a report is never replaced."""
+    from sparsify.evaluation import report as rp
+
+    out = tmp_path / "report"
+    first = ["eval", f"a={tiny_folders[0]}", f"b={tiny_folders[1]}", "--tasks", f"{TASKS}/tech_qa.yaml", "--limit", "2",
+             "--text", str(TEXT), "--text-tokens", "200", "--window", "64", "--out", str(out), "-q"]
+    assert cli.main(first) == 0
+    files = lambda: {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()}  # noqa: E731
+    before = files()
+    assert {"report.json", "report.md", "accuracy.png", "sparsity_per_layer.png"} == set(before)
+    loaded = []
+    monkeypatch.setattr(ev, "load_model", lambda *a, **k: loaded.append(a))
+    again = ["eval", f"a={tiny_folders[0]}", "--tasks", "none", "--text", str(TEXT), "--text-tokens", "200",
+             "--window", "64", "--out", str(out), "-q"]
+    capsys.readouterr()
+    assert cli.main(again) == 2
+    err = capsys.readouterr().err
+    assert f"output folder {out} already exists; pass --overwrite to replace it, or choose another --out." in err
+    assert loaded == [] and files() == before  # refused before any model loaded; nothing changed
+    monkeypatch.undo()
+
+    def crash(report):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(rp, "render_markdown", crash)
+    with pytest.raises(RuntimeError, match="disk full"):
+        cli.main(again + ["--overwrite"])
+    assert files() == before and sorted(p.name for p in tmp_path.iterdir()) == ["report"]  # no temp folder left
+    monkeypatch.undo()
+    assert cli.main(again + ["--overwrite"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert [m["name"] for m in report["models"]] == ["a"] and report["plots"] == ["sparsity_per_layer.png"]
+    assert sorted(p.name for p in out.iterdir()) == ["report.json", "report.md", "sparsity_per_layer.png"]
+    assert "| model | source |" in (out / "report.md").read_text() and "| b |" not in (out / "report.md").read_text()
+    # --overwrite never deletes what is not a report: a model folder (or anything else) as --out is refused
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    assert cli.main(again[:-3] + ["--out", str(model), "-q", "--overwrite"]) == 2
+    assert "holds files that are not part of a report (config.json)" in capsys.readouterr().err
+    assert [p.name for p in model.iterdir()] == ["config.json"]
 
 
 def test_ood_texts_give_the_headline_ratio_in_report_summary_and_card(tiny_folders, tmp_path, capsys):
@@ -144,7 +193,7 @@ def test_quiet_hides_every_progress_bar_and_lm_eval_model_warnings_never_show(ti
     assert cli.main(argv) == 0
     loud = capsys.readouterr().err
     assert "sparsify eval:" in loud and "Running loglikelihood requests" in loud  # ours and lm-eval's bars
-    assert cli.main(argv + ["-q"]) == 0
+    assert cli.main(argv + ["-q", "--overwrite"]) == 0
     quiet = capsys.readouterr().err
     assert "%|" not in quiet and "it/s" not in quiet, quiet
     for err in (loud, quiet):  # lm-eval says this once per model otherwise (3x in the demo)
