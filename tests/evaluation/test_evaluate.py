@@ -28,9 +28,13 @@ def test_unknown_task_and_bad_inputs_are_clear_errors(tmp_path, tiny_folders, ca
     with pytest.raises(SparsifyError, match="does not exist"):
         acc.resolve_tasks([str(tmp_path / "missing.yaml")], tmp_path)
     assert cli.main(["eval", str(tmp_path / "nope"), "--tasks", "none"]) == 2
-    assert "not a Hub id" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "not a Hub id" in err and "no --text given" not in err  # the notice comes only once inputs are good
     assert cli.main(["eval", str(tiny_folders[0]), "--tasks", "none", "--text", str(tmp_path / "x.txt")]) == 2
     assert "no such file" in capsys.readouterr().err
+    assert cli.main(["eval", str(tiny_folders[0]), "--tasks", "no_such_task_xyz"]) == 2
+    err = capsys.readouterr().err
+    assert "neither an lm-eval task" in err and "no --text given" not in err
     # numbers out of range: named with the fix before any model loads (was a traceback, or a silent change)
     assert cli.main(["eval", str(tmp_path / "nope"), "--batch-size", "0", "--window", "1", "--limit", "0"]) == 2
     err = capsys.readouterr().err
@@ -41,7 +45,7 @@ def test_unknown_task_and_bad_inputs_are_clear_errors(tmp_path, tiny_folders, ca
 def test_cli_two_models_side_by_side_write_json_md_and_plots(tiny_folders, tmp_path, capsys):
     out = tmp_path / "report"
     argv = ["eval", f"a={tiny_folders[0]}", f"b={tiny_folders[1]}", "--tasks", f"{TASKS}/tech_qa.yaml,{TASKS}/tech_text.yaml",
-            "--text", str(TEXT), "--limit", "6", "--window", "128", "--speed", "--out", str(out)]
+            "--text", str(TEXT), "--limit", "6", "--window", "128", "--out", str(out)]
     assert cli.main(argv) == 0
     report = json.loads((out / "report.json").read_text())
     a, b = report["models"]
@@ -52,13 +56,13 @@ def test_cli_two_models_side_by_side_write_json_md_and_plots(tiny_folders, tmp_p
         assert row["accuracy"]["sparsify_tech_text"]["bits_per_byte"] > 0
         assert row["perplexity"]["sample_text.txt"]["perplexity"] > 1
         assert len(row["sparsity"]["layers"]) == 2 and 0 < row["sparsity"]["summary"]["zeros"] < 1
-        assert row["speed"]["available"] is False and "GPU" in row["speed"]["reason"]  # CPU: no numbers
+        assert row["speed"] == {}  # no --speed
     assert a["perplexity"] != b["perplexity"]  # different weights, different numbers
     prov = report["provenance"]
     assert prov["versions"]["torch"] == torch.__version__ and prov["versions"]["lm_eval"]
     assert prov["sparsify"] and prov["device"] == "cpu"
     md = (out / "report.md").read_text()
-    assert "| statistic | a | b |" in md and "speed needs a CUDA GPU" in md
+    assert "| statistic | a | b |" in md and "## Speed" not in md
     ratio = b["perplexity"]["sample_text.txt"]["perplexity"] / a["perplexity"]["sample_text.txt"]["perplexity"]
     tokens = a["perplexity"]["sample_text.txt"]["tokens"]
     assert f"| sample_text.txt | perplexity / a | {tokens} | 1.000x | {ratio:.3f}x |" in md  # quality kept, per text
@@ -75,6 +79,23 @@ def test_cli_two_models_side_by_side_write_json_md_and_plots(tiny_folders, tmp_p
     assert "perplexity on sample_text.txt" in printed and f"full report: {out / 'report.md'}" in printed
     assert "sparsify_tech_qa acc (6 items): a " in printed and " ± " in printed
     assert "| statistic |" not in printed and "per layer" not in printed and len(printed.splitlines()) < 12
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_eval_speed_without_a_gpu_is_refused_like_bench(tiny_folders, tmp_path, capsys, monkeypatch):
+    """`eval --speed` on CPU ran and exited 0 with a note in the report, while `sparsify bench` refuses (issue 32):
+    both now stop with exit status 2 and say a CUDA GPU is needed, before any model loads or anything is written."""
+    loaded = []
+    monkeypatch.setattr(ev, "load_model", lambda *a, **k: loaded.append(a))
+    out = tmp_path / "r"
+    assert cli.main(["eval", f"a={tiny_folders[0]}", "--tasks", "none", "--speed", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--speed needs a CUDA GPU, and this run is on cpu" in err and "Drop --speed here" in err
+    assert "no --text given" not in err and loaded == [] and not out.exists()
+    assert cli.main(["bench", str(tiny_folders[0])]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    with pytest.raises(SparsifyError, match="--speed needs a CUDA GPU"):
+        ev.evaluate([str(tiny_folders[0])], tasks=[], speed=True, device="cpu")
 
 
 def test_eval_without_text_uses_the_bundled_heldout_text_and_says_so(tiny_folders, tmp_path, capsys):
