@@ -139,7 +139,7 @@ def test_local_task_with_function_helper_and_relative_data_runs(tmp_path, tiny_f
     assert (lm_eval.evaluator.get_git_commit_hash, lm_eval.evaluator.add_env_info) == env_info  # restored
 
 
-def test_cloze_script_scores_as_lm_eval_does(tmp_path, tiny_folders):
+def test_cloze_script_scores_as_lm_eval_does(tmp_path, tiny_folders, capsys):
     """eval/cloze.py (for machines without lm_eval) gives lm-eval's own acc and perplexity on the cloze task."""
     import importlib.util
 
@@ -157,5 +157,18 @@ def test_cloze_script_scores_as_lm_eval_does(tmp_path, tiny_folders):
     assert ours["n"] == theirs["samples"] == 12
     assert ours["acc"] == theirs["acc"]
     assert ours["perplexity"] == pytest.approx(theirs["perplexity"], rel=1e-4)
+    capsys.readouterr()
     assert cloze.main([f"a={tiny_folders[0]}", "--limit", "3", "--device", "cpu", "--out", str(tmp_path / "o")]) == 0
     assert json.loads((tmp_path / "o" / "cloze.json").read_text())["models"]["a"]["n"] == 3
+    # one forward per item ran 10 minutes on CPU without a word (issue 32): a bar per model, -q hides it
+    assert cloze.main([f"a={tiny_folders[0]}", f"b={tiny_folders[1]}", "--limit", "2", "--device", "cpu"]) == 0
+    err = capsys.readouterr().err
+    assert "cloze a: 100%" in err and "cloze b: 100%" in err and " 2/2 " in err
+    assert cloze.main([f"a={tiny_folders[0]}", "--limit", "2", "--device", "cpu", "-q"]) == 0
+    assert "cloze a" not in capsys.readouterr().err
+    for bad, says in ((["--limit", "0"], "--limit 0: must be a positive number"),
+                      (["--limit", "-5"], "--limit -5: must be a positive number"),
+                      (["--data", str(tmp_path / "none.jsonl")], "no such file")):
+        with pytest.raises(SystemExit) as exc:
+            cloze.main([f"a={tiny_folders[0]}", "--device", "cpu", *bad])
+        assert exc.value.code == 2 and says in capsys.readouterr().err
