@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from sparsify.errors import SparsifyError
+from sparsify.folder.atomic import atomic_dir, check_output
 
 PLOTS = ("sparsity_per_layer.png", "speed_vs_batch.png", "accuracy.png")
 REPORT_FILES = ("report.json", "report.md", *PLOTS)  # everything a report folder holds
@@ -21,8 +22,6 @@ REPORT_FILES = ("report.json", "report.md", *PLOTS)  # everything a report folde
 def check_report_output(out: str | Path, overwrite: bool = False) -> None:
     """Refuses an existing `out` unless `overwrite`, and even then one holding anything but a report (--overwrite
     replaces the whole folder: a model folder or other files in it would be deleted). Call it before long work."""
-    from sparsify.folder.format import check_output  # not at the top: format -> card -> this module
-
     out = Path(out).absolute()
     check_output(out, overwrite, "--out")
     others = sorted(p.name for p in out.iterdir() if p.name not in REPORT_FILES) if out.is_dir() else []
@@ -36,8 +35,6 @@ def write_report(report: dict, out: str | Path, overwrite: bool = False) -> Path
     """Write report.md, the plots and report.json into the folder `out` at once: they are written into a folder
     beside it, renamed to `out` at the end (atomic_dir). An existing `out` is refused unless `overwrite`, which
     replaces it whole, and only when it holds nothing but a report (check_report_output)."""
-    from sparsify.folder.format import atomic_dir
-
     out = Path(out)
     check_report_output(out, overwrite)
     with atomic_dir(out, overwrite, "--out") as tmp:
