@@ -38,7 +38,8 @@ def test_report_with_speed_rows_draws_speed_plot_and_tables(tmp_path):
     assert "| prefill b8 s512 | 1.300 | - | 0.025 |" in md and "dense (again)" in md and "| dense | 8 | 512 | 0.400 |" in md
     umask = os.umask(0)
     os.umask(umask)  # a plain copy's modes, not mkdtemp's 0700 / 0600: reports are meant to be shared
-    assert [oct(p.stat().st_mode & 0o777) for p in (out, out / "report.md")] == [oct(0o777 & ~umask), oct(0o666 & ~umask)]
+    modes = [oct(p.stat().st_mode & 0o777) for p in (out, out / "report.md")]
+    assert modes == [oct(0o777 & ~umask), oct(0o666 & ~umask)]
     bare = {"provenance": ev.provenance("cpu"), "models": [{"name": "m", "source": "x"}]}
     with pytest.raises(SparsifyError, match="already exists; pass --overwrite"):
         rp.write_report(bare, out)
