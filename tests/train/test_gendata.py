@@ -54,6 +54,20 @@ def test_writes_exactly_the_tokens_asked_and_its_bar_stops_there(model, tmp_path
     assert cut["tokens"] <= full["tokens"] and full["text"].startswith(cut["text"])
 
 
+def test_a_run_with_every_batch_sampled_before_still_stops_at_the_count(model, tmp_path, monkeypatch):
+    """Batches left by a run asked for more tokens (stopped before it finished) cover this one's count: nothing is
+    sampled, and the sample reaching the count is cut as a run from scratch cuts it."""
+    from sparsify.train import gendata as gd
+
+    whole = gendata(model, tmp_path / "whole", tokens=21, seq_len=8, batch_size=2, device="cpu", progress=False)
+    out = tmp_path / "out"
+    more = gd.GenSettings(str(model), 64, seq_len=8, batch_size=2)
+    gd._sample(more, gd._open_work(work_dir(out), more), 0, 0, "cpu", False)
+    monkeypatch.setattr(gd, "_sample", lambda *a: pytest.fail("sampled again"))
+    gendata(model, out, tokens=21, seq_len=8, batch_size=2, device="cpu", progress=False)
+    assert texts(out) == texts(whole) and json.loads((out / "gendata.json").read_text())["tokens"] == 21
+
+
 def test_quiet_shows_no_bar_of_anyone(model, tmp_path, capsys):
     """-q (progress=False): no gendata bar and none of transformers' loading bars either."""
     gendata(model, tmp_path / "q", tokens=8, seq_len=4, batch_size=2, device="cpu", progress=False)
