@@ -2,7 +2,7 @@
 perplexity, computed the way lm-eval's HF model computes them, for machines without lm_eval (the GPU machines).
 
     python eval/cloze.py original=smollm2-135m-gguf run=RUN/model [--data eval/tasks/cloze_austen.jsonl] \
-        [--device cuda] [--out DIR]
+        [--limit N] [--device cuda] [--out DIR] [-q]
 
 The data is a task's jsonl ({"context": ..., "target": ...} per line, as eval/tasks/ holds). Each item is scored
 as lm-eval's HFLM scores it: trailing spaces of the context move to the target, the pair is tokenised whole and
@@ -10,8 +10,9 @@ the context's own tokens split off, no BOS is added, the last token is not fed a
 model's positions loses its first tokens. acc is 1 when every target
 token is the argmax, its stderr is the sample standard error of a proportion (lm-eval's); perplexity is
 exp(-mean log-likelihood of the target) over items (lm-eval's `perplexity` aggregation). A sparsify model runs its
-FFN dense (the numbers, not the speed, are the point). `tests/evaluation/test_cloze_script.py` checks the numbers
-against lm-eval itself on a tiny model. Writes cloze.json to --out and prints a table.
+FFN dense (the numbers, not the speed, are the point). `tests/evaluation/test_accuracy.py` checks the numbers
+against lm-eval itself on a tiny model. Writes cloze.json to --out and prints a table. One forward per item: on
+CPU a progress bar per model shows how far it is, and --limit N scores the first N items only.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from sparsify.errors import SparsifyError
 from sparsify.evaluation.accuracy import proportion_stderr
 from sparsify.evaluation.loading import ffn_backend, load_model, parse_models, pick_device
 
@@ -49,11 +51,14 @@ def max_length(model) -> int:
 
 
 @torch.no_grad()
-def score(model, tok, items: list[dict], device: str) -> dict:
-    """{"acc", "acc_stderr", "perplexity", "n"} of one model over the cloze items (one item per forward)."""
+def score(model, tok, items: list[dict], device: str, bar: str | None = None) -> dict:
+    """{"acc", "acc_stderr", "perplexity", "n"} of one model over the cloze items (one item per forward); with
+    `bar`, a progress bar of that title."""
+    from tqdm.auto import tqdm
+
     greedy, loglik = [], []
     length = max_length(model)
-    for item in items:
+    for item in tqdm(items, desc=bar, unit="item", disable=bar is None):
         ctx, cont = encode_pair(tok, item["context"], item["target"])
         ids = torch.tensor([(ctx + cont)[-(length + 1):][:-1]], device=device)  # lm-eval cuts from the left
         logp = torch.log_softmax(model(ids).logits[0, -len(cont):].float(), dim=-1)
@@ -70,21 +75,30 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("models", nargs="+", help="[NAME=]PATH: a model folder, a .gguf file or smollm2-135m-gguf")
     p.add_argument("--data", type=Path, default=DEFAULT, help=f"cloze items, jsonl (default {DEFAULT})")
-    p.add_argument("--limit", type=int, default=None, help="score the first N items only")
+    p.add_argument("--limit", type=int, default=None, help="score the first N items only (default: all)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights (default float32)")
     p.add_argument("--out", type=Path, default=None, help="write cloze.json here")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
+    if args.limit is not None and args.limit < 1:
+        p.error(f"--limit {args.limit}: must be a positive number of items (default: all).")
+    if not args.data.is_file():
+        p.error(f"--data {args.data}: no such file; pass a cloze jsonl such as {DEFAULT}.")
     items = [json.loads(line) for line in args.data.read_text().splitlines() if line.strip()][: args.limit]
     if not items:
         sys.exit(f"{args.data}: no cloze items")
-    device = pick_device(args.device)
-    rows = {}
-    for spec in parse_models(args.models):
-        model, tok = load_model(spec, device, args.dtype)
-        with ffn_backend(model, "dense"):
-            rows[spec.name] = score(model, tok, items, device)
-        del model
+    try:
+        device = pick_device(args.device)
+        specs = parse_models(args.models)
+        rows = {}
+        for spec in specs:
+            model, tok = load_model(spec, device, args.dtype)
+            with ffn_backend(model, "dense"):
+                rows[spec.name] = score(model, tok, items, device, None if args.quiet else f"cloze {spec.name}")
+            del model
+    except SparsifyError as e:
+        p.error(str(e))
     base = next(iter(rows.values()))
     print(f"cloze {args.data.name}: {len(items)} items, {args.dtype} weights on {device}")
     print("| model | acc | stderr | acc - first | perplexity |\n|---|---|---|---|---|")

@@ -32,6 +32,12 @@ DEMO_RECIPE = {
     "output": {"tensorboard": False},
 }
 
+# What finetune's "validation perplexity" lines measure with DEMO_RECIPE (sparsify.train.step.evaluate)
+_TRAIN = DEMO_RECIPE["train"]
+_FINETUNE_MEASURE = (f"{HELDOUT_TEXT.name} cut into non-overlapping {_TRAIN['seq_len']}-token windows (the first "
+                     f"{_TRAIN['batch_size'] * _TRAIN['eval_batches']}), each token with {_TRAIN['seq_len'] // 2} tokens "
+                     "of context on average")
+
 
 def demo(out: str | Path = "sparsify-demo", *, steps: int = 20, limit: int = 20, text_tokens: int = 2048,
          overwrite: bool = False, progress: bool = True, quiet: bool = False) -> dict:
@@ -66,7 +72,8 @@ def demo(out: str | Path = "sparsify-demo", *, steps: int = 20, limit: int = 20,
     wanted = dump_recipe(recipe)
     done = ft_dir / "model" / "recipe.yaml"  # finetune records the recipe of the model it exports
     if convert_again or not (done.is_file() and done.read_text() == wanted):
-        say(f"[2/3] finetune {steps} steps (L1 3e-2, seq 128 x batch 4) on {TRAIN_TEXT.name} -> {ft_dir}")
+        say(f"[2/3] finetune {steps} steps (L1 3e-2, seq 128 x batch 4) on {TRAIN_TEXT.name} -> {ft_dir}\n"
+            f"      its \"validation perplexity\": {_FINETUNE_MEASURE}")
         resume = not convert_again and resumable_recipe(ft_dir) == wanted  # an interrupted run of these settings
         try:
             finetune(recipe, resume=resume, progress=progress, verbose=not quiet)
@@ -79,9 +86,12 @@ def demo(out: str | Path = "sparsify-demo", *, steps: int = 20, limit: int = 20,
     tasks = [str(REPO_TASKS)] if REPO_TASKS.is_dir() else []
     say(f"[3/3] eval original / bare ReLU swap / fine-tuned -> {report_dir}"
         + ("" if tasks else " (no eval/tasks/ folder here: accuracy skipped)"))
+    say("      its perplexity: sparsify eval's sliding windows (past the first, every token with at least half a "
+        "window of context)")
     report = evaluate([f"orig={SMOLLM2_ALIAS}", f"relu={relu_dir}", f"ft={ft_dir / 'model'}"], tasks=tasks,
-                      texts=[HELDOUT_TEXT], limit=limit, out=report_dir, text_tokens=text_tokens, progress=progress)
-    _print_summary(report, report_dir)
+                      texts=[HELDOUT_TEXT], limit=limit, out=report_dir, overwrite=True, text_tokens=text_tokens,
+                      progress=progress)
+    _print_summary(report, report_dir, ft_dir)
     return report
 
 
@@ -93,17 +103,45 @@ def _converted_from(folder: Path) -> str | None:
         return None
 
 
-def _print_summary(report: dict, report_dir: Path) -> None:
-    """Perplexity, bits per byte and FFN zeros of each model, from the report's text section."""
+def _print_summary(report: dict, report_dir: Path, ft_dir: Path) -> None:
+    """Perplexity, bits per byte and FFN zeros of each model, from the report's text section; which measure that
+    perplexity is, beside the finetune log's own on the same text; where the fine-tuned model is."""
     print(f"\n{'model':<8}{'perplexity':>12}{'bits/byte':>11}{'FFN zeros':>11}{'non-zeros/token':>17}")
+    scored = {}
     for row in report["models"]:
         text = next(iter(row.get("perplexity", {}).values()), {})
+        scored = scored or text
         prof = row.get("sparsity", {}).get("summary", {})
         ppl, bpb = text.get("perplexity", math.nan), text.get("bits_per_byte", math.nan)
         zeros, nnz = prof.get("zeros", math.nan), prof.get("nnz_mean", math.nan)
         print(f"{row['name']:<8}{ppl:>12.2f}{bpb:>11.3f}{zeros:>10.1%}{nnz:>17.1f}")
-    print(f"\nFull report: {report_dir / 'report.md'} (and report.json, plots). The bare swap breaks the model; "
+    if scored.get("window"):
+        window = scored["window"]
+        print(f"\nperplexity: sparsify eval's, {scored['tokens']} tokens of {HELDOUT_TEXT.name} scored in sliding "
+              f"{window}-token windows (past the first window, each token with at least {window // 2} tokens of "
+              "context).")
+    logged = _validation_log(ft_dir)
+    if logged:
+        print(f"The finetune lines' \"validation perplexity\" ({logged}) is finetune's own measure of the same text: "
+              f"{_FINETUNE_MEASURE}, so it reads higher.")
+    print(f"\nFine-tuned model: {ft_dir / 'model'} (load it with from_pretrained, see the README; "
+          f"`sparsify push {ft_dir / 'model'} --repo-id ME/NAME --dry-run` shows what would be uploaded).")
+    print(f"Full report: {report_dir / 'report.md'} (and report.json, plots). The bare swap breaks the model; "
           "the L1 fine-tune recovers it while raising sparsity. Real runs: recipes/ and eval/h200_finetune.sh.")
+
+
+def _validation_log(ft_dir: Path) -> str:
+    """The fine-tune's first and last validation perplexities as its log printed them ("relu 5609.86 at step 0,
+    ft 153.47 at step 20"), from OUT/ft/metrics.jsonl; "" without them."""
+    try:
+        lines = (ft_dir / "metrics.jsonl").read_text().splitlines()
+        records = [r for r in map(json.loads, lines) if isinstance(r, dict) and "val_ppl" in r]
+    except (OSError, ValueError):
+        return ""
+    if not records:
+        return ""
+    first, last = records[0], records[-1]
+    return f"relu {first['val_ppl']:.2f} at step {first['step']}, ft {last['val_ppl']:.2f} at step {last['step']}"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

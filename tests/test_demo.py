@@ -20,6 +20,7 @@ def test_demo_runs_whole_pipeline_quietly_and_reuses_only_stages_with_the_same_s
     first = demo(out, "--steps", "2", "-q")
     # -q: no stage lines, no progress bar of any stage or library, no step or validation lines: the summary only
     assert "[1/3]" not in first.stdout and "[3/3]" not in first.stdout and "Full report:" in first.stdout
+    assert f"Fine-tuned model: {out / 'ft' / 'model'}" in first.stdout and "perplexity: sparsify eval's" in first.stdout
     for noise in ("it/s]", "s/it]", "s/stage", "Converting and de-quantizing", "validation perplexity", "step 2/2"):
         assert noise not in first.stderr, (noise, first.stderr[-3000:])
     report = json.loads((out / "report" / "report.json").read_text())
@@ -43,10 +44,37 @@ def test_demo_runs_whole_pipeline_quietly_and_reuses_only_stages_with_the_same_s
     run_demo(out, steps=3, limit=2, text_tokens=256, progress=False)  # other settings: the fine-tune is redone
     longer = capsys.readouterr().out
     assert "[1/3] convert: reusing" in longer and "[2/3] finetune 3 steps" in longer
+    assert 'its "validation perplexity": python-howto-heldout.txt cut into non-overlapping 128-token' in longer
     assert json.loads((model / "config.json").read_text())["sparsify"]["steps"] == 3
     assert not (out / "ft" / "checkpoints").exists()
     assert [models for models, _ in evaluated] == [["orig=smollm2-135m-gguf", f"relu={out / 'relu'}",
                                                     f"ft={model}"]] * 2
+
+
+def test_summary_says_which_perplexity_each_line_is_and_where_the_fine_tuned_model_is(tmp_path, capsys):
+    """The demo printed `validation perplexity 153.47` at step 20 and 135.47 in its summary for the same model,
+    explained only far below in the README, and its summary did not say where the model was (issue 32): the summary
+    names its measure, puts the finetune log's own numbers beside it with theirs, and gives the model's folder."""
+    from sparsify.demo import _print_summary
+
+    ft = tmp_path / "ft"
+    ft.mkdir()
+    records = [{"step": 0, "tokens": 0, "val_loss": 8.63, "val_ppl": 5609.856}, {"step": 5, "loss": 13.2},
+               {"step": 20, "tokens": 10240, "val_loss": 5.03, "val_ppl": 153.473}]
+    (ft / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    text = lambda ppl: {"python-howto-heldout.txt": {"perplexity": ppl, "bits_per_byte": 1.5, "tokens": 2047,  # noqa: E731
+                                                     "window": 1024}}
+    report = {"models": [{"name": name, "perplexity": text(ppl), "sparsity": {"summary": {"zeros": 0.7, "nnz_mean": 390.0}}}
+                         for name, ppl in (("orig", 14.04), ("relu", 5122.88), ("ft", 135.47))]}
+    _print_summary(report, tmp_path / "report", ft)
+    printed = capsys.readouterr().out
+    assert "ft            135.47" in printed
+    assert ("perplexity: sparsify eval's, 2047 tokens of python-howto-heldout.txt scored in sliding 1024-token windows "
+            "(past the first window, each token with at least 512 tokens of context)") in printed
+    assert ('The finetune lines\' "validation perplexity" (relu 5609.86 at step 0, ft 153.47 at step 20) is finetune\'s '
+            "own measure of the same text: python-howto-heldout.txt cut into non-overlapping 128-token windows (the "
+            "first 16), each token with 64 tokens of context on average, so it reads higher.") in printed
+    assert f"Fine-tuned model: {ft / 'model'}" in printed and f"Full report: {tmp_path / 'report' / 'report.md'}" in printed
 
 
 def _skip_eval(monkeypatch) -> list:

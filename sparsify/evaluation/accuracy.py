@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from sparsify.errors import SparsifyError
+from sparsify.sources import hub_unreachable
 
 # The paper's accuracy suite (mean of these seven); needs the Hub.
 PAPER_TASKS = ("arc_easy", "arc_challenge", "hellaswag", "piqa", "winogrande", "openbookqa", "commonsense_qa")
@@ -34,7 +36,12 @@ class TaskSpec:
 
     names: list[str] = field(default_factory=list)
     include_paths: list[str] = field(default_factory=list)
-    registered: bool = False  # some names are lm-eval's own tasks (index its ~10k YAML files: ~5 s)
+    by_name: list[str] = field(default_factory=list)  # the names given as lm-eval's own tasks: data from the Hub
+
+    @property
+    def registered(self) -> bool:
+        """Some names are lm-eval's own tasks (index its ~10k YAML files: ~5 s)."""
+        return bool(self.by_name)
 
     def manager(self) -> Any:
         from lm_eval.tasks import TaskManager
@@ -49,7 +56,7 @@ def resolve_tasks(tasks: list[str] | None, tmp: Path) -> TaskSpec:
     relative data_files rewritten against the YAML's own folder; `!function` helpers are copied beside it.
     """
     if tasks is None:
-        return TaskSpec(names=list(PAPER_TASKS), registered=True)
+        return TaskSpec(names=list(PAPER_TASKS), by_name=list(PAPER_TASKS))
     spec = TaskSpec()
     for i, item in enumerate(t for t in tasks if t and t.lower() != "none"):
         path = Path(item).expanduser()
@@ -65,7 +72,7 @@ def resolve_tasks(tasks: list[str] | None, tmp: Path) -> TaskSpec:
             spec.include_paths.append(str(copy))
         else:
             spec.names.append(item)
-            spec.registered = True
+            spec.by_name.append(item)
     return spec
 
 
@@ -126,22 +133,44 @@ _TaggedLoader, _TaggedDumper = _yaml_classes()
 
 
 def check_tasks(spec: TaskSpec) -> None:
-    """Build every task once before any model loads, so missing data fails fast with a clear message."""
+    """Build every task once before any model loads, so missing data fails fast with a clear message.
+
+    lm-eval's own tasks download their data from the Hub, retrying each file for about half a minute when it
+    cannot be reached: where the Hub's name does not resolve (sparsify.sources.hub_unreachable, checked once),
+    that is said at once instead, unless HF_HUB_OFFLINE / HF_DATASETS_OFFLINE ask for the local cache."""
     if not spec.names:
         return
     manager = spec.manager()
+    unknown = next((n for n in spec.names if n not in manager.all_tasks), None)
+    if unknown is not None:  # a typo is a typo, online or not
+        raise _unknown_task(unknown)
+    if spec.by_name and not _cache_only() and hub_unreachable():
+        default = " (the default without --tasks: the paper's suite)" if spec.by_name == list(PAPER_TASKS) else ""
+        raise SparsifyError(
+            f"tasks {', '.join(spec.by_name)}{default}: lm-eval downloads their data from the Hugging Face Hub, "
+            "which cannot be reached from here (its host name does not resolve). Data already in the local cache: "
+            f"run again with HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1. {OFFLINE_HINT}")
     for name in spec.names:
         try:
             manager.load([name])
         except KeyError:
-            raise SparsifyError(
-                f"--tasks: {name!r} is neither an lm-eval task, group or tag nor a task YAML path. Use a "
-                f"registered name (e.g. {', '.join(PAPER_TASKS[:3])}) or a YAML file/folder such as "
-                f"{LOCAL_TASKS_HINT}."
-            ) from None
+            raise _unknown_task(name) from None
         except Exception as e:  # datasets/hub raise many kinds (ConnectionError, OfflineModeIsEnabled, ...)
             raise SparsifyError(f"task {name!r}: its data could not be loaded ({type(e).__name__}: {e}). "
                                 f"{OFFLINE_HINT}") from None
+
+
+def _unknown_task(name: str) -> SparsifyError:
+    return SparsifyError(f"--tasks: {name!r} is neither an lm-eval task, group or tag nor a task YAML path. Use a "
+                         f"registered name (e.g. {', '.join(PAPER_TASKS[:3])}) or a YAML file/folder such as "
+                         f"{LOCAL_TASKS_HINT}.")
+
+
+def _cache_only() -> bool:
+    """HF_HUB_OFFLINE or HF_DATASETS_OFFLINE set: the datasets library reads its cache only, and says at once
+    when a task's data is not there."""
+    return any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE")
+               for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
 
 
 # Metrics whose per-item score is 0 or 1, so the task value is a proportion p over n items and its standard

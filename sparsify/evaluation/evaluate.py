@@ -33,7 +33,7 @@ from sparsify.errors import SparsifyError
 from sparsify.evaluation.accuracy import PAPER_TASKS, TaskSpec, accuracy, check_tasks, resolve_tasks
 from sparsify.evaluation.loading import ModelSpec, ffn_backend_of, load_model, parse_models, pick_device, torch_dtype
 from sparsify.evaluation.perplexity import HELDOUT_TEXT, check_texts, model_window, texts_section
-from sparsify.evaluation.speed import SpeedGrid, int_list, speed_section, speed_tokens
+from sparsify.evaluation.speed import GPU_ONLY, SpeedGrid, int_list, speed_section, speed_tokens
 from sparsify.folder.format import DTYPES
 
 
@@ -104,7 +104,7 @@ class EvalSettings:
 
 def evaluate(models: list[str | Path], *, tasks: list[str] | None = None, texts: list[str | Path] | None = None,
              ood_texts: list[str | Path] = (), limit: int | None = None, speed: bool = False,
-             out: str | Path | None = None, **options: Any) -> dict:
+             out: str | Path | None = None, overwrite: bool = False, **options: Any) -> dict:
     """Evaluate one or more models side by side and (if `out`) write report.json, report.md and plots.
 
     Args:
@@ -112,14 +112,17 @@ def evaluate(models: list[str | Path], *, tasks: list[str] | None = None, texts:
         tasks: lm-eval task names and/or local task YAML files/folders; None = the paper's seven
             (needs the Hub); [] or ["none"] = no accuracy section.
         texts: text files for perplexity, bits per byte and the sparsity profile; None = the held-out
-            text bundled with sparsify (perplexity.HELDOUT_TEXT), or none when ood_texts are given; [] = no text
-            section.
+            text bundled with sparsify (perplexity.HELDOUT_TEXT; a note on stderr says so), or none when
+            ood_texts are given; [] = no text section.
         ood_texts: text files from sources none of the models trained on, scored like `texts`; each model's OOD
             ratio (the headline: report.ood_ratios) is the geometric mean over them of its perplexity / the first
             model's.
         limit: at most this many examples per task.
-        speed: time prefill/decode, TwELL vs dense (CUDA only; on CPU the section says so).
-        out: output folder; files are replaced atomically.
+        speed: time prefill/decode, TwELL vs dense (CUDA only: refused on another device, before any work).
+        out: output folder for report.json, report.md and the plots, written at once at the end; it must not
+            exist (checked before any model loads) unless `overwrite`.
+        overwrite: replace an existing `out` that holds a report (whole, atomically; a folder holding anything
+            else is refused).
         **options: EvalSettings fields (batch_size, window, text_tokens, device, dtype, trust_remote_code,
             grid, progress). dtype: auto, bf16/bfloat16, fp16/float16 or fp32/float32. trust_remote_code: run the
             modeling code a Hub model or folder ships; without it such code never runs (sparsify folders
@@ -134,13 +137,23 @@ def evaluate(models: list[str | Path], *, tasks: list[str] | None = None, texts:
     problems = settings_problems(settings)
     if problems:
         raise SparsifyError(" ".join(problems))
+    if out is not None:
+        from sparsify.evaluation.report import check_report_output
+
+        check_report_output(out, overwrite)  # before hours of work, not after
     torch_dtype(settings.dtype, "cpu")  # an unknown --dtype fails before any model is loaded
+    device = pick_device(settings.device)
+    if settings.speed and not device.startswith("cuda"):
+        raise SparsifyError(GPU_ONLY.format(device=device))
     specs = parse_models(list(models))
     text_paths = check_texts(settings.texts + settings.ood_texts)
-    device = pick_device(settings.device)
     with tempfile.TemporaryDirectory(prefix="sparsify-tasks-") as tmp:
         task_spec = resolve_tasks(tasks, Path(tmp))
         check_tasks(task_spec)
+        if bundled:  # said once every input is known good: an error is never preceded by it
+            print(f"sparsify eval: no --text given, so perplexity and the sparsity profile are measured on the "
+                  f"held-out text bundled with sparsify ({HELDOUT_TEXT.name}: Python HOWTO documents); pass --text "
+                  "FILE for your own, or --text none to skip them.", file=sys.stderr)
         with quiet_bars(not settings.progress):
             rows = _run_all(specs, task_spec, text_paths, settings, device)
     report = {"sparsify_report": 1, "provenance": provenance(device),
@@ -150,7 +163,7 @@ def evaluate(models: list[str | Path], *, tasks: list[str] | None = None, texts:
     if out is not None:
         from sparsify.evaluation.report import write_report
 
-        write_report(report, Path(out))
+        write_report(report, Path(out), overwrite)
     return report
 
 
@@ -258,8 +271,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--ood-text and no --text, the bundled text is not scored")
     parser.add_argument("--limit", type=int, default=None,
                         help="at most N examples per task, for quick runs (default: all)")
-    parser.add_argument("--speed", action="store_true", help="time prefill/decode, TwELL vs dense (CUDA only)")
-    parser.add_argument("--out", default="eval-report", help="output folder (default: %(default)s)")
+    parser.add_argument("--speed", action="store_true",
+                        help="time prefill/decode, TwELL vs dense (CUDA GPU only: refused elsewhere, like bench)")
+    parser.add_argument("--out", default="eval-report",
+                        help="output folder for report.json, report.md and the plots; it must not exist, unless "
+                             "--overwrite (default: %(default)s)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing --out report (the whole folder, at the end of the run; a folder "
+                             "holding anything but a report is refused)")
     parser.add_argument("--batch-size", type=int, default=8, help="lm-eval batch size (default: %(default)s)")
     parser.add_argument("--window", type=int, default=1024,
                         help="perplexity window in tokens; each token is scored with >= window/2 context "
@@ -287,12 +306,8 @@ def main(args: argparse.Namespace) -> int:
     tasks = None if args.tasks is None else [t.strip() for t in args.tasks.split(",") if t.strip()]
     grid = SpeedGrid(batches=args.speed_batches, seqs=args.speed_seqs, decode_batches=args.decode_batches)
     texts = None if not args.text else [] if [t.lower() for t in args.text] == ["none"] else args.text
-    if texts is None and not args.ood_text:
-        print(f"sparsify eval: no --text given, so perplexity and the sparsity profile are measured on the "
-              f"held-out text bundled with sparsify ({HELDOUT_TEXT.name}: Python HOWTO documents); pass --text "
-              "FILE for your own, or --text none to skip them.", file=sys.stderr)
     report = evaluate(args.models, tasks=tasks, texts=texts, ood_texts=args.ood_text, limit=args.limit, speed=args.speed,
-                      out=args.out, batch_size=args.batch_size, window=args.window,
+                      out=args.out, overwrite=args.overwrite, batch_size=args.batch_size, window=args.window,
                       text_tokens=None if args.text_tokens == 0 else args.text_tokens, device=args.device, dtype=args.dtype,
                       trust_remote_code=args.trust_remote_code, grid=grid, progress=not args.quiet)
     from sparsify.evaluation.report import summary

@@ -1,48 +1,47 @@
 """Turn an evaluation report (the dict `sparsify.evaluation.evaluate.evaluate` returns) into files people read.
 
 write_report(report, out) writes report.json, report.md and PNG plots (per-layer sparsity, speed vs batch,
-accuracy bars); every file is written to a temporary name and renamed, so a reader never sees half a file.
+accuracy bars) into a new folder, built beside it and renamed into place at the end, so a reader never sees half
+a report and an existing report is replaced only when asked (--overwrite).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from sparsify.errors import SparsifyError
+from sparsify.folder.atomic import atomic_dir, check_output
+
 PLOTS = ("sparsity_per_layer.png", "speed_vs_batch.png", "accuracy.png")
+REPORT_FILES = ("report.json", "report.md", *PLOTS)  # everything a report folder holds
 
 
-def write_report(report: dict, out: Path) -> Path:
-    """Write report.md, the plots, then report.json (last: its presence means the set is complete). Over an
-    earlier report, its plots that this one does not draw are removed (they would show the old models)."""
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        old = json.loads((out / "report.json").read_text()).get("plots", [])
-    except (OSError, ValueError, AttributeError):
-        old = []
-    report["plots"] = _write_plots(report, out)
-    _atomic_write(out / "report.md", render_markdown(report).encode())
-    _atomic_write(out / "report.json", json.dumps(report, indent=2, default=str).encode())
-    for name in set(old if isinstance(old, list) else []) - set(report["plots"]):
-        if isinstance(name, str) and Path(name).name == name and name.endswith(".png"):
-            (out / name).unlink(missing_ok=True)
+def check_report_output(out: str | Path, overwrite: bool = False) -> None:
+    """Refuses an existing `out` unless `overwrite`, and even then one holding anything but a report (--overwrite
+    replaces the whole folder: a model folder or other files in it would be deleted). Call it before long work."""
+    out = Path(out).absolute()
+    check_output(out, overwrite, "--out")
+    others = sorted(p.name for p in out.iterdir() if p.name not in REPORT_FILES) if out.is_dir() else []
+    if others:
+        raise SparsifyError(f"--out {out} holds files that are not part of a report ({', '.join(others[:5])}"
+                            f"{', ...' if len(others) > 5 else ''}): --overwrite replaces the whole folder, so it "
+                            f"would delete them. Choose another --out, a folder of its own (e.g. {out / 'report'}).")
+
+
+def write_report(report: dict, out: str | Path, overwrite: bool = False) -> Path:
+    """Write report.md, the plots and report.json into the folder `out` at once: they are written into a folder
+    beside it, renamed to `out` at the end (atomic_dir). An existing `out` is refused unless `overwrite`, which
+    replaces it whole, and only when it holds nothing but a report (check_report_output)."""
+    out = Path(out)
+    check_report_output(out, overwrite)
+    with atomic_dir(out, overwrite, "--out") as tmp:
+        report["plots"] = _write_plots(report, tmp)
+        (tmp / "report.md").write_text(render_markdown(report), encoding="utf-8")
+        (tmp / "report.json").write_text(json.dumps(report, indent=2, default=str), encoding="utf-8")
     return out
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; reports are meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def fmt(value: Any, digits: int = 3) -> str:
@@ -316,11 +315,7 @@ def _write_plots(report: dict, out: Path) -> list[str]:
         if draw(ax, report["models"]):
             ax.legend(fontsize=8)
             fig.tight_layout()
-            fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{name}.", suffix=".png")
-            os.close(fd)
-            fig.savefig(tmp, dpi=110)
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, out / name)
+            fig.savefig(out / name, dpi=110)
             written.append(name)
         plt.close(fig)
     return written
@@ -415,7 +410,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sparsify.evaluation.report",
                                      description="Re-render or merge sparsify eval reports (report.md + plots).")
     parser.add_argument("reports", nargs="+", help="report.json files (or folders holding one)")
-    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--out", required=True, help="output folder (must not exist, unless --overwrite)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing --out report folder (--out may be one of the reports re-rendered)")
     args = parser.parse_args(argv)
     paths = [Path(p) / "report.json" if Path(p).is_dir() else Path(p) for p in args.reports]
     reports = []
@@ -428,7 +425,10 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             parser.error(f"{path} is not valid JSON ({e}); pass report.json files written by `sparsify eval`.")
     report = merge_reports(reports, [str(p) for p in paths]) if len(reports) > 1 else reports[0]
-    write_report(report, Path(args.out))
+    try:
+        write_report(report, Path(args.out), args.overwrite)
+    except SparsifyError as e:
+        parser.error(str(e))
     print(f"wrote {Path(args.out) / 'report.json'}, report.md and {len(report['plots'])} plots")
     return 0
 

@@ -16,6 +16,13 @@ from sparsify.evaluation.loading import ffn_backend
 from sparsify.families import mlp_modules
 
 
+# `eval --speed` off CUDA: refused before any model loads, as `sparsify bench` refuses (was: exit 0 with a note)
+GPU_ONLY = ("--speed needs a CUDA GPU, and this run is on {device}: CPU timings say nothing about the TwELL kernels "
+            "(`sparsify bench` refuses likewise). Drop --speed here (accuracy, perplexity and the sparsity profile "
+            "run on CPU) and run `sparsify eval --speed` on a machine with an NVIDIA GPU; the two reports merge with "
+            "`python -m sparsify.evaluation.report CPU_REPORT/ GPU_REPORT/ --out DIR`.")
+
+
 @dataclass
 class SpeedGrid:
     """Shapes timed by --speed (CUDA only)."""

@@ -7,7 +7,9 @@ folder as a `data.train` entry, mixed with real text by `data.weights`.
 
 Batch k is sampled with its own seed (derived from --seed and k), so the same command writes the same text,
 and a killed run continues from its last whole batch: batches land one file each in a work folder beside OUT,
-which becomes OUT only when the token budget is reached.
+which becomes OUT only when the token budget is reached. OUT holds exactly --tokens tokens: the samples in
+order, the one that reaches the count cut there, those after it left out (the work folder keeps whole batches,
+so a run asked for more tokens continues them unchanged).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from sparsify.version import __version__
 
 FORMAT = "sparsify-gendata/1"
 SHARD_BYTES = 64 * 2**20  # finished output: shards of about this size
+WORK_FORMAT = 2  # batch files hold each sample's token ids (to cut the last sample at the budget): 1 did not
 
 
 @dataclass
@@ -83,11 +86,13 @@ def gendata(model: str, out: str | os.PathLike, *, tokens: int, seq_len: int = 5
         problems.insert(0, f"output folder {out} already exists; choose another -o (gendata never overwrites).")
     if problems:
         raise SparsifyError("\n  ".join(["gendata cannot start:", *problems]))
+    from sparsify.evaluation.loading import pick_device
+
+    device = pick_device(device)
     work = _open_work(work_dir(out), settings)
     batches, have = _done_batches(work)
-    if have < tokens:
-        batches, have = _sample(settings, work, batches, have, device, progress)
-    _finish(work, out, settings, batches, have)
+    tok = _sample(settings, work, batches, have, device, progress) if have < tokens else None
+    _finish(work, out, settings, tok, device, progress)
     return out
 
 
@@ -107,7 +112,7 @@ def _open_work(work: Path, settings: GenSettings) -> Path:
 
 
 def _identity(settings: GenSettings) -> dict:
-    return {k: v for k, v in asdict(settings).items() if k != "tokens"}
+    return {**{k: v for k, v in asdict(settings).items() if k != "tokens"}, "work_format": WORK_FORMAT}
 
 
 def _done_batches(work: Path) -> tuple[int, int]:
@@ -119,18 +124,20 @@ def _done_batches(work: Path) -> tuple[int, int]:
     return k, total
 
 
-def _sample(s: GenSettings, work: Path, start: int, have: int, device: str | None,
-            progress: bool) -> tuple[int, int]:
-    """Batches from `start` on until `have` reaches the budget; returns (batches written, tokens in them)."""
+def _load(s: GenSettings, device: str, progress: bool) -> tuple[Any, Any]:
+    from sparsify.evaluation.loading import load_model, parse_models
+    from sparsify.folder.gguf import no_transformers_bars
+
+    with contextlib.nullcontext() if progress else no_transformers_bars():  # -q: transformers' bars too
+        return load_model(parse_models([s.model])[0], device, "auto")
+
+
+def _sample(s: GenSettings, work: Path, start: int, have: int, device: str, progress: bool) -> Any:
+    """Whole batches from `start` on until `have` reaches the budget (the bar stops at it); returns the tokenizer."""
     import torch
     from tqdm.auto import tqdm
 
-    from sparsify.evaluation.loading import load_model, parse_models, pick_device
-    from sparsify.folder.gguf import no_transformers_bars
-
-    device = pick_device(device)
-    with contextlib.nullcontext() if progress else no_transformers_bars():  # -q: transformers' bars too
-        model, tok = load_model(parse_models([s.model])[0], device, "auto")
+    model, tok = _load(s, device, progress)
     prompts = _read_prompts(s.prompts)
     bar = tqdm(total=s.tokens, initial=min(have, s.tokens), unit="tok", disable=not progress, desc="gendata")
     k = start
@@ -140,11 +147,11 @@ def _sample(s: GenSettings, work: Path, start: int, have: int, device: str | Non
         lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
         _write_atomic(work / f"batch-{k:06d}.jsonl", lines)
         new = sum(r["tokens"] for r in rows)
+        bar.update(min(new, s.tokens - have))
         have += new
-        bar.update(new)
         k += 1
     bar.close()
-    return k, have
+    return tok
 
 
 def _read_prompts(path: str | None) -> list[str]:
@@ -180,23 +187,36 @@ def _sample_batch(model: Any, tok: Any, s: GenSettings, prompts: list[str], devi
     for prompt, row in zip(prompts, gen[:, width:].tolist()):
         if tok.eos_token_id in row:
             row = row[: row.index(tok.eos_token_id)]
-        rows.append({"text": tok.decode(row, skip_special_tokens=True), "prompt": prompt, "tokens": len(row)})
+        rows.append({"text": tok.decode(row, skip_special_tokens=True), "prompt": prompt, "tokens": len(row),
+                     "ids": row})
     return rows
 
 
-def _finish(work: Path, out: Path, s: GenSettings, batches: int, total: int) -> None:
-    """Batches -> shards + gendata.json, written into OUT at once (atomic_dir); then the work folder goes."""
+def _finish(work: Path, out: Path, s: GenSettings, tok: Any, device: str, progress: bool) -> None:
+    """The first `s.tokens` sampled tokens (whole samples in order, the one reaching the count cut there) ->
+    shards + gendata.json, written into OUT at once (atomic_dir); then the work folder goes. `tok` decodes the cut
+    sample (None: loaded here, for a run whose batches were all sampled before)."""
     with atomic_dir(out) as final:
-        shard, size, n = None, 0, 0
-        for k in range(batches):
-            data = (work / f"batch-{k:06d}.jsonl").read_bytes()
+        shard, size, n, left, k = None, 0, 0, s.tokens, 0
+        while left > 0:
+            kept = []
+            for row in map(json.loads, (work / f"batch-{k:06d}.jsonl").read_text(encoding="utf-8").splitlines()):
+                if left == 0:
+                    break
+                if row["tokens"] > left:  # the sample reaching the count: its first `left` tokens
+                    tok = tok if tok is not None else _load(s, device, progress)[1]
+                    row.update(text=tok.decode(row["ids"][:left], skip_special_tokens=True), tokens=left)
+                kept.append({"text": row["text"], "prompt": row["prompt"], "tokens": row["tokens"]})
+                left -= row["tokens"]
+            data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in kept).encode()
             if shard is None or size + len(data) > SHARD_BYTES:
                 shard = final / f"text-{n:05d}.jsonl"
                 n, size = n + 1, 0
             with open(shard, "ab") as f:
                 f.write(data)
             size += len(data)
-        meta = {"format": FORMAT, "settings": asdict(s), "tokens": total, "batches": batches, "shards": n,
+            k += 1
+        meta = {"format": FORMAT, "settings": asdict(s), "tokens": s.tokens, "batches": k, "shards": n,
                 "sparsify": __version__, "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         (final / "gendata.json").write_text(json.dumps(meta, indent=2) + "\n")
     shutil.rmtree(work, ignore_errors=True)
@@ -215,7 +235,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      "work on CPU.")
     p.add_argument("model", help="Hub id, local model folder, or smollm2-135m-gguf (the embedded default)")
     p.add_argument("-o", "--output", required=True, help="output folder (must not exist)")
-    p.add_argument("--tokens", type=int, required=True, help="new tokens to sample in all")
+    p.add_argument("--tokens", type=int, required=True,
+                   help="new tokens to write in all, exactly (the sample that reaches the count is cut there)")
     p.add_argument("--seq-len", type=int, default=512, help="new tokens per sample at most (default 512)")
     p.add_argument("--temperature", type=float, default=0.8,
                    help="sampling temperature (default 0.8: SmolLM2-135M at 1.0 with every token allowed wrote "

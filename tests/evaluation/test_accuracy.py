@@ -58,6 +58,36 @@ def test_unreachable_hub_task_names_the_offline_alternative(tmp_path, monkeypatc
         acc.check_tasks(spec)
 
 
+def test_hub_tasks_with_the_hub_out_of_reach_say_so_once_before_any_download(tmp_path, monkeypatch):
+    """Without HF_*_OFFLINE on a machine that cannot reach the Hub, lm-eval printed five retry lines with Hub URLs
+    per file before the error (issue 32): the Hub is now looked up once and the error comes before any download,
+    naming the tasks, the cache-only variables and the offline tasks. A typo is still named as one."""
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    lookups = []
+    monkeypatch.setattr(acc, "hub_unreachable", lambda: lookups.append(1) or True)
+
+    def download(self, names):
+        raise AssertionError(f"lm-eval went on to fetch {names}")
+
+    monkeypatch.setattr(TaskManager, "load", download)
+    with pytest.raises(SparsifyError) as e:
+        acc.check_tasks(acc.resolve_tasks(None, tmp_path))
+    assert lookups == [1]  # once for the seven default tasks
+    msg = str(e.value)
+    assert msg.startswith(f"tasks {', '.join(acc.PAPER_TASKS)} (the default without --tasks")
+    assert "cannot be reached from here" in msg and "HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1" in msg
+    assert "--tasks eval/tasks/" in msg and "--tasks none" in msg
+    with pytest.raises(SparsifyError, match="'no_such_task_xyz' is neither an lm-eval task"):
+        acc.check_tasks(acc.resolve_tasks(["arc_easy", "no_such_task_xyz"], tmp_path / "b"))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # the cache asked for: no lookup, lm-eval reads it at once
+    with pytest.raises(SparsifyError, match=r"its data could not be loaded \(AssertionError: lm-eval went on to fetch"):
+        acc.check_tasks(acc.resolve_tasks(["arc_easy"], tmp_path / "c"))
+    assert lookups == [1]
+
+
 def test_only_the_expected_lm_eval_warnings_are_dropped(caplog):
     import logging
 
@@ -109,7 +139,7 @@ def test_local_task_with_function_helper_and_relative_data_runs(tmp_path, tiny_f
     assert (lm_eval.evaluator.get_git_commit_hash, lm_eval.evaluator.add_env_info) == env_info  # restored
 
 
-def test_cloze_script_scores_as_lm_eval_does(tmp_path, tiny_folders):
+def test_cloze_script_scores_as_lm_eval_does(tmp_path, tiny_folders, capsys):
     """eval/cloze.py (for machines without lm_eval) gives lm-eval's own acc and perplexity on the cloze task."""
     import importlib.util
 
@@ -127,5 +157,18 @@ def test_cloze_script_scores_as_lm_eval_does(tmp_path, tiny_folders):
     assert ours["n"] == theirs["samples"] == 12
     assert ours["acc"] == theirs["acc"]
     assert ours["perplexity"] == pytest.approx(theirs["perplexity"], rel=1e-4)
+    capsys.readouterr()
     assert cloze.main([f"a={tiny_folders[0]}", "--limit", "3", "--device", "cpu", "--out", str(tmp_path / "o")]) == 0
     assert json.loads((tmp_path / "o" / "cloze.json").read_text())["models"]["a"]["n"] == 3
+    # one forward per item ran 10 minutes on CPU without a word (issue 32): a bar per model, -q hides it
+    assert cloze.main([f"a={tiny_folders[0]}", f"b={tiny_folders[1]}", "--limit", "2", "--device", "cpu"]) == 0
+    err = capsys.readouterr().err
+    assert "cloze a: 100%" in err and "cloze b: 100%" in err and " 2/2 " in err
+    assert cloze.main([f"a={tiny_folders[0]}", "--limit", "2", "--device", "cpu", "-q"]) == 0
+    assert "cloze a" not in capsys.readouterr().err
+    for bad, says in ((["--limit", "0"], "--limit 0: must be a positive number"),
+                      (["--limit", "-5"], "--limit -5: must be a positive number"),
+                      (["--data", str(tmp_path / "none.jsonl")], "no such file")):
+        with pytest.raises(SystemExit) as exc:
+            cloze.main([f"a={tiny_folders[0]}", "--device", "cpu", *bad])
+        assert exc.value.code == 2 and says in capsys.readouterr().err

@@ -28,9 +28,13 @@ def test_unknown_task_and_bad_inputs_are_clear_errors(tmp_path, tiny_folders, ca
     with pytest.raises(SparsifyError, match="does not exist"):
         acc.resolve_tasks([str(tmp_path / "missing.yaml")], tmp_path)
     assert cli.main(["eval", str(tmp_path / "nope"), "--tasks", "none"]) == 2
-    assert "not a Hub id" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "not a Hub id" in err and "no --text given" not in err  # the notice comes only once inputs are good
     assert cli.main(["eval", str(tiny_folders[0]), "--tasks", "none", "--text", str(tmp_path / "x.txt")]) == 2
     assert "no such file" in capsys.readouterr().err
+    assert cli.main(["eval", str(tiny_folders[0]), "--tasks", "no_such_task_xyz"]) == 2
+    err = capsys.readouterr().err
+    assert "neither an lm-eval task" in err and "no --text given" not in err
     # numbers out of range: named with the fix before any model loads (was a traceback, or a silent change)
     assert cli.main(["eval", str(tmp_path / "nope"), "--batch-size", "0", "--window", "1", "--limit", "0"]) == 2
     err = capsys.readouterr().err
@@ -41,7 +45,7 @@ def test_unknown_task_and_bad_inputs_are_clear_errors(tmp_path, tiny_folders, ca
 def test_cli_two_models_side_by_side_write_json_md_and_plots(tiny_folders, tmp_path, capsys):
     out = tmp_path / "report"
     argv = ["eval", f"a={tiny_folders[0]}", f"b={tiny_folders[1]}", "--tasks", f"{TASKS}/tech_qa.yaml,{TASKS}/tech_text.yaml",
-            "--text", str(TEXT), "--limit", "6", "--window", "128", "--speed", "--out", str(out)]
+            "--text", str(TEXT), "--limit", "6", "--window", "128", "--out", str(out)]
     assert cli.main(argv) == 0
     report = json.loads((out / "report.json").read_text())
     a, b = report["models"]
@@ -52,13 +56,13 @@ def test_cli_two_models_side_by_side_write_json_md_and_plots(tiny_folders, tmp_p
         assert row["accuracy"]["sparsify_tech_text"]["bits_per_byte"] > 0
         assert row["perplexity"]["sample_text.txt"]["perplexity"] > 1
         assert len(row["sparsity"]["layers"]) == 2 and 0 < row["sparsity"]["summary"]["zeros"] < 1
-        assert row["speed"]["available"] is False and "GPU" in row["speed"]["reason"]  # CPU: no numbers
+        assert row["speed"] == {}  # no --speed
     assert a["perplexity"] != b["perplexity"]  # different weights, different numbers
     prov = report["provenance"]
     assert prov["versions"]["torch"] == torch.__version__ and prov["versions"]["lm_eval"]
     assert prov["sparsify"] and prov["device"] == "cpu"
     md = (out / "report.md").read_text()
-    assert "| statistic | a | b |" in md and "speed needs a CUDA GPU" in md
+    assert "| statistic | a | b |" in md and "## Speed" not in md
     ratio = b["perplexity"]["sample_text.txt"]["perplexity"] / a["perplexity"]["sample_text.txt"]["perplexity"]
     tokens = a["perplexity"]["sample_text.txt"]["tokens"]
     assert f"| sample_text.txt | perplexity / a | {tokens} | 1.000x | {ratio:.3f}x |" in md  # quality kept, per text
@@ -77,6 +81,23 @@ def test_cli_two_models_side_by_side_write_json_md_and_plots(tiny_folders, tmp_p
     assert "| statistic |" not in printed and "per layer" not in printed and len(printed.splitlines()) < 12
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_eval_speed_without_a_gpu_is_refused_like_bench(tiny_folders, tmp_path, capsys, monkeypatch):
+    """`eval --speed` on CPU ran and exited 0 with a note in the report, while `sparsify bench` refuses (issue 32):
+    both now stop with exit status 2 and say a CUDA GPU is needed, before any model loads or anything is written."""
+    loaded = []
+    monkeypatch.setattr(ev, "load_model", lambda *a, **k: loaded.append(a))
+    out = tmp_path / "r"
+    assert cli.main(["eval", f"a={tiny_folders[0]}", "--tasks", "none", "--speed", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--speed needs a CUDA GPU, and this run is on cpu" in err and "Drop --speed here" in err
+    assert "no --text given" not in err and loaded == [] and not out.exists()
+    assert cli.main(["bench", str(tiny_folders[0])]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    with pytest.raises(SparsifyError, match="--speed needs a CUDA GPU"):
+        ev.evaluate([str(tiny_folders[0])], tasks=[], speed=True, device="cpu")
+
+
 def test_eval_without_text_uses_the_bundled_heldout_text_and_says_so(tiny_folders, tmp_path, capsys):
     out = tmp_path / "r"
     argv = ["eval", f"a={tiny_folders[0]}", "--tasks", "none", "--text-tokens", "300", "--out", str(out), "-q"]
@@ -90,9 +111,58 @@ def test_eval_without_text_uses_the_bundled_heldout_text_and_says_so(tiny_folder
     assert row["perplexity"]["python-howto-heldout.txt"]["tokens"] == 299 and row["sparsity"]["tokens"] == 300
     # the tokens and the window say why another tool's perplexity on the same file differs
     assert "perplexity on python-howto-heldout.txt (299 tokens, 256-token windows): a " in captured.out
-    assert cli.main(["eval", f"a={tiny_folders[0]}", "--tasks", "none", "--text", "none", "--out", str(out), "-q"]) == 0
+    assert cli.main(["eval", f"a={tiny_folders[0]}", "--tasks", "none", "--text", "none", "--out", str(out), "-q",
+                     "--overwrite"]) == 0
     report = json.loads((out / "report.json").read_text())
     assert report["models"][0]["perplexity"] == {} and "no --text given" not in capsys.readouterr().err
+
+
+def test_a_second_eval_into_the_same_out_is_refused_and_overwrite_replaces_it_whole(tiny_folders, tmp_path, capsys,
+                                                                                      monkeypatch):
+    """A second `sparsify eval --out DIR` silently replaced the report there (issue 32). It is refused before any
+    model loads, the folder untouched; --overwrite replaces the whole folder at the end (no plot of the earlier
+    report left beside the new one), a crash on the way leaves the earlier report as it was, and a folder holding
+    anything but a report is never replaced."""
+    from sparsify.evaluation import report as rp
+
+    out = tmp_path / "report"
+    first = ["eval", f"a={tiny_folders[0]}", f"b={tiny_folders[1]}", "--tasks", f"{TASKS}/tech_qa.yaml", "--limit", "2",
+             "--text", str(TEXT), "--text-tokens", "200", "--window", "64", "--out", str(out), "-q"]
+    assert cli.main(first) == 0
+    files = lambda: {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()}  # noqa: E731
+    before = files()
+    assert {"report.json", "report.md", "accuracy.png", "sparsity_per_layer.png"} == set(before)
+    loaded = []
+    monkeypatch.setattr(ev, "load_model", lambda *a, **k: loaded.append(a))
+    again = ["eval", f"a={tiny_folders[0]}", "--tasks", "none", "--text", str(TEXT), "--text-tokens", "200",
+             "--window", "64", "--out", str(out), "-q"]
+    capsys.readouterr()
+    assert cli.main(again) == 2
+    err = capsys.readouterr().err
+    assert f"output folder {out} already exists; pass --overwrite to replace it, or choose another --out." in err
+    assert loaded == [] and files() == before  # refused before any model loaded; nothing changed
+    monkeypatch.undo()
+
+    def crash(report):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(rp, "render_markdown", crash)
+    with pytest.raises(RuntimeError, match="disk full"):
+        cli.main(again + ["--overwrite"])
+    assert files() == before and sorted(p.name for p in tmp_path.iterdir()) == ["report"]  # no temp folder left
+    monkeypatch.undo()
+    assert cli.main(again + ["--overwrite"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert [m["name"] for m in report["models"]] == ["a"] and report["plots"] == ["sparsity_per_layer.png"]
+    assert sorted(p.name for p in out.iterdir()) == ["report.json", "report.md", "sparsity_per_layer.png"]
+    assert "| model | source |" in (out / "report.md").read_text() and "| b |" not in (out / "report.md").read_text()
+    # --overwrite never deletes what is not a report: a model folder (or anything else) as --out is refused
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    assert cli.main(again[:-3] + ["--out", str(model), "-q", "--overwrite"]) == 2
+    assert "holds files that are not part of a report (config.json)" in capsys.readouterr().err
+    assert [p.name for p in model.iterdir()] == ["config.json"]
 
 
 def test_ood_texts_give_the_headline_ratio_in_report_summary_and_card(tiny_folders, tmp_path, capsys):
@@ -144,7 +214,7 @@ def test_quiet_hides_every_progress_bar_and_lm_eval_model_warnings_never_show(ti
     assert cli.main(argv) == 0
     loud = capsys.readouterr().err
     assert "sparsify eval:" in loud and "Running loglikelihood requests" in loud  # ours and lm-eval's bars
-    assert cli.main(argv + ["-q"]) == 0
+    assert cli.main(argv + ["-q", "--overwrite"]) == 0
     quiet = capsys.readouterr().err
     assert "%|" not in quiet and "it/s" not in quiet, quiet
     for err in (loud, quiet):  # lm-eval says this once per model otherwise (3x in the demo)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
+from sparsify.errors import SparsifyError
 from sparsify.evaluation import evaluate as ev
 from sparsify.evaluation import speed as sp
 
@@ -28,11 +31,35 @@ def test_report_with_speed_rows_draws_speed_plot_and_tables(tmp_path):
              "prefill": rows, "decode": [], "ffn_share": {"dense": {"batch": 8, "seq": 512, "ffn_share": 0.4}},
              "speedup": sp._speedups(rows, [])}
     report = {"provenance": ev.provenance("cpu"), "models": [{"name": "m", "source": "x", "speed": speed}]}
-    rp.write_report(report, tmp_path)
+    out = tmp_path / "r"
+    rp.write_report(report, out)
     assert report["plots"] == ["speed_vs_batch.png"]
-    md = (tmp_path / "report.md").read_text()
+    md = (out / "report.md").read_text()
     assert "| prefill b8 s512 | 1.300 | - | 0.025 |" in md and "dense (again)" in md and "| dense | 8 | 512 | 0.400 |" in md
-    (tmp_path / "mine.png").write_bytes(b"kept")  # not the report's: never touched
-    rp.write_report({"provenance": ev.provenance("cpu"), "models": [{"name": "m", "source": "x"}]}, tmp_path)
-    assert not (tmp_path / "speed_vs_batch.png").exists(), "a plot of the earlier report was left beside this one"
-    assert (tmp_path / "mine.png").read_bytes() == b"kept"
+    umask = os.umask(0)
+    os.umask(umask)  # a plain copy's modes, not mkdtemp's 0700 / 0600: reports are meant to be shared
+    modes = [oct(p.stat().st_mode & 0o777) for p in (out, out / "report.md")]
+    assert modes == [oct(0o777 & ~umask), oct(0o666 & ~umask)]
+    bare = {"provenance": ev.provenance("cpu"), "models": [{"name": "m", "source": "x"}]}
+    with pytest.raises(SparsifyError, match="already exists; pass --overwrite"):
+        rp.write_report(bare, out)
+    (out / "mine.png").write_bytes(b"kept")  # not the report's: --overwrite must not delete it
+    with pytest.raises(SparsifyError, match=r"not part of a report \(mine.png\)"):
+        rp.write_report(bare, out, overwrite=True)
+    assert (out / "mine.png").read_bytes() == b"kept" and (out / "speed_vs_batch.png").is_file()
+    (out / "mine.png").unlink()
+    rp.write_report(bare, out, overwrite=True)
+    assert not (out / "speed_vs_batch.png").exists(), "a plot of the earlier report was left beside this one"
+
+
+def test_report_cli_refuses_an_existing_out_and_re_renders_in_place_with_overwrite(tmp_path, capsys):
+    from sparsify.evaluation import report as rp
+
+    out = tmp_path / "r"
+    rp.write_report({"provenance": ev.provenance("cpu"), "models": [{"name": "m", "source": "x"}]}, out)
+    before = (out / "report.md").read_bytes()
+    with pytest.raises(SystemExit) as exc:
+        rp.main([str(out), "--out", str(out)])
+    assert exc.value.code == 2 and "pass --overwrite" in capsys.readouterr().err
+    assert rp.main([str(out), "--out", str(out), "--overwrite"]) == 0
+    assert (out / "report.md").read_bytes() == before and not [p for p in tmp_path.iterdir() if p.name != "r"]

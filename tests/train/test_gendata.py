@@ -30,9 +30,42 @@ def test_same_seed_same_text_and_a_record(model, tmp_path):
     c = gendata(model, tmp_path / "c", tokens=40, seq_len=8, batch_size=2, seed=4, device="cpu", progress=False)
     assert texts(a) == texts(b) and texts(a) != texts(c)
     meta = json.loads((a / "gendata.json").read_text())
-    assert meta["tokens"] >= 40 and meta["settings"]["seed"] == 3 and meta["settings"]["model"] == str(model)
+    assert meta["tokens"] == 40 and meta["settings"]["seed"] == 3 and meta["settings"]["model"] == str(model)
     assert sum(len(t) > 0 for t in texts(a)) >= len(texts(a)) // 2  # text, not empty samples
     assert not work_dir(a).exists()
+
+
+def test_writes_exactly_the_tokens_asked_and_its_bar_stops_there(model, tmp_path, capsys):
+    """`--tokens 2000` wrote 2,571 tokens (whole batches) and the bar ran past its total (issue 32): the samples
+    are written in order up to the count, the one reaching it cut there (the start of the sample a longer run
+    writes whole), and the bar ends at the count."""
+    import re
+
+    a = gendata(model, tmp_path / "a", tokens=37, seq_len=8, batch_size=4, seed=1, device="cpu", progress=True)
+    bar = capsys.readouterr().err
+    rows = [json.loads(line) for f in sorted(a.glob("text-*.jsonl")) for line in f.read_text().splitlines()]
+    assert sum(r["tokens"] for r in rows) == 37 == json.loads((a / "gendata.json").read_text())["tokens"]
+    assert all(set(r) == {"text", "prompt", "tokens"} for r in rows)  # the work folder's token ids stay there
+    assert "37/37" in bar and max(int(n) for n in re.findall(r"(\d+)/37 ", bar)) == 37
+    whole = gendata(model, tmp_path / "b", tokens=400, seq_len=8, batch_size=4, seed=1, device="cpu", progress=False)
+    longer = [json.loads(line) for f in sorted(whole.glob("text-*.jsonl")) for line in f.read_text().splitlines()]
+    assert rows[:-1] == longer[:len(rows) - 1]
+    cut, full = rows[-1], longer[len(rows) - 1]
+    assert cut["tokens"] <= full["tokens"] and full["text"].startswith(cut["text"])
+
+
+def test_a_run_with_every_batch_sampled_before_still_stops_at_the_count(model, tmp_path, monkeypatch):
+    """Batches left by a run asked for more tokens (stopped before it finished) cover this one's count: nothing is
+    sampled, and the sample reaching the count is cut as a run from scratch cuts it."""
+    from sparsify.train import gendata as gd
+
+    whole = gendata(model, tmp_path / "whole", tokens=21, seq_len=8, batch_size=2, device="cpu", progress=False)
+    out = tmp_path / "out"
+    more = gd.GenSettings(str(model), 64, seq_len=8, batch_size=2)
+    gd._sample(more, gd._open_work(work_dir(out), more), 0, 0, "cpu", False)
+    monkeypatch.setattr(gd, "_sample", lambda *a: pytest.fail("sampled again"))
+    gendata(model, out, tokens=21, seq_len=8, batch_size=2, device="cpu", progress=False)
+    assert texts(out) == texts(whole) and json.loads((out / "gendata.json").read_text())["tokens"] == 21
 
 
 def test_quiet_shows_no_bar_of_anyone(model, tmp_path, capsys):
@@ -69,8 +102,7 @@ def test_a_killed_run_continues_where_it_stopped(model, tmp_path):
         proc.wait()
     assert not out.exists() and not list(work_dir(out).glob("*.tmp"))
     gendata(model, out, tokens=200, seq_len=8, batch_size=2, device="cpu", progress=False)
-    n = len(texts(whole))
-    assert texts(out)[:n] == texts(whole) and not work_dir(out).exists()
+    assert texts(out) == texts(whole) and not work_dir(out).exists()  # both cut at the same 200th token
 
 
 def test_a_continued_run_must_keep_its_settings(model, tmp_path):

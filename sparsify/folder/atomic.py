@@ -1,0 +1,93 @@
+"""Atomic folder output, for every stage: a folder is built beside OUT and renamed to OUT only when complete, and
+an existing OUT is refused unless the caller asks to replace it. sparsify.folder.format re-exports both (this module
+imports nothing of the toolkit but its errors, so the report writer can use it too)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from sparsify.errors import SparsifyError
+
+
+def check_output(out: str | os.PathLike, overwrite: bool = False, flag: str = "-o/--output") -> None:
+    """Refuses an output path that exists (unless `overwrite`) or is not a folder: call it before long work.
+    `flag` is the option that named it, for the message."""
+    out = Path(out).absolute()
+    if out.exists() and not overwrite:
+        raise SparsifyError(f"output folder {out} already exists; pass --overwrite to replace it, "
+                            f"or choose another {flag}.")
+    if out.exists() and not out.is_dir():
+        raise SparsifyError(f"output path {out} exists and is not a folder; choose another {flag}.")
+
+
+@contextlib.contextmanager
+def atomic_dir(out: str | os.PathLike, overwrite: bool = False, flag: str = "-o/--output") -> Iterator[Path]:
+    """Yield a fresh temporary folder beside `out`; on success it replaces `out`, on any failure
+    (exception, Ctrl-C) it is removed and `out` is left as it was.
+
+    Leftovers of a run killed with SIGKILL (`.NAME.tmp-*`, `.NAME.old-*` beside `out`) are removed on entry.
+    """
+    out = Path(out).absolute()
+    check_output(out, overwrite, flag)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.parent.glob(f".{out.name}.tmp-*"), *out.parent.glob(f".{out.name}.old-*")]:
+        if _is_dead_leftover(stale):
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
+    try:
+        yield tmp
+        _normal_permissions(tmp)
+        _swap_in(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _is_dead_leftover(path: Path) -> bool:
+    """True for a `.NAME.tmp-PID-*` / `.NAME.old-PID` folder whose process no longer runs (a killed run's)."""
+    tag = path.name.split(".tmp-", 1)[1] if ".tmp-" in path.name else path.name.split(".old-", 1)[1]
+    try:
+        pid = int(tag.split("-", 1)[0])
+    except ValueError:
+        return False  # not one of ours: leave it alone
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, someone else's
+        return False
+    return False
+
+
+def _swap_in(tmp: Path, out: Path) -> None:
+    """Rename tmp to out; an existing out is moved aside first and moved back if the second rename fails."""
+    if not out.exists():
+        os.rename(tmp, out)
+        return
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    os.rename(out, old)
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        os.rename(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _normal_permissions(folder: Path) -> None:
+    """mkdtemp (and transformers' temp-file writes) leave 0700/0600; give what a plain copy would get."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for root, dirs, files in os.walk(folder):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), 0o777 & ~umask)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o666 & ~umask)
