@@ -129,7 +129,12 @@ def _load(s: GenSettings, device: str, progress: bool) -> tuple[Any, Any]:
     from sparsify.folder.gguf import no_transformers_bars
 
     with contextlib.nullcontext() if progress else no_transformers_bars():  # -q: transformers' bars too
-        return load_model(parse_models([s.model])[0], device, "auto")
+        model, tok = load_model(parse_models([s.model])[0], device, "auto")
+    if str(device).startswith("cuda"):  # the project's decode regime for any model: a static KV cache, the decode
+        from sparsify.kernels.fast_decode import enable_fast_decode  # step compiled and replayed from a CUDA graph
+
+        enable_fast_decode(model, compile=True)
+    return model, tok
 
 
 def _sample(s: GenSettings, work: Path, start: int, have: int, device: str, progress: bool) -> Any:
@@ -140,18 +145,33 @@ def _sample(s: GenSettings, work: Path, start: int, have: int, device: str, prog
     model, tok = _load(s, device, progress)
     prompts = _read_prompts(s.prompts)
     bar = tqdm(total=s.tokens, initial=min(have, s.tokens), unit="tok", disable=not progress, desc="gendata")
-    k = start
+    k, rate = start, []  # rate: (tokens, seconds) of each batch this process sampled
     while have < s.tokens:
         torch.manual_seed(s.seed * 1_000_003 + k)  # batch k's own seed: the same text whatever ran before it
+        tic = time.perf_counter()
         rows = _sample_batch(model, tok, s, _batch_prompts(prompts, k, s.batch_size), device)
+        new = sum(r["tokens"] for r in rows)
+        rate.append((new, time.perf_counter() - tic))  # (the ids are on the host: the batch is done)
         lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
         _write_atomic(work / f"batch-{k:06d}.jsonl", lines)
-        new = sum(r["tokens"] for r in rows)
         bar.update(min(new, s.tokens - have))
         have += new
         k += 1
     bar.close()
+    _write_atomic(work / f"rate-{start:06d}.json", json.dumps(_rate(rate)) + "\n")
     return tok
+
+
+def _rate(batches: list[tuple[int, float]]) -> dict:
+    """Sampling speed of one process: tokens/s over its batches, and without its first (CUDA: graph capture and
+    compilation happen in the first generate() of a batch size), the rate of a long run."""
+    tokens, seconds = sum(t for t, _ in batches), sum(s for _, s in batches)
+    out = {"batches": len(batches), "tokens": tokens, "seconds": round(seconds, 3),
+           "tokens_per_s": round(tokens / seconds, 1) if seconds else None}
+    if len(batches) > 1:
+        rest_t, rest_s = tokens - batches[0][0], seconds - batches[0][1]
+        out.update(first_batch_s=round(batches[0][1], 3), after_first_tokens_per_s=round(rest_t / rest_s, 1))
+    return out
 
 
 def _read_prompts(path: str | None) -> list[str]:
@@ -217,7 +237,8 @@ def _finish(work: Path, out: Path, s: GenSettings, tok: Any, device: str, progre
             size += len(data)
             k += 1
         meta = {"format": FORMAT, "settings": asdict(s), "tokens": s.tokens, "batches": k, "shards": n,
-                "sparsify": __version__, "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                "sparsify": __version__, "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "sampling": [json.loads(p.read_text()) for p in sorted(work.glob("rate-*.json"))]}
         (final / "gendata.json").write_text(json.dumps(meta, indent=2) + "\n")
     shutil.rmtree(work, ignore_errors=True)
 
@@ -255,4 +276,7 @@ def main(args: argparse.Namespace) -> int:
                   device=args.device, progress=not args.quiet)
     meta = json.loads((out / "gendata.json").read_text())
     print(f"wrote {meta['tokens']:,} tokens in {meta['shards']} shard(s) to {out}")
+    for r in meta.get("sampling", []):  # (none when every batch had been sampled by an earlier run)
+        after = f", {r['after_first_tokens_per_s']:,.0f} after the first batch" if "after_first_tokens_per_s" in r else ""
+        print(f"sampled {r['tokens']:,} tokens in {r['seconds']:.1f} s: {r['tokens_per_s']:,.0f} tokens/s{after}")
     return 0

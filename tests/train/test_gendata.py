@@ -33,6 +33,9 @@ def test_same_seed_same_text_and_a_record(model, tmp_path):
     assert meta["tokens"] == 40 and meta["settings"]["seed"] == 3 and meta["settings"]["model"] == str(model)
     assert sum(len(t) > 0 for t in texts(a)) >= len(texts(a)) // 2  # text, not empty samples
     assert not work_dir(a).exists()
+    (rate,) = meta["sampling"]  # the sampling speed of the process that sampled: every batch it drew, timed
+    assert rate["batches"] == meta["batches"] and rate["tokens"] >= 40 and rate["seconds"] > 0
+    assert rate["tokens_per_s"] == pytest.approx(rate["tokens"] / rate["seconds"], rel=0.01)
 
 
 def test_writes_exactly_the_tokens_asked_and_its_bar_stops_there(model, tmp_path, capsys):
