@@ -19,36 +19,30 @@ if __name__ == "sparsify.kernels":
                "twell_unpack", "threshold_act"]
 else:
     def _hand_over(name: str) -> None:
-        """Replace this module in sys.modules by the package `name` found anywhere but this repository's root,
-        and run it there: the import statement that reached this file returns that package. Nothing found:
-        this module stays, empty. The real package's own import errors propagate unchanged."""
+        """Replace this module in sys.modules by the package `name` found on sys.path past every copy of this
+        bundle (this folder, or another checkout's kernels/ on the path too: each would hand over to the other
+        for ever), and run it there: the import statement that reached this file returns that package. Nothing
+        found: this module stays, empty. The real package's own import errors propagate unchanged."""
         import importlib.machinery
         import importlib.util
         import os
         import sys
 
-        ours = os.path.dirname(os.path.realpath(__file__))
-        root = os.path.dirname(ours)
+        def bundle(origin: str | None) -> bool:  # a copy of this folder: our modeling file lies beside it
+            folder = os.path.dirname(origin) if origin and origin.endswith(".py") else origin
+            return bool(folder) and os.path.isfile(os.path.join(folder, "modeling_sparsify.py"))
 
-        def elsewhere(entry: object) -> bool:
-            if not isinstance(entry, str):
-                return False
-            try:
-                return os.path.realpath(entry or os.getcwd()) != root
-            except OSError:  # a working directory that was removed
-                return False
-
-        path = [p for p in sys.path if elsewhere(p)]
-        for finder in sys.meta_path:  # the path finder over sys.path without the root; then any other finder
+        candidates = [(importlib.machinery.PathFinder, [entry]) for entry in sys.path if isinstance(entry, str)]
+        candidates += [(f, None) for f in sys.meta_path if f is not importlib.machinery.PathFinder]
+        for finder, path in candidates:  # sys.path entry by entry, then any other finder (editable installs)
             find = getattr(finder, "find_spec", None)
-            if find is None:
+            try:
+                spec = find(name, path) if find is not None else None
+            except (ImportError, OSError, ValueError):  # a finder that cannot look there
                 continue
-            spec = find(name, path if finder is importlib.machinery.PathFinder else None)
             origin = spec and (spec.origin or next(iter(spec.submodule_search_locations or ()), None))
-            if spec is None or spec.loader is None or not origin:
+            if spec is None or spec.loader is None or not origin or bundle(os.path.realpath(origin)):
                 continue
-            if os.path.dirname(os.path.realpath(origin)) == ours or os.path.realpath(origin) == ours:
-                continue  # ourselves again (another path to this folder)
             module = importlib.util.module_from_spec(spec)
             sys.modules[name] = module  # the import system returns what sys.modules holds after this file ran
             spec.loader.exec_module(module)

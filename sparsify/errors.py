@@ -10,17 +10,30 @@ class SparsifyError(Exception):
 def import_failure(e: BaseException) -> str | None:
     """A sentence naming the failed import when `e`, or an exception it was raised from, is an ImportError;
     None otherwise. Loaders that catch every exception while reading a checkpoint put this first, so that a
-    broken Python environment is never reported as a corrupt file."""
-    seen: set[int] = set()
+    broken Python environment is never reported as a corrupt file. The innermost cause is named too: transformers
+    wraps what went wrong under a lazy import ("Could not import module 'LlamaConfig'") in an ImportError of its own.
+    """
+    chain, seen = [], set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, ImportError):
-            first = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
-            module = e.name or "a module"
-            where = f" (found at {e.path})" if e.path else ""
-            return (f"an import failed, so this is a problem with the Python environment, not with the file: "
-                    f"{type(e).__name__}: {first}. Check that `python -c \"import {module}\"` works here{where}; "
-                    f"a folder named {module.split('.')[0]!r} in the current directory can hide the installed "
-                    "package, and a missing one installs with pip.")
+        chain.append(e)
         e = e.__cause__ or e.__context__
-    return None
+    imports = [x for x in chain if isinstance(x, ImportError)]
+    if not imports:
+        return None
+    first, root = imports[0], chain[-1]
+
+    def line(x: BaseException) -> str:
+        return f"{type(x).__name__}: " + (str(x).splitlines()[0][:300] if str(x) else "")
+
+    named = next((x for x in imports if x.name), None)  # the module that failed to import, where one is named
+    cause = f" (caused by {line(root)})" if root is not first else ""
+    check = ""
+    if named is not None:
+        module = named.name
+        where = f" (found at {named.path})" if named.path else ""
+        check = (f" Check that `python -c \"import {module}\"` works here{where}; a folder named "
+                 f"{module.split('.')[0]!r} in the current directory can hide the installed package, and a missing "
+                 "one installs with pip.")
+    return (f"an import failed, so this is a problem with the Python environment, not with the file: "
+            f"{line(first)}{cause}.{check}")

@@ -89,6 +89,26 @@ def test_top_level_kernels_hands_over_to_another_package_of_that_name(tmp_path):
     assert out.returncode != 0 and "No module named 'no_such_module_xyz'" in out.stderr
 
 
+def test_two_copies_of_the_bundle_on_the_path_do_not_hand_over_to_each_other(tmp_path):
+    """Another checkout's kernels/ on sys.path too (a device script that puts two trees on PYTHONPATH): each copy
+    would find the other first and hand over to it, for ever (RecursionError inside transformers' imports). Copies
+    are skipped: with no real `kernels` (-S: no site-packages) the module stays one of ours, empty; with a real one
+    after both copies on the path, that one is handed the name."""
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(ROOT / "kernels", other / "kernels")
+    code = "import kernels, pathlib; print(pathlib.Path(kernels.__file__).parent.name, sorted(vars(kernels).get('__all__', ['?'])))"
+    out = _from_root(["-S", "-c", code], env={"PYTHONPATH": str(other)})
+    assert out.returncode == 0 and out.stdout.split() == ["kernels", "[]"], out.stderr[-2000:]
+    real = tmp_path / "site" / "kernels"
+    real.mkdir(parents=True)
+    (real / "__init__.py").write_text("__version__ = '9.9'\n")
+    out = _from_root(["-S", "-c", "import kernels; print(kernels.__version__)"],
+                     env={"PYTHONPATH": f"{other}:{tmp_path / 'site'}"})
+    assert out.returncode == 0 and out.stdout.strip() == "9.9", out.stderr[-2000:]
+
+
 def test_a_broken_import_while_loading_is_named_as_such_not_as_a_corrupt_file(tmp_path, monkeypatch):
     """A loader that catches everything while reading a checkpoint says an import failed, naming the module."""
     import pytest
@@ -113,6 +133,19 @@ def test_a_broken_import_while_loading_is_named_as_such_not_as_a_corrupt_file(tm
     msg = str(info.value)
     assert "an import failed" in msg and "'kernels'" in msg and "/x/kernels/__init__.py" in msg
     assert "corrupt" not in msg and "download it again" not in msg
+
+    def wrapped(*args, **kwargs):  # transformers' lazy import hides the cause under an ImportError without a name
+        try:
+            raise RecursionError("maximum recursion depth exceeded")
+        except RecursionError as e:
+            raise ModuleNotFoundError("Could not import module 'LlamaConfig'.") from e
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", wrapped)
+    with pytest.raises(SparsifyError) as info:
+        load_gguf(gguf)
+    msg = str(info.value)
+    assert "Could not import module 'LlamaConfig'" in msg and "caused by RecursionError" in msg
+    assert "a module" not in msg and "corrupt" not in msg
 
 
 def test_shipped_code_is_flat_and_self_contained():
