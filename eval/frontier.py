@@ -143,18 +143,22 @@ def main() -> int:
     fig, axes = plt.subplots(1, 2 if speed else 1, figsize=(11.5 if speed else 6.5, 4.5), squeeze=False)
     ax = axes[0][0]
     methods = sorted({r.get("method", "?") for r in rows})
-    if len(methods) > 1 and "ood_ratio" in domains:  # the headline per method: which method keeps more at equal zeros
+    by_method = len(methods) > 1 and "ood_ratio" in domains
+    if by_method:  # the headline per method: which method keeps more at equal zeros
         for m, marker in zip(methods, itertools.cycle("osd^v<>Px*")):
             pts = sorted((r for r in rows if r.get("method", "?") == m and r.get("ood_ratio") is not None),
                          key=lambda r: r["zeros"])
-            ax.plot([r["zeros"] for r in pts], [r["ood_ratio"] for r in pts], marker + "-", ms=5, lw=0.8,
-                    label=f"OOD ratio, {m}")
+            ax.plot([r["zeros"] for r in pts], [r["ood_ratio"] for r in pts], marker, ms=5, label=f"OOD ratio, {m}")
+            for r in pts:  # points of one method differ in tokens too: say how many each saw
+                ax.annotate(f" {r['tokens'] / 1e6:.0f}M", (r["zeros"], r["ood_ratio"]), fontsize=6, va="center")
     else:
         for d, marker in zip(domains, itertools.cycle("osd^v<>Px*")):
             pts = [r for r in rows if r.get(d) is not None]
             ax.plot([r["zeros"] for r in pts], [r[d] for r in pts], marker + "-" if args.trajectory else marker,
                     ms=4, lw=0.8, label=d)
-    if args.trajectory:  # one run's path: say how far it went
+    if by_method:
+        pass  # (each point says its tokens)
+    elif args.trajectory:  # one run's path: say how far it went
         last = max(rows, key=lambda r: r["tokens"])
         anchor = next(d for d in domains if last.get(d) is not None)  # (a run without data.ood has no ood_ratio)
         ax.annotate(f"{last['tokens'] / 1e6:.0f}M tokens", (last["zeros"], last[anchor]), fontsize=7)

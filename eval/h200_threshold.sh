@@ -15,8 +15,10 @@ set -euo pipefail
 WORK=${WORK:-/tmp/sparsify-long}
 OUT_DIR=${RESULTS:-$WORK/results}
 WARM="sparsity.method=threshold sparsity.warmup_target=0.85 sparsity.warmup_tokens=6_000_000"
-ARMS=${ARMS:-"thr=$WARM;thr_exact=$WARM sparsity.threshold_grad=exact;thr_neuron=$WARM sparsity.threshold=neuron;\
-thr_nowarm=sparsity.method=threshold;thr_093=$WARM sparsity.target=0.93"}
+# (the first lease ran thr / thr_exact / thr_neuron / thr_nowarm / thr_093 with the straight-through gradient as the
+# default: exact won, and is the default now; l1 is the default recipe on the same schedule)
+ARMS=${ARMS:-"thr=$WARM;thr_neuron=$WARM sparsity.threshold=neuron;thr_093=$WARM sparsity.target=0.93;\
+thr_warm90=sparsity.method=threshold sparsity.warmup_target=0.90 sparsity.warmup_tokens=6_000_000;l1="}
 export TOKENS=${TOKENS:-20_000_000} EVAL_EVERY=${EVAL_EVERY:-305}
 
 case "${1:-}" in

@@ -156,9 +156,12 @@ class SparsitySection:
         "less is cut at a higher gate value. The controller moves theta_l.",
     )
     threshold_grad: Literal["ste", "exact"] = doc(
-        "ste",
-        "method threshold: the gradient of a gate value under theta. `ste` (straight-through): as under ReLU, so a "
-        "neuron just under theta that would help learns to cross it; `exact`: zero, like its forward value.",
+        "exact",
+        "method threshold: the gradient of a gate value under theta. `exact`: zero, like its forward value. `ste` "
+        "(straight-through): as under ReLU, so a neuron just under theta that would help learns to cross it; measured "
+        "on SmolLM2-135M it feeds a race (gates grow, the controller raises theta: theta 0.6 -> 8.8 in 370 steps, layer "
+        "0 fell from 90% to 65% zeros) and read 2.29x on unseen text against exact's 1.97x at 10M tokens "
+        "(eval/results/threshold-frontier-h200/).",
     )
     threshold_gain: float = doc(
         1.0,

@@ -31,7 +31,47 @@ def test_frontier_table_leads_with_ood_ratio_and_adds_cloze(tmp_path, monkeypatc
                                       "--cloze", str(cloze)])
     assert frontier.main() == 0
     table = (tmp_path / "o" / "frontier.md").read_text().splitlines()
-    assert table[0].startswith("| run | tokens | zeros (mean) | least sparse layer | ppl ratio: ood_ratio | ppl ratio: id_ratio")
-    assert "| lever | 1M | 95.50% | 93.50% (layer 0) | 1.300x | 1.120x | 1.050x |" in table[3]
-    assert table[2].endswith("| 0.400 +- 0.020 | -10.0 pts |")
-    assert table[3].endswith("| 0.470 +- 0.020 | -3.0 pts |")
+    head = "| run | method | tokens | zeros (mean) | least sparse layer | ppl ratio: ood_ratio | ppl ratio: id_ratio"
+    assert table[0].startswith(head)
+    # rows by method, then zeros (no recipe.yaml here: the method is unknown, "?")
+    assert "| lever | ? | 1M | 95.50% | 93.50% (layer 0) | 1.300x | 1.120x | 1.050x |" in table[2]
+    assert table[2].endswith("| 0.470 +- 0.020 | -3.0 pts |")
+    assert table[3].startswith("| base |") and table[3].endswith("| 0.400 +- 0.020 | -10.0 pts |")
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("frontier", SCRIPT)
+    frontier = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(frontier)
+    return frontier
+
+
+def test_frontier_gives_each_run_its_method_adds_recorded_points_and_what_the_zeros_buy(tmp_path, monkeypatch):
+    """The choice a user makes: the method of each run (recipe.yaml), points measured earlier (--recorded), and the
+    decode FFN speed each measured zeros level buys (--speed: a decode-bench.json)."""
+    l1, thr, ctl = (_run(tmp_path, "l1", 0.95, 1.9, 1.1), _run(tmp_path, "thr", 0.951, 1.6, 1.05),
+                    _run(tmp_path, "control", 0.69, 1.16, 0.8))
+    (l1 / "recipe.yaml").write_text("sparsity: {target: 0.95, l1: 0.06}\n")
+    (thr / "recipe.yaml").write_text("sparsity: {method: threshold, threshold: neuron, threshold_grad: exact, "
+                                     "target: 0.95}\n")
+    (ctl / "recipe.yaml").write_text("sparsity: {target: null, l1: 0}\n")
+    recorded = tmp_path / "recorded.json"
+    recorded.write_text(json.dumps([{"run": "old", "method": "l1", "tokens": 20_000_000, "zeros": 0.868,
+                                     "min_layer_zeros": 0.848, "ood_ratio": 1.492, "cloze": 0.291,
+                                     "source": "an earlier lease"}]))
+    speed = tmp_path / "decode-bench.json"
+    rows = [{"d": d, "F": f, "M": m, "zeros": z, "measured_zeros": z, "x": {"routed": x}}
+            for (d, f), m, z, x in [((2048, 8192), 1, 0.9, 1.7), ((4096, 14336), 1, 0.9, 1.8),
+                                    ((2048, 8192), 1, 0.955, 2.1), ((2048, 8192), 8, 0.955, 1.5)]]
+    speed.write_text(json.dumps({"meta": {"env": {"gpu": "NVIDIA H200"}}, "rows": rows}))
+    monkeypatch.setattr(sys, "argv", ["frontier.py", str(l1), str(thr), str(ctl), "--out", str(tmp_path / "o"),
+                                      "--recorded", str(recorded), "--speed", str(speed)])
+    assert _load().main() == 0
+    md = (tmp_path / "o" / "frontier.md").read_text()
+    assert "| l1 | l1 | 1M | 95.00% |" in md and "| thr | threshold (neuron, exact) | 1M | 95.10% |" in md
+    assert "| control | no-L1 | 1M | 69.00% |" in md
+    assert "| old (recorded) | l1 | 20M | 86.80% | 84.80% | 1.492x |" in md and "(recorded) an earlier lease" in md
+    assert "| zeros | M | 2048x8192 | 4096x14336 |" in md and "NVIDIA H200" in md
+    assert "| 0.900 | 1 | 1.70x | 1.80x |" in md and "| 0.955 | 8 | 1.50x | - |" in md
+    data = json.loads((tmp_path / "o" / "frontier.json").read_text())
+    assert len(data["runs"]) == 4 and len(data["speed"]) == 3

@@ -127,10 +127,18 @@ def test_thresholded_folder_runs_twell_with_its_thresholds_on_cuda(model_type, t
             m.threshold.copy_(t)
     scale = logits["dense"].abs().max().item()
     assert (plain - logits["dense"]).abs().max().item() > 0.05 * scale, "the thresholds change nothing"
-    for backend in ("twell", "auto"):  # bf16 end to end: a few bf16 ulps of the logits
-        assert (logits[backend] - logits["dense"]).abs().max().item() <= 3e-2 * scale, backend
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "thr", trust_remote_code=True, dtype=torch.float32)
-    model = model.cuda().eval()  # fp32: greedy tokens are comparable exactly, as in the tests above
+    model = model.cuda().eval()  # fp32: the reference, and greedy tokens comparable exactly, as in the tests above
+    model.set_ffn_backend("dense")
+    with torch.no_grad():
+        ref = model(ids).logits.float()
+    # The tests' bf16 rule against the fp32 reference: each path within twice the bf16 dense path's error. Not
+    # twell against dense directly: a gate within a bf16 ulp of its theta may round to either side in two GEMMs
+    # summed in different orders, and then h_j jumps by theta_j * up_j (h is not continuous at theta, as relu is
+    # at 0); measured on the H200, twell - dense reached 0.045 in the llama case, logits of scale 0.95.
+    dense_err = (logits["dense"] - ref).abs().max().item()
+    for backend in ("twell", "auto"):
+        assert (logits[backend] - ref).abs().max().item() <= 2 * dense_err + 1e-3 * scale, backend
     fast = model._fast_decode
     model.set_ffn_backend("dense")
     fast.enabled = False
