@@ -141,7 +141,8 @@ def test_threshold_run_warms_up_switches_holds_targets_exports_and_resumes_exact
     (["sparsity.warmup_tokens=100"], "they describe the L1 warm-up of sparsity.method=threshold"),
     (["sparsity.method=threshold", "sparsity.target=0.9", "sparsity.warmup_target=0.8"], "no warm-up to drive"),
     (["sparsity.method=threshold", "sparsity.target=0.9", "sparsity.warmup_tokens=10_000"], "never be calibrated"),
-    (["sparsity.method=threshold", "sparsity.target=0.9", "train.kernels=twell"], "threshold_grad=exact"),
+    (["sparsity.method=threshold", "sparsity.target=0.9", "sparsity.threshold_grad=ste", "train.kernels=twell"],
+     "threshold_grad=exact"),
     (["sparsity.method=threshold", "sparsity.target=0.9", "sparsity.blend_steps=2"], "both replace the MLP activation"),
     (["sparsity.method=threshold", "sparsity.target=[0.9, 0.9, 0.9]"], "3 values, but"),
 ])
