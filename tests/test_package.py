@@ -120,30 +120,27 @@ def test_a_broken_import_while_loading_is_named_as_such_not_as_a_corrupt_file(tm
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF" + bytes(60))
 
-    def broken(*args, **kwargs):
-        try:
-            raise ImportError("cannot import name 'CUDAProperties' from 'kernels' (/x/kernels/__init__.py)",
-                              name="kernels", path="/x/kernels/__init__.py")
-        except ImportError as e:
-            raise RuntimeError("while building the model") from e
+    def load_message(inner: BaseException, outer: BaseException) -> str:
+        """load_gguf's error when transformers raises `outer` from `inner` while reading the file."""
+        def raising(*args, **kwargs):
+            try:
+                raise inner
+            except type(inner) as e:
+                raise outer from e
 
-    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", broken)
-    with pytest.raises(SparsifyError) as info:
-        load_gguf(gguf)
-    msg = str(info.value)
+        monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", raising)
+        with pytest.raises(SparsifyError) as info:
+            load_gguf(gguf)
+        return str(info.value)
+
+    msg = load_message(ImportError("cannot import name 'CUDAProperties' from 'kernels' (/x/kernels/__init__.py)",
+                                   name="kernels", path="/x/kernels/__init__.py"),
+                       RuntimeError("while building the model"))
     assert "an import failed" in msg and "'kernels'" in msg and "/x/kernels/__init__.py" in msg
     assert "corrupt" not in msg and "download it again" not in msg
-
-    def wrapped(*args, **kwargs):  # transformers' lazy import hides the cause under an ImportError without a name
-        try:
-            raise RecursionError("maximum recursion depth exceeded")
-        except RecursionError as e:
-            raise ModuleNotFoundError("Could not import module 'LlamaConfig'.") from e
-
-    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", wrapped)
-    with pytest.raises(SparsifyError) as info:
-        load_gguf(gguf)
-    msg = str(info.value)
+    # transformers' lazy import hides the cause under an ImportError that names no module
+    msg = load_message(RecursionError("maximum recursion depth exceeded"),
+                       ModuleNotFoundError("Could not import module 'LlamaConfig'."))
     assert "Could not import module 'LlamaConfig'" in msg and "caused by RecursionError" in msg
     assert "a module" not in msg and "corrupt" not in msg
 
