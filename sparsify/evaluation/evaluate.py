@@ -147,15 +147,14 @@ def evaluate(models: list[str | Path], *, tasks: list[str] | None = None, texts:
         raise SparsifyError(GPU_ONLY.format(device=device))
     specs = parse_models(list(models))
     text_paths = check_texts(settings.texts + settings.ood_texts)
-    with tempfile.TemporaryDirectory(prefix="sparsify-tasks-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="sparsify-tasks-") as tmp, quiet_bars(not settings.progress):
         task_spec = resolve_tasks(tasks, Path(tmp))
-        check_tasks(task_spec)
+        check_tasks(task_spec)  # builds each task's dataset: the datasets library's bars, hidden by -q too
         if bundled:  # said once every input is known good: an error is never preceded by it
             print(f"sparsify eval: no --text given, so perplexity and the sparsity profile are measured on the "
                   f"held-out text bundled with sparsify ({HELDOUT_TEXT.name}: Python HOWTO documents); pass --text "
                   "FILE for your own, or --text none to skip them.", file=sys.stderr)
-        with quiet_bars(not settings.progress):
-            rows = _run_all(specs, task_spec, text_paths, settings, device)
+        rows = _run_all(specs, task_spec, text_paths, settings, device)
     report = {"sparsify_report": 1, "provenance": provenance(device),
               "settings": {**asdict(settings), "device": device, "task_names": task_spec.names,
                            "texts_bundled": bundled},

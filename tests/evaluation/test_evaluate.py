@@ -203,10 +203,16 @@ def test_ood_texts_give_the_headline_ratio_in_report_summary_and_card(tiny_folde
     assert "novel.txt given twice" in capsys.readouterr().err
 
 
-def test_quiet_hides_every_progress_bar_and_lm_eval_model_warnings_never_show(tiny_folders, tmp_path, capsys):
+def test_quiet_hides_every_progress_bar_and_lm_eval_model_warnings_never_show(tiny_folders, tmp_path, capsys,
+                                                                                monkeypatch):
     import io
 
+    import datasets
     from tqdm import std
+
+    # a datasets cache of its own: each run builds the task's data, as a first run in a fresh clone does (its
+    # "Generating test split" bar showed under -q)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
 
     tqdm_init = std.tqdm.__dict__["__init__"]
     argv = ["eval", f"a={tiny_folders[0]}", f"b={tiny_folders[1]}", "--tasks", f"{TASKS}/tech_qa.yaml",
@@ -214,9 +220,11 @@ def test_quiet_hides_every_progress_bar_and_lm_eval_model_warnings_never_show(ti
     assert cli.main(argv) == 0
     loud = capsys.readouterr().err
     assert "sparsify eval:" in loud and "Running loglikelihood requests" in loud  # ours and lm-eval's bars
+    assert "Generating test split" in loud
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache2")
     assert cli.main(argv + ["-q", "--overwrite"]) == 0
     quiet = capsys.readouterr().err
-    assert "%|" not in quiet and "it/s" not in quiet, quiet
+    assert "%|" not in quiet and "it/s" not in quiet and "Generating test split" not in quiet, quiet
     for err in (loud, quiet):  # lm-eval says this once per model otherwise (3x in the demo)
         assert "already-initialized model" not in err and "is not of type `str`" not in err
     assert std.tqdm.__dict__["__init__"] is tqdm_init and std.tqdm(range(1), file=io.StringIO()).disable is False  # restored
