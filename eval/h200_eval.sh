@@ -47,12 +47,12 @@ run() {
     tasks=none
   fi
   # the GPU tests of the eval stage first: every backend measured, ratios formed, auto restored
-  "$PY" -m pytest -q -m gpu tests/test_evaluate.py
+  "$PY" -m pytest -q -m gpu tests/evaluation/test_evaluate.py
   # held-out text (not in the fine-tuning data) for perplexity, the sparsity profile and speed inputs
   "$PY" -m sparsify eval "orig=$orig" "relu=$relu" "ft=$ft" --tasks "$tasks" \
     --text sparsify/corpus/python-howto-heldout.txt --text-tokens 16384 --speed \
     --speed-batches "${SPEED_BATCHES:-1,8,32,64}" --speed-seqs "${SPEED_SEQS:-512,2048}" \
-    --decode-batches "${DECODE_BATCHES:-1,16,64}" --batch-size 32 --out "$out"
+    --decode-batches "${DECODE_BATCHES:-1,16,64}" --batch-size 32 --out "$out" --overwrite
 }
 
 case "${1:-}" in

@@ -35,7 +35,7 @@ synth() {
   shift 3
   [ -d "$WORK/$name" ] || python3 -m sparsify synth "$config" -o "$WORK/$name" --zeros "$zeros" -q
   python3 -c "import json,sys; s=json.load(open(sys.argv[1]))['sparsify']['synthetic']; print('zeros per layer', s['zeros_per_layer'])" "$WORK/$name/config.json"
-  python3 -m sparsify bench "$name=$WORK/$name" --out "$RESULTS/bench-$name" "$@"
+  python3 -m sparsify bench "$name=$WORK/$name" --out "$RESULTS/bench-$name" --overwrite "$@"
   tail -n 12 "$RESULTS/bench-$name/report.md"
 }
 

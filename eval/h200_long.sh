@@ -232,7 +232,7 @@ case "${1:-}" in
     # prompts from held-out text (a real model's sparsity depends on the text; random ids are not text)
     general=$(ls "$WORK"/heldout/general.txt 2>/dev/null || true)
     python -m sparsify bench "$bench" --batch "${BENCH_BATCH:-1,8,32}" --prompt "${BENCH_PROMPT:-512}" \
-        --regimes "${BENCH_REGIMES:-compiled}" ${general:+--text "$general"} --new-tokens 256 --out "$OUT/bench" -q \
+        --regimes "${BENCH_REGIMES:-compiled}" ${general:+--text "$general"} --new-tokens 256 --out "$OUT/bench" --overwrite -q \
         2>&1 | tail -15 || echo "bench failed"
     if [ -f eval/ppl_gap.py ] && [ -n "$texts" ]; then
         python eval/ppl_gap.py --original "$WORK/smollm2.gguf" --finetuned "${bench#*=}" --tokens "${TOK:-$WORK/tok}" \
@@ -240,7 +240,7 @@ case "${1:-}" in
             | tail -20 || echo "ppl_gap failed"
     fi
     python -m sparsify eval original="$WORK/smollm2.gguf" $models --tasks none \
-        ${texts:+--text $texts} --text-tokens 0 --out "$OUT/eval" -q 2>&1 | tail -14 || echo "eval failed"
+        ${texts:+--text $texts} --text-tokens 0 --out "$OUT/eval" --overwrite -q 2>&1 | tail -14 || echo "eval failed"
     if [ "${BENCH_FFN:-0}" = 1 ] && [ -f eval/bench_train_ffn.py ]; then
         python eval/bench_train_ffn.py --out "$OUT/train_ffn" 2>&1 | tail -25 || echo "bench_train_ffn failed"
     fi

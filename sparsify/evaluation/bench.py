@@ -384,12 +384,17 @@ def gpu_provenance() -> dict:
 def bench(models: list[str], *, batches=(1, 8, 32), prompts=(128, 512, 2048), new_tokens: int = 256,
           repeats: int = 5, regimes=("compiled",), dtype: str = "bf16", text: str | Path | None = None,
           out: str | Path | None = None, trust_remote_code: bool = False, budget_s: float | None = None,
-          progress: bool = True) -> dict:
-    """Benchmark each model (`[NAME=]PATH`); writes OUT/bench.json, report.md and decode.png if `out`."""
+          progress: bool = True, overwrite: bool = False) -> dict:
+    """Benchmark each model (`[NAME=]PATH`); writes OUT/bench.json, report.md and decode.png if `out` (an existing
+    `out` is refused before any work unless `overwrite`, and replaced whole at the end)."""
     import gc
 
     import torch
 
+    from sparsify.folder.atomic import atomic_dir, check_output
+
+    if out is not None:
+        check_output(out, overwrite)
     if not torch.cuda.is_available():
         raise SparsifyError(GPU_ONLY)
     if new_tokens < 2:
@@ -426,11 +431,10 @@ def bench(models: list[str], *, batches=(1, 8, 32), prompts=(128, 512, 2048), ne
         gc.collect()
         torch.cuda.empty_cache()
     if out is not None:
-        out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "bench.json").write_text(json.dumps(report, indent=1) + "\n")
-        (out / "report.md").write_text(markdown(report) + "\n")
-        plot(report, out / "decode.png")
+        with atomic_dir(out, overwrite) as tmp:
+            (tmp / "bench.json").write_text(json.dumps(report, indent=1) + "\n")
+            (tmp / "report.md").write_text(markdown(report) + "\n")
+            plot(report, tmp / "decode.png")
     return report
 
 
@@ -455,6 +459,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget-s", type=float, default=None, help="skip remaining cases after this many seconds")
     parser.add_argument("--out", default=None, help="folder for bench.json, report.md, decode.png")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow other folders' own modeling code")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
     parser.add_argument("-q", "--quiet", action="store_true", help="no per-case lines")
 
 
@@ -462,6 +467,6 @@ def main(args: argparse.Namespace) -> int:
     report = bench(args.models, batches=args.batch, prompts=args.prompt, new_tokens=args.new_tokens,
                    repeats=args.repeats, regimes=tuple(args.regimes.split(",")), dtype=args.dtype, text=args.text,
                    out=args.out, trust_remote_code=args.trust_remote_code, budget_s=args.budget_s,
-                   progress=not args.quiet)
+                   progress=not args.quiet, overwrite=args.overwrite)
     print(markdown(report) if args.out is None else f"bench: wrote {args.out}/report.md")
     return 0

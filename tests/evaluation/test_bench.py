@@ -59,6 +59,25 @@ def test_bench_refuses_without_a_gpu(capsys, tmp_path):
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
+def test_bench_refuses_an_existing_out_before_any_work_and_writes_it_whole(tmp_path, monkeypatch, capsys):
+    """Like every stage: an existing --out is refused first (nothing in it changes), --overwrite replaces it whole
+    at the end (here with the GPU work faked out: the report of no model)."""
+    from sparsify.evaluation import bench as bench_mod
+
+    out = tmp_path / "bench"
+    out.mkdir()
+    (out / "mine.txt").write_text("keep")
+    assert cli(["bench", str(tmp_path), "--out", str(out)]) == 2
+    assert "already exists; pass --overwrite" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["mine.txt"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake")
+    monkeypatch.setattr(bench_mod, "gpu_provenance", lambda: {})
+    monkeypatch.setattr(bench_mod, "plot", lambda report, path: path.write_text("png"))
+    bench_mod.bench([], out=out, overwrite=True, progress=False)
+    assert sorted(p.name for p in out.iterdir()) == ["bench.json", "decode.png", "report.md"]
+
+
 def test_paired_prefill_warms_each_variant_and_flips_the_order(monkeypatch):
     """paired_prefill_ms: every round sets each variant, runs one untimed prompt forward, then the timed one,
     in an order that flips every round; one time per variant and round."""
