@@ -8,7 +8,7 @@
 #   bash eval/h200_long.sh stage .carry/p1          (carry .carry/p1), then p2, then p3
 #   bash eval/h200_threshold.sh sweep               the ARMS below, detached, SLOTS at a time (default: all)
 #   bash eval/h200_threshold.sh gpu-tests           the GPU tests of the thresholded kernel paths (beside the sweep)
-#   bash eval/h200_long.sh wait 540                 until the sweep ends
+#   bash eval/h200_long.sh wait 540; PACK=$OUT bash eval/h200_threshold.sh pack    until the sweep ends; metrics so far
 #   PACK=$OUT bash eval/h200_threshold.sh after     decode speed per zeros level, gendata tokens/s, cloze, frontier
 # Knobs: ARMS ("name=override ...;..."), TOKENS (default 20M each), ZEROS (decode levels), GEN_TOKENS / GEN_BATCH.
 set -euo pipefail
@@ -17,8 +17,13 @@ OUT_DIR=${RESULTS:-$WORK/results}
 WARM="sparsity.method=threshold sparsity.warmup_target=0.85 sparsity.warmup_tokens=6_000_000"
 # (the first lease ran thr / thr_exact / thr_neuron / thr_nowarm / thr_093 with the straight-through gradient as the
 # default: exact won, and is the default now; l1 is the default recipe on the same schedule)
-ARMS=${ARMS:-"thr=$WARM;thr_neuron=$WARM sparsity.threshold=neuron;thr_093=$WARM sparsity.target=0.93;\
-thr_warm90=sparsity.method=threshold sparsity.warmup_target=0.90 sparsity.warmup_tokens=6_000_000;l1="}
+# Default: three 20M-token arms (thr, thr_neuron, l1 on the same schedule) and thr at 100M tokens, all side by side
+# (160M tokens: ~14 min of one H200 at ~190k tokens/s shared, 235k alone); ARMS2 the next ones when time is left.
+ARMS=${ARMS:-"thr=$WARM;thr_neuron=$WARM sparsity.threshold=neuron;l1=;\
+thr_100M=$WARM train.max_tokens=100_000_000 train.eval_every=610"}
+ARMS2="thr_093=$WARM sparsity.target=0.93;thr_warm90=sparsity.method=threshold sparsity.warmup_target=0.90 \
+sparsity.warmup_tokens=6_000_000"
+[ "${ARMS}" = 2 ] && ARMS=$ARMS2
 export TOKENS=${TOKENS:-20_000_000} EVAL_EVERY=${EVAL_EVERY:-305}
 
 case "${1:-}" in
@@ -49,5 +54,9 @@ case "${1:-}" in
         --recorded eval/results/threshold-frontier-h200/recorded-l1-20M.json 2>&1 | tail -30 || true
     if [ -n "${PACK:-}" ]; then tar -cJf "$PACK/results.tar.xz" -C "$OUT_DIR" . && ls -la "$PACK"; fi
     ;;
-  *) echo "usage: $0 sweep | gpu-tests | after" >&2; exit 2 ;;
+  pack)  # the runs' metrics and recipes so far (a wait call can end the lease): $PACK/partial.tar.xz
+    (cd "$WORK" && find sweep results -maxdepth 3 \( -name metrics.jsonl -o -name recipe.yaml -o -name '*.log' \) -print0 \
+        | tar -cJf "${PACK:?set PACK=DIR}/partial.tar.xz" --null -T -) && ls -la "$PACK"
+    ;;
+  *) echo "usage: $0 sweep | gpu-tests | after | pack" >&2; exit 2 ;;
 esac
