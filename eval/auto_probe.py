@@ -68,7 +68,7 @@ def variants(x, w_gate, w_up, w_down, w_down_t, ops, tt, ffn_dense) -> dict:
     policies = {"auto_tw": Policy(), "auto_tw_norefr": Policy(refresh=10**9, refresh_dense=10**9),
                 "auto_tw_r16": Policy(refresh=16), "auto_tw_wdt": Policy()}
     own = {k: w_gate.clone() for k in ("auto", *FORCED)}  # separate dispatcher states and call counters
-    disp = {"auto": ops.AUTO, **{k: Dispatcher(policy=p) for k, p in policies.items()}}
+    disp = {"auto": ops.auto_dispatcher(), **{k: Dispatcher(policy=p) for k, p in policies.items()}}
 
     def auto(name, wdt=None):
         if x.is_cuda and name != "auto":
@@ -166,8 +166,8 @@ def run_case(d, f, m, sparsity, pattern, args, ctx) -> dict:
     zeros = 1.0 - float((torch.nn.functional.linear(x, w_gate) > 0).float().mean())
     fns = variants(x, w_gate, w_up, w_down, w_down_t, ops, tt, ffn_dense)
     row = {"d": d, "F": f, "M": m, "sparsity": sparsity, "pattern": pattern, "dtype": str(dt),
-           "measured_zeros": zeros, "REFRESH": ops.AUTO.policy.refresh,
-           "REFRESH_DENSE": ops.AUTO.policy.refresh_dense}
+           "measured_zeros": zeros, "REFRESH": ops.auto_dispatcher().policy.refresh,
+           "REFRESH_DENSE": ops.auto_dispatcher().policy.refresh_dense}
     row["auto_state"] = warm(fns, ops, clock)
     t = interleaved(fns, ops, clock, args.calls, args.rounds)
     row["timing"] = summarize(t)

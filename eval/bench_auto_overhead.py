@@ -1,7 +1,7 @@
 """What `auto` costs a whole model in eager calls once it decided dense: the model with the FFN backend "dense",
 "auto" as shipped (a decided-dense layer runs its torch expression after one attribute test until the next
-density refresh: grant_dense), and "auto" without that grant (every call through twell_ffn and the dispatcher's
-lookup), timed side by side in one run.
+density refresh: the FFN runtime's grants), and "auto" without grants (`ffn_runtime.grants = False`: every call
+through the kernels' entry and the dispatcher's lookup), timed side by side in one run.
 
     python eval/bench_auto_overhead.py MODEL_FOLDER... [--batch 1] [--prompt 512] [--rounds 7] [--out DIR]
 
@@ -40,14 +40,16 @@ def loop_ms(fn, n: int, cuda: bool) -> float:
 
 
 def variants(model) -> dict:
-    """{name: prepare()}: set the backend (and the grant) the name stands for."""
-    modeling = sys.modules[type(model).__module__]
-    granting = modeling.grant_dense
+    """{name: prepare()}: set the backend (and whether auto grants) the name stands for."""
+    runtime = getattr(model, "ffn_runtime", None)
+    if runtime is None:
+        raise SystemExit("this folder's modeling code predates the FFN runtime (issue 31): re-export it "
+                         "(sparsify synth / convert) to compare auto with and without grants")
 
     def use(backend: str, grant: bool):
         def prepare() -> None:
-            modeling.grant_dense = granting if grant else (lambda w_gate, m: (0, False))
-            model.set_ffn_backend(backend)  # (also ends any grant a module holds)
+            runtime.grants = grant
+            model.set_ffn_backend(backend)  # (also ends any grant a layer holds)
         return prepare
 
     return {"dense": use("dense", False), "auto": use("auto", True), "auto_no_grant": use("auto", False)}

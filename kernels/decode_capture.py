@@ -6,11 +6,12 @@ for a graph, its replay() calling the captured function again on the captured in
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
 
-from .twell_ops import dense_in_capture, twell_in_capture
+from .ffn_runtime import runtime_of
 
 logger = logging.getLogger("sparsify")
 # The FFN dispatcher decides per layer on the FFN timed alone, so a whole step with TwELL layers can still
@@ -75,17 +76,16 @@ def restore(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 
 def ffn_state(model) -> tuple:
-    """What a captured graph baked in besides its inputs: each sparse FFN's backend (a graph captured on
-    one backend must not be replayed after a switch to another)."""
-    return tuple(m.ffn_backend for m in model.modules() if hasattr(m, "ffn_backend"))
+    """What a captured graph baked in besides its inputs: the model's FFN backend, as its FFNRuntime holds it
+    (a graph captured on one backend must not be replayed after a switch to another); () for other models."""
+    runtime = runtime_of(model)
+    return () if runtime is None else (runtime.backend,)
 
 
 def twell_in_step(model, batch: int) -> bool:
     """Whether some sparse FFN on "auto" runs TwELL when a step of `batch` tokens is captured now."""
-    if model is None:
-        return False
-    return any(getattr(m, "ffn_backend", None) == "auto" and twell_in_capture(m.gate_weight(), batch)
-               for m in model.modules())
+    runtime = runtime_of(model)
+    return runtime is not None and runtime.twell_in_step(batch)
 
 
 class EagerReplay:
@@ -154,7 +154,8 @@ def step_check(fast, capture, undo, batch: int, cache, first: tuple, loop: str) 
     `fast` (a FastDecode) supplies check_step, twell_in_step, step_timer and collects step_checks."""
     if not fast.check_step or not fast.twell_in_step(batch) or free_positions(cache) <= STEP_CHECK_REPLAYS:
         return first
-    with dense_in_capture():
+    runtime = runtime_of(fast.model)
+    with runtime.dense_in_capture() if runtime is not None else contextlib.nullcontext():
         dense = capture()
     twell_ms, dense_ms = fast.step_timer([first[0], dense[0]], undo)
     kept = "twell" if twell_ms <= STEP_CHECK_MARGIN * dense_ms else "dense"

@@ -8,7 +8,8 @@ in paired rounds through the code a later call runs, eagerly and, for decode siz
 graphs (captured calls use that decision). TwELL is kept only when the median paired ratio beats
 `margin`. The density is refreshed every `refresh` calls without a host sync; a drift re-times the
 bucket. Once a bucket chose dense, `fast_path` runs the dense FFN after one lookup, and `grant_dense` lets a
-module skip even that until the next refresh (SparseMLP runs its own dense expression meanwhile).
+layer skip even that until the next refresh (its FFNRuntime runs the layer's own dense expression meanwhile
+and reports the calls with `dense_used`).
 
 A call may carry a threshold theta [F] (float32: h = g [g > theta] * up): both paths compute that function,
 the density is the fraction of g > theta, and a bucket's state belongs to one theta tensor object (a call
@@ -224,10 +225,10 @@ class Dispatcher:
         capturing: whether the current stream is capturing a CUDA graph.
         sparse: the TwELL path (TwellPath: `__call__`, `count`, `spills`; both take threshold=).
         entry: what calibration times, (x2d, w_gate, w_up, w_down, w_down_t, threshold) -> y; default `run`
-            (twell_ops passes twell_ffn(backend="auto"), so its argument checks are in the number).
-    """
+            (an FFNRuntime passes its twell_ffn(backend="auto"), so the argument checks are in the number).
 
-    thresholds = True  # every call takes threshold= (twell_ops shares no older dispatcher that lacks it)
+    One per FFNRuntime (ffn_runtime.py), i.e. per model, plus the process runtime's for bare twell_ffn calls.
+    """
 
     def __init__(self, clock=None, store=None, policy: Policy = Policy(), capturing=None, sparse=None, entry=None):
         self.clock = clock or CudaClock()
@@ -315,18 +316,12 @@ class Dispatcher:
         re-timing is due (else 0); in_capture is True only when graph replay chose dense too (decode buckets
         often run dense eagerly but TwELL in graphs: a caller must then leave captured calls to auto). The
         caller reports the calls it ran with `dense_used` before it calls auto again, so refreshes keep their
-        period in real calls (see SparseMLP)."""
+        period in real calls (see FFNRuntime.ffn)."""
         st = self._state(w_gate, m)
         if st is None or st.decision != "dense" or st.retune:
             return 0, False
         every = self.policy.refresh_dense
         return every - 1 - st.calls % every, st.graph_decision == "dense"
-
-    def dense_grant(self, w_gate: torch.Tensor, m: int) -> int:
-        """grant_dense's calls where they cover captured calls too, else 0: what the SparseMLP of a folder
-        written before grant_dense asks (a process shares one dispatcher among every copy of this bundle)."""
-        calls, in_capture = self.grant_dense(w_gate, m)
-        return calls if in_capture else 0
 
     def dense_used(self, w_gate: torch.Tensor, m: int, calls: int) -> None:
         """Count `calls` calls of m rows that ran dense under a grant (a grant left unused costs nothing)."""

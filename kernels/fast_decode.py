@@ -14,6 +14,7 @@ import functools
 import logging
 import time
 from collections import OrderedDict
+from types import MappingProxyType
 
 import torch
 
@@ -23,18 +24,20 @@ from .decode_capture import (EagerReplay, cache_counters, capture_call, clone_in
 logger = logging.getLogger("sparsify")
 EOS_CHECK = 64  # greedy steps between host checks for end-of-sequence tokens (each check syncs)
 CACHE_ROUND = 256  # reused static caches are sized up to a multiple of this many positions
-_LOOP_KWARGS = {"input_ids", "inputs", "attention_mask", "max_new_tokens", "min_new_tokens", "do_sample",
-                "pad_token_id", "eos_token_id", "use_cache", "generation_config"}
-_NEUTRAL = {"num_beams": (None, 1), "num_beam_groups": (None, 1), "repetition_penalty": (None, 1.0),
-            "no_repeat_ngram_size": (None, 0), "bad_words_ids": (None,), "suppress_tokens": (None,),
-            "begin_suppress_tokens": (None,), "forced_bos_token_id": (None,), "forced_eos_token_id": (None,),
-            "sequence_bias": (None,), "guidance_scale": (None, 1.0), "min_length": (None, 0),
-            "encoder_repetition_penalty": (None, 1.0), "exponential_decay_length_penalty": (None,),
-            "renormalize_logits": (None, False), "output_scores": (None, False), "output_logits": (None, False),
-            "return_dict_in_generate": (None, False), "output_attentions": (None, False),
-            "output_hidden_states": (None, False), "stop_strings": (None,), "max_time": (None,),
-            "assistant_model": (None,), "prompt_lookup_num_tokens": (None,), "watermarking_config": (None,),
-            "token_healing": (None, False), "dola_layers": (None,), "penalty_alpha": (None,)}
+_LOOP_KWARGS = frozenset({"input_ids", "inputs", "attention_mask", "max_new_tokens", "min_new_tokens", "do_sample",
+                          "pad_token_id", "eos_token_id", "use_cache", "generation_config"})
+_NEUTRAL = MappingProxyType({  # generate() options the greedy loop serves only at these (neutral) values
+    "num_beams": (None, 1), "num_beam_groups": (None, 1), "repetition_penalty": (None, 1.0),
+    "no_repeat_ngram_size": (None, 0), "bad_words_ids": (None,), "suppress_tokens": (None,),
+    "begin_suppress_tokens": (None,), "forced_bos_token_id": (None,), "forced_eos_token_id": (None,),
+    "sequence_bias": (None,), "guidance_scale": (None, 1.0), "min_length": (None, 0),
+    "encoder_repetition_penalty": (None, 1.0), "exponential_decay_length_penalty": (None,),
+    "renormalize_logits": (None, False), "output_scores": (None, False), "output_logits": (None, False),
+    "return_dict_in_generate": (None, False), "output_attentions": (None, False),
+    "output_hidden_states": (None, False), "stop_strings": (None,), "max_time": (None,),
+    "assistant_model": (None,), "prompt_lookup_num_tokens": (None,), "watermarking_config": (None,),
+    "token_healing": (None, False), "dola_layers": (None,), "penalty_alpha": (None,),
+})
 
 
 class _Graph:
@@ -53,7 +56,7 @@ class FastDecode:
 
     `enabled` switches it off; `replays` / `captures` / `loops` count what it did. `compile` runs the decode
     steps, and so the captured graphs, through torch.compile of the forward (inductor fuses a step's small
-    non-FFN kernels; the FFN stays one opaque `sparsify::twell_ffn` op); if compiling fails, a warning is
+    non-FFN kernels; the FFN stays one opaque `sparsify::ffn` op); if compiling fails, a warning is
     logged and decoding goes on uncompiled. `cpu_emulation` (tests) runs the same flow on CPU tensors.
     `capture`, `step_timer` and `twell_in_step` are what the step check uses (tests may replace them).
     """

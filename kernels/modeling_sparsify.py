@@ -8,8 +8,8 @@ folder as a dense ReLU model; `auto_map` points AutoModelForCausalLM here, to `S
 
 SparseMLP keeps the parameter names (gate_proj / up_proj / down_proj, or Phi-3's fused gate_up_proj), so
 state dicts load unchanged, and it calls those modules whenever gradients may flow (training, LoRA). At
-inference on CUDA with Triton it runs the TwELL kernels through `twell_ffn`; anywhere else the dense torch
-expression, identical to the stock model's.
+inference on CUDA with Triton it runs the TwELL kernels' entry through the model's FFNRuntime (ffn_runtime.py:
+the backend, auto's decisions, grants); anywhere else the dense torch expression, identical to the stock model's.
 
 Thresholded folders (FATReLU / JumpReLU-style, h = g * [g > theta] * up): config.json's activation field
 (`hidden_act`, Gemma 2/3: `hidden_activation`) holds THRESHOLD_ACT, which stock transformers refuses
@@ -28,29 +28,16 @@ import torch.nn as nn
 import transformers
 
 from .fast_decode import FastDecode, enable_fast_decode
-from .twell_ops import auto_decisions, dense_capture_active, dense_used, grant_dense, last_backend, twell_ffn
+from .ffn_runtime import BACKENDS, TWIN, FFNRuntime, check_backend
 from .twell_reference import threshold_act
-from .twell_triton import HAS_TRITON
 
 __all__ = ["SparseMLP", "sparsify_mlps", "set_ffn_backend", "default_backend", "enable_fast_decode", "FastDecode",
-           "THRESHOLD_ACT", "threshold_mode"]
+           "THRESHOLD_ACT", "threshold_mode", "FFNRuntime", "TWIN"]
 # The activation field of a thresholded folder: not an activation stock transformers knows, so its model classes
 # refuse the folder (KeyError naming this string) instead of building a ReLU model that drops the thresholds.
 THRESHOLD_ACT = "relu_threshold (load with trust_remote_code=True)"
 ACT_FIELDS = ("hidden_act", "hidden_activation")  # where a family's config names its MLP activation
-_KERNELS_MISSING = "" if HAS_TRITON else "triton is not installed"
 logger = logging.getLogger("sparsify")
-BACKENDS = ("auto", "twell", "dense")
-TWIN = "the step check's all-dense twin of a decode step"
-_capturing = torch.cuda.is_current_stream_capturing  # asked only under an eager-only grant (CUDA calls)
-_announced: set[str] = set()
-
-
-def _announce(path: str, reason: str) -> None:
-    """Log which FFN path runs, once per process and path, so users can see it in their logs."""
-    if path not in _announced:
-        _announced.add(path)
-        logger.info("sparsify: FFN path = %s (%s)", path, reason)
 
 
 class SparseMLP(nn.Module):
@@ -59,17 +46,15 @@ class SparseMLP(nn.Module):
     persistent float32 buffer `threshold` [F] (zeros until a state dict fills it; float32 under any .to(),
     .half(), from_pretrained(dtype=)); without, that buffer is None (not in the state dict).
 
-    `ffn_backend` ("auto" | "twell" | "dense") is passed to twell_ffn; "dense" also skips the kernels.
-    `last_path` records which path the last forward took: "twell_ffn:twell" / "twell_ffn:dense" (what the
-    kernels' dispatcher actually ran) or "torch" (the nn.Linear modules).
-
-    Once "auto" decided dense for a shape's M bucket, the dispatcher grants the calls up to its next density
-    refresh: those run the torch expression directly, after one attribute test (no op, no lookup), and the
-    refresh call goes through twell_ffn again. Where graph replay chose TwELL for the bucket (decode sizes
-    often do), the grant holds for eager calls only: a call captured into a CUDA graph goes to auto.
+    The FFN path belongs to the model's FFNRuntime (ffn_runtime.py; `runtime`, shared by the model's layers, or
+    one of its own when built alone): forward is one call into it. `ffn_backend` ("auto" | "twell" | "dense",
+    read-only: model.set_ffn_backend switches it) is the runtime's; `last_path` the path this layer's last
+    forward took: "twell_ffn:twell" / "twell_ffn:dense" (what the kernels' entry actually ran) or "torch" (the
+    nn.Linear modules). A layer that "auto" decided dense runs its torch expression for the calls its runtime
+    was granted up to the next density refresh (ffn_runtime.py, "Grants").
     """
 
-    def __init__(self, mlp: nn.Module, threshold: bool = False):
+    def __init__(self, mlp: nn.Module, threshold: bool = False, runtime: FFNRuntime | None = None):
         super().__init__()
         self.fused = hasattr(mlp, "gate_up_proj")
         if self.fused:  # Phi-3: one [2F, d] projection, gate first
@@ -81,12 +66,8 @@ class SparseMLP(nn.Module):
         w = mlp.down_proj.weight  # [d, F]
         self.register_buffer("threshold", torch.zeros(w.shape[1], dtype=torch.float32, device=w.device)
                              if threshold else None)
-        self._granted = self._dense_left = 0  # calls of shape _dense_shape auto granted / still to run dense
-        self._dense_shape: torch.Size | None = None
-        self._grant_in_capture = False  # the grant also covers calls captured into CUDA graphs
-        self.ffn_backend = "auto"
-        self.last_path = ""
         self._views = None  # Phi-3: cached gate/up views (the dispatcher keys a layer by its W_gate object)
+        (runtime if runtime is not None else FFNRuntime()).attach(self)  # sets self.runtime and self._ffn
 
     def _apply(self, fn, recurse=True):
         """nn.Module._apply, then the threshold back in float32 if fn cast it (model.to(bf16), .half(),
@@ -100,39 +81,18 @@ class SparseMLP(nn.Module):
 
     @property
     def ffn_backend(self) -> str:
-        return self._ffn_backend
+        return self.runtime.backend
 
-    @ffn_backend.setter
-    def ffn_backend(self, backend: str) -> None:
-        self._settle_grant()  # a grant is auto's: another backend ends it
-        self._ffn_backend = backend
-
-    def _settle_grant(self) -> None:
-        """End the current grant, telling auto how many of its calls ran (its refresh period counts them)."""
-        if self._granted:
-            used, shape = self._granted - self._dense_left, self._dense_shape
-            self._granted = self._dense_left = 0
-            if used:
-                dense_used(self.gate_weight(), shape.numel() // shape[-1], used)
+    @property
+    def last_path(self) -> str:
+        return self._ffn.path
 
     def _projections(self) -> list[nn.Module]:
         return [self.gate_up_proj, self.down_proj] if self.fused else [self.gate_proj, self.up_proj, self.down_proj]
 
     def kernel_reason(self, x: torch.Tensor) -> str | None:
         """None when the TwELL path may run; otherwise why the dense torch path runs instead."""
-        if _KERNELS_MISSING:
-            return _KERNELS_MISSING
-        if self.ffn_backend == "auto" and dense_capture_active():
-            return TWIN  # the step check's all-dense twin (under torch.compile: fusable torch ops, not the op)
-        if not x.is_cuda:
-            return "input is not on a CUDA device"
-        if self.ffn_backend == "dense":
-            return "ffn_backend='dense'"
-        if torch.is_grad_enabled() and (self.training or any(p.requires_grad for p in self.parameters())):
-            return "gradients enabled (training path calls the nn.Linear modules)"
-        if any(type(m) is not nn.Linear or m.bias is not None for m in self._projections()):
-            return "projections carry biases or adapters"
-        return None
+        return self.runtime.kernel_reason(self, x)
 
     def _weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not self.fused:
@@ -146,39 +106,14 @@ class SparseMLP(nn.Module):
 
     def auto_decisions(self) -> dict[int, dict]:
         """What `auto` decided for this layer, per M bucket (eager and graph replay), with the density and why."""
-        return auto_decisions(self.gate_weight())
+        return self.runtime.decisions(self)
 
     def gate_weight(self) -> torch.Tensor:
         """W_gate [F, d] as the kernels see it (the object the dispatcher keys this layer by)."""
         return self._weights()[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # (is_compiling first: dynamo must not guard on the countdown, or every call would recompile)
-        if (not torch.compiler.is_compiling() and self._dense_left and x.shape == self._dense_shape
-                and (self._grant_in_capture or not _capturing())):
-            self._dense_left -= 1  # granted by auto: last_path is still the granting call's "twell_ffn:dense"
-            return self._torch_ffn(x)
-        reason = self.kernel_reason(x)
-        if reason is None:
-            compiling = torch.compiler.is_compiling()
-            if not compiling:
-                self._settle_grant()
-            w_gate, w_up, w_down = self._weights()  # [F, d], [F, d], [d, F]
-            y = twell_ffn(x, w_gate, w_up, w_down, backend=self.ffn_backend, threshold=self.threshold)
-            if not compiling:  # (traced: the op's path is only known when it runs)
-                _announce(f"twell_ffn (backend={self.ffn_backend})", "CUDA inference with Triton")
-                ran = last_backend()
-                self.last_path = f"twell_ffn:{ran}"
-                if self.ffn_backend == "auto" and ran == "dense":  # (a twell call gets no grant: no lookup)
-                    grant, self._grant_in_capture = grant_dense(w_gate, x.numel() // x.shape[-1])
-                    self._granted = self._dense_left = grant
-                    self._dense_shape = x.shape
-            return y
-        if not torch.compiler.is_compiling():
-            self.last_path = "torch"
-            if reason != TWIN:  # (the twin is a check inside a capture, not the path the model runs)
-                _announce("torch", reason)
-        return self._torch_ffn(x)
+        return self.runtime.ffn(self, x)
 
     def _torch_ffn(self, x: torch.Tensor) -> torch.Tensor:
         """The stock model's expression through the nn.Linear modules (what stock transformers runs), with the
@@ -189,25 +124,26 @@ class SparseMLP(nn.Module):
         return self.down_proj(threshold_act(self.gate_proj(x), self.threshold) * self.up_proj(x))
 
 
-def sparsify_mlps(model: nn.Module, threshold: bool = False) -> int:
+def sparsify_mlps(model: nn.Module, threshold: bool = False, runtime: FFNRuntime | None = None) -> int:
     """Replace every gated MLP module in `model` by a SparseMLP sharing its projections (with a threshold
-    buffer each when `threshold`); returns the count."""
+    buffer each when `threshold`), all on one FFNRuntime (`runtime`, else the model's, else a new one), kept
+    as `model.ffn_runtime`; returns the count."""
     targets = [(name, m) for name, m in model.named_modules()
                if not isinstance(m, SparseMLP) and hasattr(m, "down_proj")
                and (hasattr(m, "gate_up_proj") or (hasattr(m, "gate_proj") and hasattr(m, "up_proj")))]
+    runtime = runtime or model.__dict__.get("ffn_runtime") or FFNRuntime()
+    model.ffn_runtime = runtime
     for name, mlp in targets:
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, SparseMLP(mlp, threshold=threshold))
+        setattr(model.get_submodule(parent_name), child, SparseMLP(mlp, threshold=threshold, runtime=runtime))
     return len(targets)
 
 
 def set_ffn_backend(model: nn.Module, backend: str) -> None:
-    """Set `ffn_backend` on every SparseMLP of `model` ("auto", "twell" or "dense")."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    for m in model.modules():
-        if isinstance(m, SparseMLP):
-            m.ffn_backend = backend
+    """Switch the FFN runtime of every SparseMLP of `model` to `backend` ("auto", "twell" or "dense")."""
+    check_backend(backend)
+    for runtime in {id(m.runtime): m.runtime for m in model.modules() if isinstance(m, SparseMLP)}.values():
+        runtime.set_backend(backend)
 
 
 def default_backend(config) -> str:
@@ -229,9 +165,6 @@ def threshold_mode(config) -> str | None:
     return (threshold.get("mode") or "neuron") if isinstance(threshold, dict) else None
 
 
-_classes: dict[str, type] = {}
-
-
 def _sparse_class(base_name: str) -> type:
     base = getattr(transformers, base_name)
 
@@ -245,8 +178,8 @@ def _sparse_class(base_name: str) -> type:
         finally:
             for field in fields:
                 setattr(config, field, THRESHOLD_ACT)
-        sparsify_mlps(self, threshold=bool(fields) or threshold_mode(config) is not None)
-        set_ffn_backend(self, default_backend(config))
+        sparsify_mlps(self, threshold=bool(fields) or threshold_mode(config) is not None,
+                      runtime=FFNRuntime(default_backend(config)))  # the model's one runtime (ffn_runtime.py)
         info = getattr(config, "sparsify", None) or {}
         enable_fast_decode(self, enabled=info.get("fast_decode", True) is not False,
                            compile=info.get("compile_decode", True) is not False)
@@ -273,9 +206,9 @@ def _sparse_class(base_name: str) -> type:
 
 
 def __getattr__(name: str) -> type:
-    """`Sparse<Base>` for any transformers `<Base>` causal LM, built once on first access (PEP 562)."""
+    """`Sparse<Base>` for any transformers `<Base>` causal LM, built on first access (PEP 562) and kept as a module
+    attribute (later accesses find it there)."""
     if name.startswith("Sparse") and name.endswith("ForCausalLM"):
-        if name not in _classes:
-            _classes[name] = _sparse_class(name[len("Sparse"):])
-        return _classes[name]
+        cls = globals()[name] = _sparse_class(name[len("Sparse"):])
+        return cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,7 +11,7 @@ from sparsify.folder.format import shipped_code_files
 
 ALLOWED = {"torch", "triton", "transformers", "__future__", "math", "os", "typing", "dataclasses", "functools",
            "logging", "warnings", "itertools", "collections", "enum", "contextlib", "json", "time", "re", "sys",
-           "types"}  # the standard library modules the bundle uses (the brief: torch, transformers, stdlib, siblings)
+           "types", "weakref"}  # the standard library modules the bundle uses (the brief: torch, transformers, stdlib, siblings)
 
 
 def test_kernels_importable_only_as_sparsify_kernels(tmp_path):

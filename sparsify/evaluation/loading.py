@@ -216,7 +216,10 @@ def load_model(spec: ModelSpec, device: str, dtype: str, trust_remote_code: bool
 
 def ffn_backend_of(model: Any) -> str | None:
     """The backend a sparsify model's FFNs run on ("auto", "twell" or "dense"); None for a stock model."""
-    return mlp_modules(model)[0].ffn_backend if hasattr(model, "set_ffn_backend") else None
+    if not hasattr(model, "set_ffn_backend"):
+        return None
+    runtime = getattr(model, "ffn_runtime", None)  # the model's one FFN runtime (kernels/ffn_runtime.py)
+    return runtime.backend if runtime is not None else mlp_modules(model)[0].ffn_backend  # folders before it
 
 
 @contextlib.contextmanager

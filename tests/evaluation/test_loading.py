@@ -62,7 +62,7 @@ def test_sparsify_folder_loads_installed_code_never_the_folders_copy(tmp_path, t
         module = sys.modules[type(model).__module__]
         assert type(model).__name__ == "SparseLlamaForCausalLM"
         assert Path(module.__file__).resolve() == (REPO / "kernels" / "modeling_sparsify.py").resolve()
-        assert module.twell_ffn is sys.modules["sparsify.kernels.twell_ops"].twell_ffn  # the installed kernels
+        assert type(model.ffn_runtime) is sys.modules["sparsify.kernels.ffn_runtime"].FFNRuntime  # installed kernels
         assert [type(m).__name__ for m in mlp_modules(model)] == ["SparseMLP"] * 2  # the TwELL path is there
     row = ev.model_info(model, spec)
     assert row["modeling_code"] == "installed" and row["twell_capable"]

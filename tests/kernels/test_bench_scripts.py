@@ -122,11 +122,11 @@ def test_auto_probe_smoke_on_cpu(tmp_path):
     assert set(row["timing"]) == want and all(len(v) == 2 for v in row["rounds_ms"].values())
     assert set(row["profile"]) == {"twell_triton", "twell", "auto", "auto_tw", "auto_tw_r16"}
     assert all("api_per_call" in p for p in row["profile"].values()), row["profile"]
-    assert twell_ops.AUTO.policy.refresh == row["REFRESH"] and "| auto_tw_norefr |" in res.stdout
+    assert twell_ops.auto_dispatcher().policy.refresh == row["REFRESH"] and "| auto_tw_norefr |" in res.stdout
 
 
 def test_bench_auto_overhead_smoke_on_cpu(tmp_path):
-    """eval/bench_auto_overhead.py (dense vs auto vs auto without grant_dense, prefill and a decode step on a
+    """eval/bench_auto_overhead.py (dense vs auto vs auto without grants, prefill and a decode step on a
     cache) runs end to end on a tiny synth folder, restores the grant, and writes its JSON."""
     from sparsify.folder.synth import synth
 

@@ -354,7 +354,7 @@ def test_auto_refresh_cadence_and_held_retune():
 
 
 def test_dense_grant_keeps_the_refresh_period_in_real_calls():
-    """A module holding grant_dense's calls runs them without auto and reports them (dense_used) before it
+    """A caller holding grant_dense's calls runs them without auto and reports them (dense_used) before it
     calls auto again: auto refreshes the density at the same real calls as without grants; a grant left
     unused costs nothing (the next call is no refresh); eager-twell and re-timing buckets get none, and a
     bucket whose graph replay chose twell gets one for eager calls only."""
@@ -380,7 +380,6 @@ def test_dense_grant_keeps_the_refresh_period_in_real_calls():
     assert refreshes[True] == refreshes[False] and len(refreshes[True]) == 3
     calls = st.calls
     assert d.grant_dense(wg, 20) == (every - 1 - calls % every, True) and st.calls == calls  # asking costs nothing...
-    assert d.dense_grant(wg, 20) == every - 1 - calls % every  # (the older bundles' question, the same answer)
     d.dense_used(wg, 20, 0)  # ... nor does a grant abandoned unused (a backend switch, another shape)
     seen.clear()
     d.run(x, wg, wu, wd)
@@ -394,7 +393,6 @@ def test_dense_grant_keeps_the_refresh_period_in_real_calls():
     d.run(x, wg, wu, wd)
     calls, in_capture = d.grant_dense(wg, 20)
     assert calls > 0 and in_capture is False
-    assert d.dense_grant(wg, 20) == 0  # what an older folder's SparseMLP asks: grants covering captures only
 
 
 def test_decisions_report_each_bucket_of_a_layer():

@@ -178,15 +178,12 @@ def test_step_check_keeps_the_faster_of_the_twell_step_and_its_dense_twin(tiny, 
     """A captured decode step with TwELL layers (the greedy loop's step, or the forward transformers' loop
     replays) is captured again all dense; the dense twin is kept unless the TwELL step is >= 1% faster;
     tokens are the same either way; no check without free cache room for the timed replays."""
-    import sys
-
-    modeling = sys.modules[type(tiny).__module__]  # the folder's copy of the bundle
     fast = tiny._fast_decode
     captured, graphs = [], []
     saved = fast.capture, fast.step_timer, fast.twell_in_step
 
-    def capture(*args):  # records whether each capture ran inside dense_in_capture
-        captured.append(modeling.dense_capture_active())
+    def capture(*args):  # records whether each capture ran inside the model runtime's dense_in_capture
+        captured.append(tiny.ffn_runtime.dispatcher.capture_dense)
         graphs.append(saved[0](*args))
         return graphs[-1]
 
@@ -228,7 +225,7 @@ def test_dense_twin_of_a_compiled_step_traces_the_torch_modules(tiny):
     import sys
 
     mod = sys.modules[type(tiny).__module__]  # the folder's modeling_sparsify.py
-    ops = sys.modules[mod.twell_ffn.__module__]
+    runtime = tiny.ffn_runtime
     mlps = [m for m in tiny.modules() if isinstance(m, mod.SparseMLP)]
     x = torch.randn(1, 3, TINY["hidden_size"])
     graphs = []
@@ -243,14 +240,14 @@ def test_dense_twin_of_a_compiled_step_traces_the_torch_modules(tiny):
         with torch.no_grad():
             outside = compiled(x)
             assert mlps[0].kernel_reason(x) == "input is not on a CUDA device" and len(graphs) == 1
-            with ops.dense_in_capture():
+            with runtime.dense_in_capture():
                 assert [m.kernel_reason(x) for m in mlps] == [mod.TWIN] * len(mlps)
                 twin = compiled(x)
-            mlps[0].ffn_backend = "twell"  # a forced backend is not the dispatcher's to override
-            with ops.dense_in_capture():
+            tiny.set_ffn_backend("twell")  # a forced backend is not the dispatcher's to override
+            with runtime.dense_in_capture():
                 assert mlps[0].kernel_reason(x) != mod.TWIN
     finally:
-        mlps[0].ffn_backend = "auto"
+        tiny.set_ffn_backend("auto")
         torch._dynamo.reset()
     assert len(graphs) == 2, "the twin reused the graph traced outside dense_in_capture"
     assert not any("sparsify" in t for t in graphs[1]) and any("linear" in t for t in graphs[1])
@@ -266,10 +263,10 @@ def test_compiled_step_through_the_twell_op_is_one_graph(tiny, monkeypatch):
     from torch._dynamo.utils import counters
 
     mod = sys.modules[type(tiny).__module__]  # the folder's modeling_sparsify.py
-    store = sys.modules[mod.twell_ffn.__module__].AUTO.store  # the dispatcher of the folder's twell_ops.py
+    store = tiny.ffn_runtime.dispatcher.store  # the dispatcher of the model's runtime
     ids = torch.randint(3, TINY["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(6))
     ref = tiny.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
-    monkeypatch.setattr(mod.SparseMLP, "kernel_reason", lambda self, x: None)  # the CUDA path, on CPU
+    monkeypatch.setattr(tiny.ffn_runtime, "kernel_reason", lambda mlp, x: None)  # the CUDA path, on CPU
     gates = [m.gate_weight() for m in tiny.modules() if isinstance(m, mod.SparseMLP)]
     for w in gates:
         store.put("states", w, {})  # as an eager CUDA prefill leaves it
@@ -294,63 +291,66 @@ def test_compiled_step_through_the_twell_op_is_one_graph(tiny, monkeypatch):
 
 
 def test_auto_decided_dense_skips_the_op_until_the_refresh(tiny, monkeypatch):
-    """Once auto decided dense for a bucket, a SparseMLP runs its torch expression without calling twell_ffn
-    until the dispatcher's next density refresh (a counted wrapper stands for the CUDA op); another shape, a
-    backend switch, a twell decision, and a captured call where graph replay chose twell go through the op;
-    greedy tokens are unchanged."""
+    """Once auto decided dense for a bucket, a SparseMLP runs its torch expression without calling the kernels'
+    entry until the dispatcher's next density refresh (auto dispatches CPU calls here, on decisions set by the
+    test); another shape, a backend switch, a twell decision, and a captured call where graph replay chose
+    twell go through the entry; greedy tokens are unchanged."""
     import sys
 
-    mod = sys.modules[type(tiny).__module__]  # the folder's modeling_sparsify.py
-    ops = sys.modules[mod.twell_ffn.__module__]
-    dispatch = sys.modules[ops.AUTO.__module__]
-    calls = []
+    from sparsify.kernels.twell_reference import ffn_dense
 
-    def op(x, w_gate, w_up, w_down, backend="auto", threshold=None):  # twell_ffn(backend="auto") as on CUDA
+    mod = sys.modules[type(tiny).__module__]  # the folder's modeling_sparsify.py
+    rt = tiny.ffn_runtime
+    auto = rt.dispatcher
+    dispatch = sys.modules[type(auto).__module__]
+    calls = []
+    entry = rt.twell_ffn
+
+    def counted(x, *args):  # the runtime's call into the kernels' entry, counted
         calls.append(tuple(x.shape))
-        return ops.AUTO.run(x.reshape(-1, x.shape[-1]), w_gate, w_up, w_down,
-                            threshold=threshold).reshape(*x.shape[:-1], -1)
+        return entry(x, *args)
 
     ids = torch.randint(3, TINY["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(7))
     ref = tiny.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)
-    monkeypatch.setattr(mod.SparseMLP, "kernel_reason", lambda self, x: None)  # the CUDA path, on CPU
-    monkeypatch.setattr(mod, "twell_ffn", op)
-    monkeypatch.setattr(ops.AUTO, "capturing", lambda: False)  # (a CPU build of torch cannot ask CUDA)
-    monkeypatch.setattr(ops.AUTO, "policy", dispatch.Policy(drift=1e9))  # no re-timing: it needs a CUDA clock
+    monkeypatch.setattr(rt, "kernel_reason", lambda mlp, x: None)  # the CUDA path, on CPU
+    monkeypatch.setattr(rt, "twell_ffn", counted)
+    monkeypatch.setattr(rt, "auto_devices", ("cuda", "cpu"))
+    monkeypatch.setattr(auto, "capturing", lambda: False)  # (a CPU build of torch cannot ask CUDA)
+    monkeypatch.setattr(auto, "policy", dispatch.Policy(drift=1e9))  # no re-timing: it needs a CUDA clock
     mlps = [m for m in tiny.modules() if isinstance(m, mod.SparseMLP)]
 
     def decided(graph: str = "dense"):
+        tiny.set_ffn_backend("auto")  # (ends any grant)
         for m in mlps:
-            m.ffn_backend = "auto"  # (drops any grant)
-            ops.AUTO.store.put("states", m.gate_weight(), {
+            auto.store.put("states", m.gate_weight(), {
                 1 << b: dispatch.LayerState(decision="dense", graph_decision=graph, density=0.1, density0=0.1)
                 for b in range(8)})
 
     try:
         decided()
-        mlp, every = mlps[0], ops.AUTO.policy.refresh_dense
+        mlp, every = mlps[0], auto.policy.refresh_dense
         x = torch.randn(1, 3, TINY["hidden_size"])
         with torch.no_grad():
             for _ in range(2 * every + 50):
                 assert torch.equal(mlp(x), mlp._torch_ffn(x))
             assert len(calls) == 3 and mlp.last_path == "twell_ffn:dense", calls  # the first call, then each refresh
-            mlp(torch.randn(1, 5, TINY["hidden_size"]))  # another shape: through the op
-            mlp.ffn_backend = "dense"
-            mlp.ffn_backend = "auto"
+            mlp(torch.randn(1, 5, TINY["hidden_size"]))  # another shape: through the entry
+            tiny.set_ffn_backend("dense")
+            tiny.set_ffn_backend("auto")
             mlp(x)  # the grant ended with the switch
             assert len(calls) == 5
             decided(graph="twell")  # captured calls would run twell: the grant holds for eager calls only
-            capturing = [False]  # one flag for the module's question and auto's
-            monkeypatch.setattr(mod, "_capturing", lambda: capturing[0])
-            monkeypatch.setattr(ops.AUTO, "capturing", lambda: capturing[0])
+            capturing = [False]  # one flag for the runtime's question and auto's
+            monkeypatch.setattr(auto, "capturing", lambda: capturing[0])
             ran_twell = []
-            monkeypatch.setattr(ops.AUTO, "sparse", lambda x2d, wg, wu, wd_t, on_count=None, threshold=None: (
-                ran_twell.append(1), ops.ffn_dense(x2d, wg, wu, wd_t.t(), threshold))[1])  # the TwELL path, on CPU
+            monkeypatch.setattr(auto, "sparse", lambda x2d, wg, wu, wd_t, on_count=None, threshold=None: (
+                ran_twell.append(1), ffn_dense(x2d, wg, wu, wd_t.t(), threshold))[1])  # the TwELL path, on CPU
             for _ in range(4):
                 assert torch.equal(mlp(x), mlp._torch_ffn(x))
-            assert len(calls) == 6 and mlp._grant_in_capture is False  # the first call took an eager-only grant
+            assert len(calls) == 6 and mlp._ffn.in_capture is False  # the first call took an eager-only grant
             capturing[0] = True
             for _ in range(2):
-                mlp(x)  # captured: through the op every time, where auto runs its graph decision, twell
+                mlp(x)  # captured: through the entry every time, where auto runs its graph decision, twell
             assert len(calls) == 8 and len(ran_twell) == 2 and mlp.last_path == "twell_ffn:twell"
             capturing[0] = False
             for _ in range(2):
@@ -363,5 +363,5 @@ def test_auto_decided_dense_skips_the_op_until_the_refresh(tiny, monkeypatch):
         assert len(calls) == 2 * len(mlps), calls  # per layer the prefill and the first decode step; 4 steps skip it
     finally:
         for m in mlps:
-            ops.AUTO.store.drop("states", m.gate_weight())
-            m.ffn_backend = "auto"
+            auto.store.drop("states", m.gate_weight())
+        tiny.set_ffn_backend("auto")

@@ -36,23 +36,28 @@ def test_default_backend_is_auto_unless_pinned(recorded, expected, tmp_path):
         model.set_ffn_backend("fast")
 
 
-def test_every_copy_of_the_bundle_shares_one_dispatcher(tmp_path):
-    """sparsify.kernels and a folder's copy (trust_remote_code) in one process: the op runs the first copy's
-    code, so the folder's modules must read that copy's dispatcher (compiled calls decide there)."""
+def test_every_copy_of_the_bundle_shares_one_runtime_code(tmp_path):
+    """sparsify.kernels and a folder's copy (trust_remote_code) in one process: the folder's modules are distinct,
+    but its model's runtime is an instance of the first copy's FFNRuntime, registered in the one registry under
+    its key (what the op looks up), and both copies share the process runtime (bare twell_ffn calls)."""
     import subprocess
     import sys
     from pathlib import Path
 
     make_source("llama", tmp_path / "src")
     out = convert(tmp_path / "src", tmp_path / "out", progress=False)
-    code = ("import sys; import sparsify.kernels.twell_ops as first; from transformers import AutoModelForCausalLM; "
+    code = ("import sys; import sparsify.kernels.ffn_runtime as first, sparsify.kernels.twell_ops; "
+            "from transformers import AutoModelForCausalLM; "
             f"m = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True); "
-            "ops = sys.modules[sys.modules[type(m).__module__].twell_ffn.__module__]; "
-            "print(ops is not first, ops.AUTO is first.AUTO)")
+            "pkg = type(m).__module__.rpartition('.')[0]; rt_mod = sys.modules[pkg + '.ffn_runtime']; "
+            "slot = sys.modules[first.REGISTRY].api1; "
+            "print(rt_mod is not first, type(m.ffn_runtime) is first.FFNRuntime is rt_mod.FFNRuntime, "
+            "slot.runtimes[m.ffn_runtime.key] is m.ffn_runtime, rt_mod.process_runtime() is first.process_runtime(), "
+            "all(l.runtime is m.ffn_runtime for l in m.ffn_runtime.layers), len(m.ffn_runtime.layers))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          cwd=Path(__file__).resolve().parents[2])
     assert res.returncode == 0, res.stderr[-2000:]
-    assert res.stdout.split()[-2:] == ["True", "True"]
+    assert res.stdout.split()[-6:] == ["True"] * 5 + ["2"]
 
 
 # ------------------------------------------------------------------------ thresholded folders (theta per neuron)

@@ -250,21 +250,23 @@ def test_compiled_call_passes_theta_through_the_op():
     x, wg, wu, wd = dyadic_case(5, 48, 200, seed=11)
     g, _ = gate_as(x, wg)
     th = make_theta(g, g, scale=0.3)
-    assert twell_ops._takes_threshold(torch.ops.sparsify.twell_ffn)
+    assert any(a.name == "threshold" for a in torch.ops.sparsify.ffn.default._schema.arguments)
     fn = torch.compile(lambda a: twell_ops.twell_ffn(a, wg, wu, wd, backend="twell", threshold=th),
                        backend="aot_eager", fullgraph=True)
     assert_close(fn(x), ref.ffn_reference(x, wg, wu, wd, th), what="compiled twell", **FP32)
 
 
-def test_an_older_copy_without_theta_is_never_used_for_theta(tmp_path):
+def test_an_older_copys_op_and_dispatcher_are_never_used(tmp_path):
     """An older bundle copy registered sparsify::twell_ffn (no threshold argument) and published its dispatcher
-    first: this copy registers its own op under the next name and makes its own dispatcher."""
+    (sys.modules["sparsify_twell_ffn_auto"]) first: this copy registers its own op, sparsify::ffn, never runs
+    theirs and leaves their entry as it was (older copies keep finding their own dispatcher there)."""
     code = textwrap.dedent("""
         import sys, types, torch
         class OldDispatcher:  # an older copy's: every attribute it used, no `thresholds`
             note = down_t = fast_path = grant_dense = dense_used = decisions = dense_in_capture = None
             twell_in_capture = capture_dense = last_backend = None
-        sys.modules.setdefault("sparsify_twell_ffn_auto", types.ModuleType("x")).auto = OldDispatcher()
+        old_auto = OldDispatcher()
+        sys.modules.setdefault("sparsify_twell_ffn_auto", types.ModuleType("x")).auto = old_auto
 
         @torch.library.custom_op("sparsify::twell_ffn", mutates_args=())
         def old(x2d: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
@@ -272,9 +274,9 @@ def test_an_older_copy_without_theta_is_never_used_for_theta(tmp_path):
             raise AssertionError("the older op ran")
 
         from sparsify.kernels import twell_ops, twell_reference as ref
-        assert "sparsify::twell_ffn_threshold" in str(twell_ops._op), twell_ops._op
-        assert not isinstance(twell_ops.AUTO, OldDispatcher)
-        assert sys.modules["sparsify_twell_ffn_auto"].auto is twell_ops.AUTO
+        assert hasattr(torch.ops.sparsify, "ffn") and not hasattr(torch.ops.sparsify, "twell_ffn_threshold")
+        assert not isinstance(twell_ops.auto_dispatcher(), OldDispatcher)
+        assert sys.modules["sparsify_twell_ffn_auto"].auto is old_auto
         gen = torch.Generator().manual_seed(0)
         x, wg, wu, wd = (torch.randn(*s, generator=gen) for s in ((3, 8), (20, 8), (20, 8), (8, 20)))
         th = torch.rand(20, generator=gen)

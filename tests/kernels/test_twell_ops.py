@@ -129,7 +129,7 @@ def test_gpu_auto_dense_layer_keeps_no_down_t():
     for _ in range(3):
         out = twell_ops.twell_ffn(x, wg, wu, wd)
     assert twell_ops.last_backend() == "dense"
-    assert twell_ops.AUTO.store.get("down_t", wd) is None, "W_down^T kept for an all-dense layer"
+    assert twell_ops.auto_dispatcher().store.get("down_t", wd) is None, "W_down^T kept for an all-dense layer"
     bf16_rule(out, x, wg, wu, wd, "auto dense")
 
 
@@ -158,17 +158,17 @@ def test_gpu_auto_calibration_and_refresh_reuse_pinned_buffer_and_event():
     pinned buffer and one event, and read back the density K1 counts."""
     x, wg, wu, wd = make_case(64, 576, 1536, 0.99, seed=34, dtype=torch.bfloat16, device="cuda")
     twell_ops.twell_ffn(x, wg, wu, wd)  # calibrates (M = 64: graph replay timed too)
-    st = twell_ops.AUTO.store.get("states", wg)[64]
+    st = twell_ops.auto_dispatcher().store.get("states", wg)[64]
     assert {"ratio", "spread", "cpu_bound", "graph_ratio"} <= st.times.keys() and not st.timing, st.times
     st.decision = st.graph_decision = "twell"  # the refresh path under test is the twell one
     st.calls, pinned, event = 0, st.pinned, st.event
-    for _ in range(twell_ops.AUTO.policy.refresh):
+    for _ in range(twell_ops.auto_dispatcher().policy.refresh):
         twell_ops.twell_ffn(x, wg, wu, wd)
     assert st.pending is not None
     first = (st.pinned, st.event) if pinned is None else (pinned, event)
     torch.cuda.synchronize()
     st.density = -1.0  # overwritten by the next call's poll of the completed count
-    for _ in range(twell_ops.AUTO.policy.refresh):
+    for _ in range(twell_ops.auto_dispatcher().policy.refresh):
         twell_ops.twell_ffn(x, wg, wu, wd)
     assert st.pinned is first[0] and st.event is first[1]
     want = float((torch.nn.functional.linear(x, wg) > 0).float().mean())

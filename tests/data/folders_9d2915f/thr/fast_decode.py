@@ -1,0 +1,450 @@
+"""Fast decode: a static KV cache and the decode step replayed from a CUDA graph.
+
+Eager decode is bound by the host (hundreds of kernel launches per token), so on CUDA generate() defaults
+to a static cache and the one-token forward is captured once and replayed. Greedy decoding runs the
+ladder below (`prefill` -> `decode_one_token` captured -> `decode_n_tokens` -> `generate`); every other
+generation option keeps transformers' own loop with the forward replayed. torch.compile is applied in one
+place, FastDecode.decode_forward. `enable_fast_decode(model, compile=True)` gives any transformers causal
+LM (the dense original too) the same regime, so comparisons are like for like.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections import OrderedDict
+
+import torch
+
+from .decode_capture import (EagerReplay, cache_counters, capture_call, clone_inputs, copy_inputs, ffn_state,
+                             restore, signature, static_layers_only, step_check, time_graphs, twell_in_step)
+
+logger = logging.getLogger("sparsify")
+EOS_CHECK = 64  # greedy steps between host checks for end-of-sequence tokens (each check syncs)
+CACHE_ROUND = 256  # reused static caches are sized up to a multiple of this many positions
+_LOOP_KWARGS = {"input_ids", "inputs", "attention_mask", "max_new_tokens", "min_new_tokens", "do_sample",
+                "pad_token_id", "eos_token_id", "use_cache", "generation_config"}
+_NEUTRAL = {"num_beams": (None, 1), "num_beam_groups": (None, 1), "repetition_penalty": (None, 1.0),
+            "no_repeat_ngram_size": (None, 0), "bad_words_ids": (None,), "suppress_tokens": (None,),
+            "begin_suppress_tokens": (None,), "forced_bos_token_id": (None,), "forced_eos_token_id": (None,),
+            "sequence_bias": (None,), "guidance_scale": (None, 1.0), "min_length": (None, 0),
+            "encoder_repetition_penalty": (None, 1.0), "exponential_decay_length_penalty": (None,),
+            "renormalize_logits": (None, False), "output_scores": (None, False), "output_logits": (None, False),
+            "return_dict_in_generate": (None, False), "output_attentions": (None, False),
+            "output_hidden_states": (None, False), "stop_strings": (None,), "max_time": (None,),
+            "assistant_model": (None,), "prompt_lookup_num_tokens": (None,), "watermarking_config": (None,),
+            "token_healing": (None, False), "dola_layers": (None,), "penalty_alpha": (None,)}
+
+
+class _Graph:
+    __slots__ = ("cache", "graph", "inputs", "output", "failed")
+
+    def __init__(self, cache):
+        self.cache = cache  # held: its id keys the entry, so it must not be freed (and the id reused) first
+        self.graph = self.inputs = self.output = None
+        self.failed = False
+
+
+class FastDecode:
+    """Replays a model's decode step from CUDA graphs: one graph per (static cache, input shapes), made
+    on the second decode step (the first runs eagerly and warms kernels, autotuners and the FFN
+    dispatcher's graph-replay timing), replayed from the third on. At most MAX_GRAPHS are kept.
+
+    `enabled` switches it off; `replays` / `captures` / `loops` count what it did. `compile` runs the decode
+    steps, and so the captured graphs, through torch.compile of the forward (inductor fuses a step's small
+    non-FFN kernels; the FFN stays one opaque `sparsify::twell_ffn` op); if compiling fails, a warning is
+    logged and decoding goes on uncompiled. `cpu_emulation` (tests) runs the same flow on CPU tensors.
+    `capture`, `step_timer` and `twell_in_step` are what the step check uses (tests may replace them).
+    """
+
+    MAX_GRAPHS = 4
+
+    def __init__(self, forward, model=None):
+        self.forward = forward  # the model's own forward, bound (it holds the model, as does self.model)
+        self.model = model
+        self.enabled = True
+        self.cpu_emulation = False
+        self.cache = None  # the static cache generate() reuses (see reused_cache) and its (batch, length)
+        self.cache_key = None
+        self.loop = True  # greedy generate() runs the whole decode step (forward + argmax) in one graph
+        self.check_step = True  # a captured step with TwELL layers is timed against the same step all dense
+        self.step_checks: list[dict] = []  # what those checks measured and kept
+        self.capture = capture_call
+        self.step_timer = time_graphs
+        self.twell_in_step = functools.partial(twell_in_step, model)
+        self.loops = 0  # generate() calls served by the greedy loop
+        self.timing = False  # (benchmarks) sync after prefill and at the end: `last` = {"ttft_s", "decode_s"}
+        self.last: dict = {}
+        self._loops: dict = {}  # (id(cache), batch, FFN backends, compile) -> _Loop
+        self.replays = 0
+        self.captures = 0
+        self._graphs: OrderedDict = OrderedDict()
+        self.compile = False
+        self.compile_options: dict = {}  # extra torch.compile arguments (tests: {"backend": "eager"})
+        self.compile_error: str | None = None
+        self._compiled = None
+
+    def decode_forward(self):
+        """The forward decode steps run and graphs capture: the model's own, or (`compile`) that forward
+        through torch.compile, made once (dynamo keeps one compiled graph per input shapes and FFN state)."""
+        if not self.compile:
+            return self.forward
+        if self._compiled is None:
+            import torch._dynamo
+
+            compiled = torch.compile(self.forward, **self.compile_options)
+            cfg = torch._dynamo.config  # FFN backends x batch sizes x cache lengths can pass dynamo's default 8
+            name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+
+            def run(*args, **kwargs):  # (called only uncaptured and while capturing: replays skip Python)
+                with cfg.patch({name: max(getattr(cfg, name), 64)}):  # for these calls only, not the process
+                    return compiled(*args, **kwargs)
+
+            logger.warning("sparsify: compiling the decode step with torch.compile (the first generate() of a "
+                           "batch size takes tens of seconds more; model.enable_fast_decode(compile=False) "
+                           "skips it)")
+            self._compiled = run
+        return self._compiled
+
+    def first_step(self, run, cache):
+        """Run a decode step's first (eager, uncaptured) call `run(forward)` on decode_forward(); when
+        compiling fails, undo what the step wrote to the cache's counters, log it, turn `compile` off and
+        run the step on the plain forward."""
+        if not self.compile:
+            return run(self.forward)
+        counters = cache_counters(cache)
+        try:
+            return run(self.decode_forward())
+        except torch.cuda.OutOfMemoryError:
+            raise  # not a compiler failure: the caller's out-of-memory handling applies
+        except Exception as e:  # noqa: BLE001 - dynamo/inductor failures come in many types
+            restore(counters)
+            self.compile, self._compiled = False, None
+            self.compile_error = f"{type(e).__name__}: {e}"
+            logger.warning("sparsify: torch.compile of the decode step failed (%s); decoding uncompiled",
+                           self.compile_error.splitlines()[0][:300])
+            return run(self.forward)
+
+    def drop_graphs(self) -> None:
+        """Free every captured graph and the caches they hold (done when the reused cache is replaced)."""
+        self._graphs.clear()
+        self._loops.clear()
+
+    def cache_of(self, args, kwargs):
+        """The static cache this call decodes on, or None if the call is not a graphable decode step."""
+        if not self.enabled or args or torch.is_grad_enabled():
+            return None
+        ids = kwargs.get("input_ids")
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1:
+            return None
+        if not ids.is_cuda and not (self.cpu_emulation and ids.device.type == "cpu"):
+            return None
+        if kwargs.get("inputs_embeds") is not None or kwargs.get("labels") is not None:
+            return None
+        if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
+            return None
+        if torch.compiler.is_compiling() or (ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return None
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        return cache if cache is not None and static_layers_only(cache) else None
+
+    def __call__(self, cache, kwargs):
+        """transformers' loop: the forward of one decode step, replayed from its graph once captured."""
+        try:
+            key = (id(cache), signature({k: v for k, v in kwargs.items() if v is not cache}),
+                   ffn_state(self.model) if self.model is not None else (), self.compile)
+        except TypeError:
+            return self.forward(**kwargs)
+        entry = self._graphs.get(key)
+        if entry is None:  # first decode step on this cache: eager warm-up
+            self._graphs[key] = _Graph(cache)
+            while len(self._graphs) > self.MAX_GRAPHS:
+                self._graphs.popitem(last=False)
+            out = self.first_step(lambda forward: forward(**kwargs), cache)
+            if key[-1] != self.compile:  # compiling failed: the next step warms up and captures uncompiled
+                self._graphs.pop(key, None)
+            return out
+        self._graphs.move_to_end(key)
+        if entry.failed:
+            return self.forward(**kwargs)
+        if entry.graph is None:
+            try:
+                self._capture(entry, cache, kwargs)
+            except Exception as e:  # noqa: BLE001 - anything a model does that a graph cannot hold
+                entry.failed = True
+                entry.graph = entry.inputs = entry.output = None
+                logger.warning("sparsify: decode step not capturable in a CUDA graph (%s: %s); it runs eagerly",
+                               type(e).__name__, e)
+                return self.forward(**kwargs)
+        else:
+            copy_inputs(entry.inputs, kwargs)
+        entry.graph.replay()
+        self.replays += 1
+        out = entry.output.output if isinstance(entry.output, EagerReplay) else entry.output
+        result = type(out)(**{k: v for k, v in out.items()})
+        result["logits"] = out.logits.clone()  # the graph overwrites its own buffer at the next replay
+        return result
+
+    def _capture(self, entry: _Graph, cache, kwargs) -> None:
+        inputs = {k: (v if v is cache else clone_inputs(v)) for k, v in kwargs.items()}
+        counters = cache_counters(cache)
+        forward = self.decode_forward()
+        ids = inputs["input_ids"]
+
+        def capture():
+            return self.capture(lambda: forward(**inputs), lambda: restore(counters), ids.is_cuda)
+
+        entry.graph, entry.output = step_check(self, capture, lambda: restore(counters), ids.shape[0], cache,
+                                               capture(), "transformers")
+        entry.inputs = inputs
+        self.captures += 1
+
+
+def greedy_plan(model, args: tuple, kwargs: dict):
+    """(ids, max_new, min_new, eos ids, pad id) when this generate() call is plain greedy decoding of an
+    unpadded batch that the graph loop serves; else None (transformers' loop runs)."""
+    if len(args) > 1 or set(kwargs) - _LOOP_KWARGS:
+        return None
+    ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype != torch.long or ids.shape[1] == 0:
+        return None
+    config = kwargs.get("generation_config") or model.generation_config
+    get = lambda k, default=None: kwargs[k] if k in kwargs else getattr(config, k, default)  # noqa: E731
+    if get("do_sample", False) or get("use_cache", True) is False:
+        return None
+    if any(getattr(config, k, None) not in ok for k, ok in _NEUTRAL.items()):
+        return None
+    new = get("max_new_tokens")
+    if new is None:
+        length = getattr(config, "max_length", None)
+        new = None if length is None else length - ids.shape[1]
+    if new is None or new < 1:
+        return None
+    mask = kwargs.get("attention_mask")
+    if mask is not None and (mask.shape != ids.shape or not bool(mask.all())):  # padding: transformers' loop
+        return None
+    eos = get("eos_token_id")
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else [int(e) for e in eos]
+    pad = get("pad_token_id")
+    if mask is None and pad is not None and bool((ids == pad).any()):
+        return None  # transformers infers a padding mask from pad tokens in the prompt
+    pad = pad if pad is not None else (eos[0] if eos else 0)
+    return ids, int(new), int(get("min_new_tokens", 0) or 0), eos, int(pad)
+
+
+class _Loop:
+    """The captured greedy step for one (cache, batch): static next-token and output buffers."""
+
+    def __init__(self, cache, batch: int, length: int, device):
+        self.cache = cache
+        self.token = torch.zeros(batch, 1, dtype=torch.long, device=device)  # [B, 1] next input
+        self.step = torch.zeros((), dtype=torch.long, device=device)  # index of the token being written
+        self.out = torch.zeros(batch, length, dtype=torch.long, device=device)  # [B, L] generated tokens
+        self.min_new = torch.zeros((), dtype=torch.long, device=device)
+        self.graph = None
+        self.eos = None  # [E] long tensor the graph masks before min_new_tokens (fixed at capture)
+        self.eos_ids: tuple = ()  # its values, compared on the host
+
+
+def prefill(forward, loop: _Loop, ids: torch.Tensor, cache_kw: str, cache, eos: list[int], min_new: int) -> None:
+    """The prompt's forward (eager, through the FFN dispatcher); its argmax is the first new token."""
+    logits = forward(input_ids=ids, use_cache=True, **{cache_kw: cache}).logits[:, -1, :]  # [B, V]
+    if eos and min_new > 0:
+        logits[:, eos] = float("-inf")
+    first = logits.argmax(-1)  # [B]
+    loop.out[:, 0] = first
+    loop.token.copy_(first[:, None])
+    loop.step.fill_(1)
+    loop.min_new.fill_(min_new)
+
+
+def decode_one_token(loop: _Loop, forward, cache_kw: str, cache) -> None:
+    """One greedy step on the loop's buffers (what the graph holds): forward, argmax, bookkeeping."""
+    logits = forward(input_ids=loop.token, use_cache=True, **{cache_kw: cache}).logits[:, -1, :]  # [B, V]
+    if loop.eos is not None:  # no end-of-sequence before min_new_tokens
+        early = loop.step < loop.min_new
+        logits = torch.where(early, logits.index_fill(1, loop.eos, float("-inf")), logits)
+    nxt = logits.argmax(-1)  # [B]
+    loop.out.scatter_(1, loop.step.expand(nxt.shape[0], 1), nxt[:, None])
+    loop.token.copy_(nxt[:, None])
+    loop.step.add_(1)
+
+
+def _capture_loop(loop: _Loop, fast: FastDecode, cache_kw: str, cache) -> None:
+    """Capture decode_one_token (checked against its all-dense twin: step_check)."""
+    forward = fast.decode_forward()
+    saved = cache_counters(cache) + [(t, t.clone()) for t in (loop.token, loop.step, loop.out)]
+
+    def capture():
+        return fast.capture(lambda: decode_one_token(loop, forward, cache_kw, cache), lambda: restore(saved),
+                            loop.token.is_cuda)
+
+    loop.graph = step_check(fast, capture, lambda: restore(saved), loop.token.shape[0], cache, capture(), "greedy")[0]
+    fast.captures += 1
+
+
+def decode_n_tokens(fast: FastDecode, loop: _Loop, key: tuple, cache_kw: str, cache, new: int, eos: list[int]) -> int:
+    """Steps 1..new-1: the first uncaptured (compiles; warms kernels and the FFN dispatcher), the second
+    captured, every step replayed; stops early once every row has an eos. Returns the tokens written."""
+    for i in range(1, new):
+        if loop.graph is None:
+            if i == 1:
+                fast.first_step(lambda f: decode_one_token(loop, f, cache_kw, cache), cache)
+                if fast.compile != key[3]:  # compiling failed: the loop moves to the uncompiled key
+                    fast._loops[(*key[:3], fast.compile)] = fast._loops.pop(key)
+                continue
+            _capture_loop(loop, fast, cache_kw, cache)
+        loop.graph.replay()
+        fast.replays += 1
+        if eos and (i + 1) % EOS_CHECK == 0 and _finished(loop.out[:, : i + 1], eos):
+            return i + 1
+    return new
+
+
+def _finished(tokens: torch.Tensor, eos: list[int]) -> bool:
+    return bool(torch.isin(tokens, torch.tensor(eos, device=tokens.device)).any(1).all())
+
+
+def _pad_after_eos(tokens: torch.Tensor, eos: list[int], pad: int) -> torch.Tensor:
+    """As transformers: pad after each row's first end-of-sequence, stop when every row has one."""
+    hit = torch.isin(tokens, torch.tensor(eos, device=tokens.device))
+    after = (hit.cumsum(1) - hit.long()) > 0  # strictly after the first eos
+    tokens = tokens.masked_fill(after, pad)
+    if bool(hit.any(1).all()):
+        tokens = tokens[:, : int(hit.float().argmax(1).max()) + 1]
+    return tokens
+
+
+def generate(model, fast: FastDecode, plan) -> torch.Tensor:
+    """Greedy decoding on the reused static cache: prefill, then decode_one_token replayed from its graph."""
+    ids, new, min_new, eos, pad = plan
+    cache = reused_cache(model, fast, (ids,), {"max_new_tokens": new})
+    cache_kw = cache_kwarg(model)
+    sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
+    if fast.timing:
+        sync()
+        t0 = time.perf_counter()
+    key = (id(cache), ids.shape[0], ffn_state(model), fast.compile)
+    loop = fast._loops.get(key)
+    if loop is None:
+        loop = fast._loops[key] = _Loop(cache, ids.shape[0], cache.layers[0].max_cache_len, ids.device)
+    with torch.no_grad():
+        prefill(fast.forward, loop, ids, cache_kw, cache, eos, min_new)
+        if fast.timing:
+            sync()
+            fast.last = {"ttft_s": time.perf_counter() - t0}
+            t1 = time.perf_counter()
+        if loop.graph is None or loop.eos_ids != tuple(eos):  # the graph holds its eos tensor: (re)capture
+            loop.graph = None
+            loop.eos_ids = tuple(eos)
+            loop.eos = torch.tensor(eos, dtype=torch.long, device=ids.device) if eos else None
+        done = decode_n_tokens(fast, loop, key, cache_kw, cache, new, eos)
+        tokens = loop.out[:, :done].clone()
+    if fast.timing:
+        sync()
+        fast.last["decode_s"] = time.perf_counter() - t1
+        fast.last["steps"] = tokens.shape[1] - 1
+    if eos:
+        tokens = _pad_after_eos(tokens, eos, pad)
+    fast.loops += 1
+    return torch.cat([ids, tokens], dim=1)
+
+
+def _no_sliding_window(config) -> bool:
+    """True when every attention layer is full attention (a static cache then has only StaticLayers)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    types = getattr(text, "layer_types", None)
+    if types:
+        return all(t == "full_attention" for t in types)
+    return getattr(text, "sliding_window", None) in (None, 0) or not getattr(text, "use_sliding_window", True)
+
+
+def cache_kwarg(model) -> str:
+    """The name generate() and forward() give the KV cache: `cache` (transformers >= 5.2x) or the older
+    `past_key_values`."""
+    fn = type(model).forward
+    while hasattr(fn, "__wrapped__"):  # transformers' decorators wrap forward with functools.wraps
+        fn = fn.__wrapped__
+    code = fn.__code__
+    return "cache" if "cache" in code.co_varnames[: code.co_argcount + code.co_kwonlyargcount] else "past_key_values"
+
+
+def reused_cache(model, fast: FastDecode, args: tuple, kwargs: dict):
+    """A StaticCache for this call, reset and reused across generate() calls of the same batch size and
+    length class, so the decode graphs captured on it are replayed again instead of captured anew. None
+    when the prompt or the token budget cannot be read off the call (generate then makes its own)."""
+    from transformers import StaticCache
+
+    ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    config = kwargs.get("generation_config") or model.generation_config
+    new = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or new is None:
+        return None
+    need = ids.shape[1] + int(new)
+    length = -(-need // CACHE_ROUND) * CACHE_ROUND
+    key = (ids.shape[0], length)
+    if fast.cache_key != key:
+        fast.drop_graphs()  # one reused cache at a time (its memory is the KV of every position)
+        fast.cache = None
+        try:
+            fast.cache = StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=length)
+        except TypeError:  # another StaticCache signature: let generate make its own
+            return None
+        fast.cache_key = key
+    else:
+        fast.cache.reset()
+    return fast.cache
+
+
+def _fast_generate_kwargs(model, args: tuple, kwargs: dict) -> dict:
+    """generate() kwargs with a static cache as the default on CUDA (unless the caller chose a cache)."""
+    fast = model.__dict__.get("_fast_decode")
+    on_device = model.device.type == "cuda" or (fast is not None and fast.cpu_emulation)
+    if fast is None or not fast.enabled or not on_device or not _no_sliding_window(model.config):
+        return kwargs
+    chosen = kwargs.get("generation_config") or model.generation_config
+    if any(k in kwargs for k in ("cache_implementation", "cache", "past_key_values")) or getattr(
+            chosen, "cache_implementation", None) is not None or kwargs.get("use_cache") is False:
+        return kwargs
+    # disable_compile: our graphs replace transformers' automatic torch.compile of static-cache decoding
+    cache = reused_cache(model, fast, args, kwargs)
+    if cache is None:
+        return {**kwargs, "cache_implementation": "static", "disable_compile": True}
+    return {**kwargs, cache_kwarg(model): cache, "disable_compile": True}
+
+
+def enable_fast_decode(model, enabled: bool = True, compile: bool | None = None) -> FastDecode:
+    """Give a loaded causal LM (a sparsify model, or any transformers one, e.g. the dense original) the fast
+    decode regime: generate() on CUDA defaults to a static cache and replays decode steps from CUDA graphs.
+    `compile=True` also runs those steps through torch.compile (a compile on the first batch size and
+    cache length, then one dynamic-shape compile serves the others); None leaves the setting as it is.
+    Returns the FastDecode object (`.enabled`, `.compile`, `.replays`, `.captures`). Sparsify models have
+    it from load."""
+    fast = model.__dict__.get("_fast_decode")
+    if fast is None:
+        forward, plain_generate = model.forward, model.generate  # bound methods of the class
+
+        @functools.wraps(forward)
+        def fast_forward(*args, **kwargs):
+            cache = fast.cache_of(args, kwargs)
+            return forward(*args, **kwargs) if cache is None else fast(cache, kwargs)
+
+        @functools.wraps(plain_generate)
+        def fast_generate(*args, **kwargs):
+            fast.last = {}
+            new = _fast_generate_kwargs(model, args, kwargs)
+            if new is not kwargs and fast.loop:
+                plan = greedy_plan(model, args, kwargs)
+                if plan is not None:
+                    return generate(model, fast, plan)
+            return plain_generate(*args, **new)
+
+        fast = FastDecode(forward, model)
+        model.__dict__["_fast_decode"] = fast
+        model.__dict__["forward"] = fast_forward
+        model.__dict__["generate"] = fast_generate
+    fast.enabled = enabled
+    if compile is not None:
+        fast.compile = bool(compile)
+    return fast

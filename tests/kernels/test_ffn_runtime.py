@@ -1,0 +1,264 @@
+"""The FFN runtime (kernels/ffn_runtime.py): one owner per model for the backend, auto's decisions, the grants and
+the step check's twin, found through the one registry by every copy of the bundle (CPU; auto runs on a fake clock
+from test_dispatch, dispatching CPU calls)."""
+
+from __future__ import annotations
+
+import __future__
+import ast
+import copy
+import importlib
+import inspect
+import logging
+import shutil
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparsify.kernels import ffn_runtime as fr, modeling_sparsify as ms, twell_ops, twell_reference as ref
+from sparsify.kernels.dispatch import Policy
+
+from tests.kernels.helpers import make_case
+from tests.kernels.test_dispatch import ALL_DENSE, GRAPH_ONLY_TWELL, dispatcher, state
+
+KERNEL_DIR = Path(fr.__file__).parent
+# the bundle's FFN-backend files (the kernel files keep their Triton compile caches: not backend state)
+FFN_FILES = ("ffn_runtime", "twell_ops", "dispatch", "modeling_sparsify", "decode_capture", "fast_decode")
+
+
+# ------------------------------------------------------------------------------------------- house rules
+def _immutable(value) -> bool:
+    if isinstance(value, tuple):
+        return all(_immutable(v) for v in value)
+    return isinstance(value, (str, bytes, int, float, complex, bool, type(None), frozenset, types.MappingProxyType,
+                              torch.dtype))
+
+
+def mutable_globals(module) -> list[str]:
+    """Module-level names of `module` bound to something that can hold state, other than the registry and what
+    it holds: modules, classes, functions, loggers and immutable values pass; anything else (a dict, a set, an
+    object, a method bound to one) is listed."""
+    registry = sys.modules[fr.REGISTRY]
+    slots = [v for v in vars(registry).values() if isinstance(v, types.SimpleNamespace)]
+    held = {id(registry), *(id(s) for s in slots), *(id(v) for s in slots for v in vars(s).values())}
+    plain = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, logging.Logger,
+             __future__._Feature)
+    return [name for name, v in vars(module).items()
+            if not name.startswith("__") and id(v) not in held and not isinstance(v, plain) and not _immutable(v)
+            and type(v).__module__ != "typing"]
+
+
+def test_no_module_level_mutable_state_but_the_registry():
+    """The FFN files hold no state of their own at module level: no mutable values, no `global` rebinding."""
+    bad = {}
+    for name in FFN_FILES:
+        module = importlib.import_module(f"sparsify.kernels.{name}")
+        found = mutable_globals(module)
+        tree = ast.parse(inspect.getsource(module))
+        found += [f"global {', '.join(n.names)}" for n in ast.walk(tree) if isinstance(n, ast.Global)]
+        found += [ast.unparse(n) for n in tree.body if isinstance(n, ast.AugAssign)]
+        if found:
+            bad[name] = found
+    assert not bad, bad
+    probe = types.ModuleType("probe")  # the check itself sees state
+    probe.cache, probe.names, probe.obj, probe.ok = {}, {"a"}, fr.FFNLayer(), ("a", 1, frozenset())
+    probe.bound = twell_ops.auto_dispatcher().dense_in_capture
+    assert mutable_globals(probe) == ["cache", "names", "obj", "bound"]
+
+
+def test_sparse_mlp_forward_is_one_call_into_the_runtime():
+    source = textwrap.dedent(inspect.getsource(ms.SparseMLP.forward))
+    assert len(source.strip().splitlines()) <= 10, source
+    calls = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call)]
+    assert [ast.unparse(c.func) for c in calls] == ["self.runtime.ffn"]
+
+
+def test_backends_are_declared_once():
+    def declares(name: str) -> bool:
+        tree = ast.parse((KERNEL_DIR / f"{name}.py").read_text())
+        return any(isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "BACKENDS" for t in n.targets)
+                   for n in tree.body)
+
+    assert [name for name in FFN_FILES if declares(name)] == ["ffn_runtime"]
+    assert twell_ops.BACKENDS is ms.BACKENDS is fr.BACKENDS
+
+
+# ------------------------------------------------------------------------- a model's layers on a fake auto
+def sparse_layer(runtime, seed: int = 41, cls=ms.SparseMLP):
+    """(x [20, 16], a SparseMLP on `runtime` with weights [64, 16] / [16, 64], 90% of the gate values <= 0)."""
+    x, wg, wu, wd = make_case(20, 16, 64, 0.9, seed=seed)
+    mlp = torch.nn.Module()
+    for name, w in (("gate_proj", wg), ("up_proj", wu), ("down_proj", wd)):
+        linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+        linear.weight = torch.nn.Parameter(w, requires_grad=False)
+        setattr(mlp, name, linear)
+    return x, cls(mlp, runtime=runtime)
+
+
+def fake_runtime(times, backend: str = "auto", **kwargs) -> fr.FFNRuntime:
+    """A runtime whose auto is test_dispatch's (fake clock and TwELL path) and dispatches CPU calls; its layers
+    take the kernels' path on CPU (kernel_reason None)."""
+    runtime = fr.FFNRuntime(backend, dispatcher=dispatcher(times, **kwargs), auto_devices=("cpu",))
+    runtime.kernel_reason = lambda mlp, x: fr.TWIN if runtime.dispatcher.capture_dense else None
+    return runtime
+
+
+def counted_entry(runtime) -> list:
+    """Count the layer calls that reach the kernels' entry (the rest ran under a grant)."""
+    seen, entry = [], runtime.twell_ffn
+
+    def counting(x, *args):
+        seen.append(tuple(x.shape))
+        return entry(x, *args)
+
+    runtime.twell_ffn = counting
+    return seen
+
+
+@torch.no_grad()
+def test_grants_keep_the_refresh_period_in_real_calls():
+    """Through the runtime: with grants a decided-dense layer reaches auto a handful of times in 3 refresh
+    periods, and auto refreshes the density at the same real calls as without grants; every output is the
+    dense FFN's; the layer's path stays the granting call's."""
+    every = Policy().refresh_dense
+    total, refreshes, entries = 3 * every + 7, {}, {}
+    for grants in (False, True):
+        runtime = fake_runtime(ALL_DENSE)
+        runtime.grants = grants
+        x, mlp = sparse_layer(runtime)
+        want = ref.ffn_dense(x, *mlp._weights())
+        seen, count_async, auto = [], runtime.dispatcher._count_async, runtime.dispatcher
+        auto._count_async = lambda st, nnz, n: (seen.append(i), count_async(st, nnz, n))
+        calls = counted_entry(runtime)
+        for i in range(total):
+            assert torch.equal(mlp(x), want)
+        assert mlp.last_path == "twell_ffn:dense"
+        refreshes[grants], entries[grants] = seen, len(calls)
+    assert refreshes[True] == refreshes[False] and len(refreshes[True]) == 3, refreshes
+    assert entries[False] == total and entries[True] <= 5, entries
+
+
+@torch.no_grad()
+def test_a_switch_or_another_shape_ends_the_grant_and_reports_its_calls():
+    runtime = fake_runtime(ALL_DENSE)
+    x, mlp = sparse_layer(runtime)
+    mlp(x)  # calibrates, then takes a grant
+    st, rec = state(runtime.dispatcher, mlp.gate_weight()), mlp._ffn
+    assert rec.given > 10 and rec.left == rec.given and rec.in_capture
+    for _ in range(7):
+        mlp(x)
+    calls = st.calls
+    runtime.set_backend("auto")  # any switch ends grants: the 7 calls count
+    assert (rec.given, rec.left, st.calls) == (0, 0, calls + 7)
+    mlp(x)  # through auto again (a new grant)
+    for _ in range(3):
+        mlp(x)
+    calls = st.calls
+    mlp(x[:9])  # another shape (bucket 16, calibrated anew): the grant's 3 calls count first
+    assert st.calls == calls + 3 and rec.shape == (9, 16)
+    runtime.set_backend("dense")
+    assert mlp.ffn_backend == "dense" and mlp.auto_decisions()[32]["eager"] == "dense"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        runtime.set_backend("fast")
+
+
+@torch.no_grad()
+def test_an_eager_only_grant_leaves_captured_calls_to_auto():
+    """Eager dense, graph replay twell: the grant covers eager calls only; a captured call runs auto's graph
+    decision (twell) and takes no grant; step-check helpers see the twell layer."""
+    capturing = [False]
+    runtime = fake_runtime(GRAPH_ONLY_TWELL, capturing=lambda: capturing[0])
+    x, mlp = sparse_layer(runtime)
+    calls = counted_entry(runtime)
+    mlp(x)
+    assert mlp._ffn.given > 0 and mlp._ffn.in_capture is False and runtime.twell_in_step(20)
+    mlp(x)
+    assert len(calls) == 1
+    capturing[0] = True
+    ran = len(runtime.dispatcher.sparse.calls)
+    y = mlp(x)
+    assert len(calls) == 2 and mlp.last_path == "twell_ffn:twell" and len(runtime.dispatcher.sparse.calls) == ran + 1
+    torch.testing.assert_close(y, ref.ffn_dense(x, *mlp._weights()), rtol=1e-5, atol=1e-6)
+    with runtime.dense_in_capture():  # the step check's twin: the layer's torch path, no call into auto
+        assert torch.equal(mlp(x), mlp._torch_ffn(x)) and mlp.last_path == "torch" and len(calls) == 2
+    runtime.set_backend("twell")
+    assert not runtime.twell_in_step(20)
+
+
+@torch.no_grad()
+def test_compiled_calls_reach_their_own_runtime_through_the_op():
+    """Under torch.compile a layer's call is the op sparsify::ffn carrying its runtime's key: the op (registered
+    once, by whichever copy came first) runs that runtime's dispatcher, not another model's."""
+    a, b = fake_runtime(ALL_DENSE), fake_runtime(ALL_DENSE)
+    (x, mlp_a), (_, mlp_b) = sparse_layer(a, seed=1), sparse_layer(b, seed=2)
+    targets = []
+
+    def record(gm, example_inputs):
+        targets.extend(n for n in gm.graph.nodes if n.op == "call_function" and "sparsify" in str(n.target))
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        y = torch.compile(mlp_b, backend=record, fullgraph=True)(x)
+    finally:
+        torch._dynamo.reset()
+    assert [str(n.target).removesuffix(".default") for n in targets] == ["sparsify.ffn"] and targets[0].args[-1] == b.key
+    assert a.dispatcher.decisions(mlp_a.gate_weight()) == {} and a.last_backend is None
+    assert b.decisions(mlp_b)[32]["eager"] == "dense" and b.last_backend == "dense"
+    assert torch.equal(y, ref.ffn_dense(x, *mlp_b._weights()))
+    assert fr._SLOT.runtimes[b.key] is b
+
+
+def test_a_copied_model_gets_a_runtime_of_its_own():
+    runtime = fake_runtime(ALL_DENSE)
+    model = torch.nn.Module()
+    x, model.mlp = sparse_layer(runtime)
+    model.ffn_runtime = runtime
+    twin = copy.deepcopy(model)
+    rt = twin.ffn_runtime
+    assert rt is not runtime and rt.key != runtime.key and fr._SLOT.runtimes[rt.key] is rt
+    assert rt.layers == [twin.mlp] and twin.mlp.runtime is rt and twin.mlp._ffn is not model.mlp._ffn
+    ms.set_ffn_backend(twin, "dense")
+    assert (model.mlp.ffn_backend, twin.mlp.ffn_backend) == ("auto", "dense")
+    with torch.no_grad():
+        torch.testing.assert_close(twin.mlp(x), model.mlp(x))
+
+
+def test_sparsify_mlps_puts_a_model_on_one_runtime():
+    model = torch.nn.Module()
+    _, model.a = sparse_layer(None)
+    model.b = torch.nn.Module()
+    for name, w in (("gate_proj", (64, 16)), ("up_proj", (64, 16)), ("down_proj", (16, 64))):
+        setattr(model.b, name, torch.nn.Linear(w[1], w[0], bias=False))
+    assert ms.sparsify_mlps(model) == 1
+    assert model.b.runtime is model.ffn_runtime and model.a.runtime is not model.ffn_runtime  # (a: built alone)
+    ms.set_ffn_backend(model, "twell")  # every runtime in the model
+    assert (model.a.ffn_backend, model.b.ffn_backend) == ("twell", "twell")
+    with pytest.raises(AttributeError):
+        model.b.ffn_backend = "dense"  # one owner: the runtime (set_ffn_backend)
+
+
+def test_a_second_copy_of_the_bundle_reuses_the_first_ones_runtime_code(tmp_path, monkeypatch):
+    """A flat copy imported like a model folder's: its own modules, but the first copy's runtime classes, op and
+    process runtime (the registry's), so its models' state lives where the op and bench look."""
+    pkg = tmp_path / "second_bundle_copy"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    for path in sorted(KERNEL_DIR.glob("*.py")):
+        if path.name != "__init__.py":
+            shutil.copy(path, pkg / path.name)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    second = importlib.import_module("second_bundle_copy.ffn_runtime")
+    ops = importlib.import_module("second_bundle_copy.twell_ops")
+    modeling = importlib.import_module("second_bundle_copy.modeling_sparsify")
+    assert second is not fr and second._SLOT is fr._SLOT
+    assert second.FFNRuntime is fr.FFNRuntime and second.FFNLayer is fr.FFNLayer
+    assert ops.auto_dispatcher() is twell_ops.auto_dispatcher()
+    assert modeling.SparseMLP is not ms.SparseMLP
+    _, mlp = sparse_layer(None, cls=modeling.SparseMLP)
+    assert type(mlp.runtime) is fr.FFNRuntime and fr._SLOT.runtimes[mlp.runtime.key] is mlp.runtime
+    assert second.runtime_of(types.SimpleNamespace(ffn_runtime=mlp.runtime)) is mlp.runtime
