@@ -29,20 +29,23 @@ MMA accumulation, in ANY order or blocking) has relative error <= u = 2^-23 (IEE
 2^-23 also covers truncating accumulators), plus at most 2^-126 absolute where results are flushed to zero;
 16-bit x 16-bit products and int8 / e4m3 -> bf16 / fp16 conversions are exact.
 1. The kernel's exact gate g^ = fl(sum_i w_ji x_i) (any summation order, d terms): by the standard dot-product
-   bound |g^ - G_j| <= gamma(d+4) sum_i |w_ji x_i| <= gamma(d+4) B_j ||x||_2 (Cauchy-Schwarz), B_j >= ||w_j||_2,
-   gamma(n) = n u / (1 - n u); flushing adds <= 2 d 2^-126.
+   bound |g^ - G_j| <= gamma(d+4) sum_i |w_ji x_i|, gamma(n) = n u / (1 - n u); flushing adds <= 2 d 2^-126.
+   Split the sum: sum_i |w_ji x_i| = sum_K |w_ji x_i| + sum_{not K} |w_ji x_i| <= X_j + B_j ||x'||_2 (Cauchy-Schwarz
+   off the exact channels K), X_j = sum_K |w_ji x_i| (the kernel has both factors loaded for the estimate),
+   B_j >= ||w_j off K||_2, x' = x off K. (Without the split, a large weight on a small constant input, the synth
+   bias channel, made ||w|| ||x|| a hundred times sum |w x| there: 44% of the radius at d = 8192.)
 2. The screen's estimate est = fl(s_j fl(q_j.x)) (per group: sum_g fl(s_jg fl(q_jg.x_g)); exact channels:
-   + fl(sum_K w_ji x_i)) is a dot product of w-hat_j with x evaluated with at most 2d + 16 roundings per
-   term: |est - w-hat_j.x| <= gamma(2d + 16) A_j ||x||_2, A_j >= ||w-hat_j||_2.
-3. Quantisation: |e_j.x| <= R_j ||x'||_2 (Cauchy-Schwarz) and <= m_j ||x'||_1 (Hoelder), x' = x off the exact
-   channels, R_j >= ||e_j||_2, m_j >= max_i |e_ji|; per group the sum over groups of
-   min(R_jg ||x'_g||_2, m_jg ||x'_g||_1) (each group bounded by the smaller: rigorous, and never looser
-   than per-row Cauchy-Schwarz by more than the min picks).
-So g^ <= est + Q_j(x) + C_j ||x||_2 with C_j = gamma(d+4) B_j + gamma(2d+16) A_j ("err_round", float64, rounded
-up) and Q_j the quantisation term of 3. The kernel evaluates this right-hand side itself in fp32 (norms of x
-summed in fp32): every evaluated quantity is made an upper bound by explicit slack: norms and the radius are
-multiplied by (1 + 2^-6) (covers gamma(d) <= 2^-8 of the norm sums for d <= 2^15 and the few roundings of
-the radius), + 2^-55 on ||x||_2 and + 2^-100 on ||x||_1 and on U (flushed subnormals: d 2^-126 <= 2^-111), and
+   + fl(sum_K w_ji x_i)) is a dot product of w-hat_j with x in which every term is rounded at most
+   d + G + MAX_EXACT + 4 times (one group's sum, its scale, the sum over G groups, the exact part):
+   |est - w-hat_j.x| <= gamma_A (X_j + A_j ||x'||_2), A_j >= ||w-hat_j off K||_2 (w-hat = w on K).
+3. Quantisation: |e_j.x| <= R_j ||x'||_2 (Cauchy-Schwarz) and <= m_j ||x'||_1 (Hoelder), R_j >= ||e_j||_2,
+   m_j >= max_i |e_ji|; per group the sum over groups of min(R_jg ||x'_g||_2, m_jg ||x'_g||_1) (each group
+   bounded by the smaller: rigorous, and never looser than per-row Cauchy-Schwarz by more than the min picks).
+So g^ <= est + Q_j(x) + C_j ||x'||_2 + c_X X_j with C_j = gamma(d+4) B_j + gamma_A A_j ("err_round", float64,
+rounded up), c_X = gamma(d+4) + gamma_A ("c_exact") and Q_j the quantisation term of 3. The kernel evaluates this
+right-hand side itself in fp32 (norms of x summed in fp32): every evaluated quantity is made an upper bound by
+explicit slack: norms and the radius are multiplied by (1 + 2^-6) (covers gamma(d) <= 2^-8 of the norm sums for
+d <= 2^15 and the few roundings of the radius), + 2^-55 on ||x||_2 and + 2^-100 on ||x||_1 and on U (flushed subnormals: d 2^-126 <= 2^-111), and
 |est| 2^-20 on the estimate (one product and two sums rounded, 3 u < 2^-20). Call the result U (g^ <= U).
 4. The comparison. relu: active <=> g^ > 0, so active => U > 0. theta, 16-bit x: active <=> rn(g^) > theta,
    rn = round to nearest even to bf16 (unit roundoff 2^-8, half the subnormal spacing 2^-134) or fp16 (2^-11,
@@ -93,7 +96,7 @@ SLACK = 2.0**-6  # relative slack on every evaluated norm and on the radius
 EST_REL = 2.0**-20  # |est| slack: one product and two sums of the estimate rounded
 ABS_L2 = 2.0**-55  # absolute slack on ||x||_2 (flushed squares: 2 d 2^-126 <= 2^-110 under the square root)
 ABS_L1 = 2.0**-100  # absolute slack on ||x||_1 and on U (flushed products and sums)
-MAX_D = 1 << 15  # gamma(2d + 16) <= 2^-7 and the norm slack above hold up to here
+MAX_D = 1 << 15  # gamma_A <= gamma(2d + 16) <= 2^-7 and the norm slack above hold up to here
 KINDS = ("int8", "fp8")
 QMAX = {"int8": 127.0, "fp8": 448.0}
 MAX_EXACT = 64  # exact channels the kernel handles (one block)
@@ -114,7 +117,8 @@ def _up32(t: torch.Tensor) -> torch.Tensor:
 @dataclass
 class ScreenWeights:
     """A layer's screen: q [F, d] int8 / float8_e4m3fn (zeros on the exact channels), and per (row, group)
-    float32 [F, G] scale, rq (R: ||e||_2, rounded up), mq (m: max |e|, rounded up); err_round [F] (C_j);
+    float32 [F, G] scale, rq (R: ||e||_2, rounded up), mq (m: max |e|, rounded up); err_round [F] (C_j, the
+    coefficient of ||x'||_2 in the rounding term; c_exact: that of X_j = sum_K |w_ji x_i|);
     exact channels: exact_cols [k] int32 (sorted), w_exact [F, k] (W_gate's values, its dtype), keep [d] float32
     (0 on exact channels, 1 elsewhere). group = columns per group (d when per row)."""
 
@@ -129,6 +133,7 @@ class ScreenWeights:
     exact_cols: torch.Tensor | None = None
     w_exact: torch.Tensor | None = None
     keep: torch.Tensor | None = None
+    c_exact: float = 0.0  # c_X: gamma(d+4) + gamma_A, the coefficient of X_j = sum_K |w_ji x_i|
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -153,7 +158,8 @@ class ScreenWeights:
     def to(self, device) -> "ScreenWeights":
         mv = lambda t: None if t is None else t.to(device)  # noqa: E731
         return ScreenWeights(self.kind, mv(self.q), mv(self.scale), mv(self.rq), mv(self.mq), mv(self.err_round),
-                             self.group, self.n_big, mv(self.exact_cols), mv(self.w_exact), mv(self.keep))
+                             self.group, self.n_big, mv(self.exact_cols), mv(self.w_exact), mv(self.keep),
+                             self.c_exact)
 
 
 def outlier_columns(w_gate: torch.Tensor, k: int, x_calib: torch.Tensor | None = None) -> torch.Tensor:
@@ -193,7 +199,7 @@ def screen_weights(w_gate: torch.Tensor, kind: str = "int8", group: int | None =
     rq, mq = torch.empty_like(scale), torch.empty_like(scale)
     err_round = torch.empty(f, dtype=torch.float32, device=dev)
     big = 0.0
-    ga, gb = gamma(2 * d + 16), gamma(d + 4)
+    ga, gb = gamma(d + ng + MAX_EXACT + 4), gamma(d + 4)
     for r0 in range(0, f, chunk):
         w = w_gate[r0:r0 + chunk].double()  # [r, d]
         r = w.shape[0]
@@ -218,10 +224,11 @@ def screen_weights(w_gate: torch.Tensor, kind: str = "int8", group: int | None =
         scale[r0:r0 + r] = s
         rq[r0:r0 + r] = _up32(e_g.pow(2).sum(-1).sqrt())
         mq[r0:r0 + r] = _up32(e_g.abs().amax(-1))
-        a = (what.view(r, dp)[:, :d] + w * (1 - keep)).norm(dim=1)  # ||w-hat_j||
-        b = w.norm(dim=1)
+        a = what.view(r, dp)[:, :d].norm(dim=1)  # ||w-hat_j off K|| (what is 0 on K)
+        b = (w * keep).norm(dim=1)  # ||w_j off K||
         err_round[r0:r0 + r] = _up32(gb * b + ga * a)
-        big = max(big, float(torch.maximum(a, b).max()))
+        wk = (w * (1 - keep)).norm(dim=1)  # the exact channels' part, for the overflow guard
+        big = max(big, float((torch.maximum(a, b) + wk).max()))
         del e
     n_big = min(2.0**126 / max(big, 1e-30), 2.0**127)  # a float32 scalar for the kernel
     w_exact = keep32 = None
@@ -229,7 +236,8 @@ def screen_weights(w_gate: torch.Tensor, kind: str = "int8", group: int | None =
         w_exact = w_gate[:, ex].contiguous()
         keep32 = keep.float()
         ex = ex.to(torch.int32)
-    return ScreenWeights(kind, q, scale, rq, mq, err_round, gs, n_big, ex, w_exact, keep32)
+    return ScreenWeights(kind, q, scale, rq, mq, err_round, gs, n_big, ex, w_exact, keep32,
+                         c_exact=float(_up32(torch.tensor(ga + gb, dtype=torch.float64))))
 
 
 def theta_eff(threshold: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | float:
@@ -247,7 +255,7 @@ def theta_eff(threshold: torch.Tensor | None, dtype: torch.dtype) -> torch.Tenso
 def screen_terms(x2d: torch.Tensor, sw: ScreenWeights) -> dict:
     """The screen's pieces for inputs x2d [M, d] (torch, float32 estimate, float64 bounds): est [M, F], the
     quantisation terms [M, F] "cs" (R ||x'||_2), "holder" (m ||x'||_1), "group" (sum_g R_g ||x'_g||_2),
-    "group_min" (sum_g min(..)), "min" (min(cs, holder) per row), the rounding term "round" [M, F] (C ||x||_2),
+    "group_min" (sum_g min(..)), "min" (min(cs, holder) per row), the rounding term "round" [M, F] (C ||x'||_2 + c_X X),
     and per row "l2" [M] (||x||_2), "zero" [M] bool, "big" [M] bool. Every quantisation term is rigorous; the
     kernel uses "min" (per row) or "group_min" (groups)."""
     xf = x2d.float()
@@ -266,8 +274,10 @@ def screen_terms(x2d: torch.Tensor, sw: ScreenWeights) -> dict:
         est += (xf[:, sl] @ deq[:, sl].t()) * sw.scale[:, g]
         l2g[:, g] = x64[:, sl].pow(2).sum(1).sqrt()
         l1g[:, g] = x64[:, sl].abs().sum(1)
+    xk_abs = None
     if sw.w_exact is not None:
         est += xf[:, sw.exact_cols.long()] @ sw.w_exact.float().t()
+        xk_abs = xf[:, sw.exact_cols.long()].double().abs() @ sw.w_exact.double().abs().t()  # X [M, F]
     rq, mq = sw.rq.double(), sw.mq.double()  # [F, G]
     l2 = x64.pow(2).sum(1).sqrt()  # [M] ||x'||_2
     l1 = x64.abs().sum(1)
@@ -276,7 +286,9 @@ def screen_terms(x2d: torch.Tensor, sw: ScreenWeights) -> dict:
     m_row = mq.amax(1)
     full = xf.double().pow(2).sum(1).sqrt()  # ||x||_2
     out = {"est": est, "cs": l2[:, None] * r_row[None, :], "holder": l1[:, None] * m_row[None, :],
-           "group": l2g @ rq.t(), "round": full[:, None] * sw.err_round.double()[None, :], "l2": full,
+           "group": l2g @ rq.t(),
+           "round": l2[:, None] * sw.err_round.double()[None, :] + (0 if xk_abs is None else sw.c_exact * xk_abs),
+           "l2": full,
            "zero": xf.abs().amax(1) == 0, "big": ~(full < sw.n_big)}
     out["min"] = torch.minimum(out["cs"], out["holder"])
     gm = torch.zeros(m, f, dtype=torch.float64, device=xf.device)
@@ -340,7 +352,7 @@ if HAS_TRITON:
     def _k1_screened(
         x_ptr, q_ptr, sc_ptr, rq_ptr, mq_ptr, er_ptr, kp_ptr, xc_ptr, wx_ptr, wg_ptr,
         cnt_ptr, col_ptr, val_ptr, th_ptr, pass_ptr, npass_ptr,
-        M, F, D, NT, G, KX, stride_xm, stride_qf, stride_wf, stride_wx, n_big,
+        M, F, D, NT, G, KX, stride_xm, stride_qf, stride_wf, stride_wx, n_big, c_exact,
         BLOCK_M: tl.constexpr, T: tl.constexpr, BK1: tl.constexpr, BK2: tl.constexpr, S: tl.constexpr,
         GROUPED: tl.constexpr, KP: tl.constexpr, HAS_EX: tl.constexpr, GEMV: tl.constexpr,
         DOT16: tl.constexpr, IEEE: tl.constexpr, ENT: tl.constexpr, HAS_THETA: tl.constexpr, RND: tl.constexpr,
@@ -430,9 +442,10 @@ if HAS_TRITON:
             we = tl.load(wx_ptr + rows64[:, None] * stride_wx + kx[None, :], mask=n_ok[:, None] & kx_ok[None, :],
                          other=0.0).to(tl.float32)  # [T, KP]
             est += tl.sum(xe[:, None, :] * we[None, :, :], 2)
+            quant += c_exact * tl.sum(tl.abs(xe)[:, None, :] * tl.abs(we)[None, :, :], 2)  # c_X X_j (1. and 2.)
         nf = tl.sqrt(l2f)
         er = tl.load(er_ptr + rows64, mask=n_ok, other=0.0)
-        rad = (quant + er[None, :] * (nf * (1 + 0.015625) + 2.7755575615628914e-17)[:, None]) * (1 + 0.015625)
+        rad = (quant + er[None, :] * (tl.sqrt(l2q) * (1 + 0.015625) + 2.7755575615628914e-17)[:, None]) * (1 + 0.015625)
         u = est + tl.abs(est) * 9.5367431640625e-07 + rad + 7.888609052210118e-31
         if HAS_THETA:
             th = tl.load(th_ptr + offs_n, mask=n_ok, other=0.0)
@@ -525,7 +538,7 @@ def gate_pack_screened(x2d: torch.Tensor, w_gate: torch.Tensor, sw: ScreenWeight
         sw.exact_cols if has_ex else cnt, sw.w_exact if has_ex else sw.scale, w_gate,
         cnt, col, val, th["th_ptr"], pas, npass,
         m, f, d, nt, sw.n_groups, kx, x2d.stride(0), sw.q.stride(0), w_gate.stride(0),
-        sw.w_exact.stride(0) if has_ex else 0, float(sw.n_big),
+        sw.w_exact.stride(0) if has_ex else 0, float(sw.n_big), float(sw.c_exact),
         T=t, S=s, KP=max(2, next_pow2(kx)), HAS_EX=has_ex, DOT16=x2d.dtype != torch.float32,
         IEEE=x2d.dtype == torch.float32, ENT=ENT_CODES[entries], HAS_THETA=th["HAS_THETA"], RND=th["RND"],
         PASS_OUT=return_pass, **cfg,
