@@ -1,0 +1,559 @@
+"""Exact gate screen for TwELL decode (M <= 16): a low-precision copy of W_gate rules out gate rows.
+
+Legend: M = tokens (decode: M <= 16), d = hidden size, F = intermediate size, x [M, d] the FFN input, w_j [d]
+row j of W_gate [F, d], theta [F] float32 the optional threshold (relu without one). Layout of the output:
+twell_reference.py (decode tiles T = S = 32).
+
+What it does
+------------
+`screen_weights` stores per layer a copy q of W_gate in int8 (symmetric, absmax scale per row, or per group of
+`group` columns) or fp8 e4m3 (scale = absmax / 448), the scales s, and per row (or per (row, group)) error
+terms computed once in float64 and rounded UP to float32. At decode, per (m, j) the screen computes an estimate
+est = s_j (q_j . x) and a radius rad from the error terms and x's norms; only rows j for which some m has
+est + rad above the threshold ("candidates", "passed rows") are computed exactly (bf16 rows of W_gate loaded
+under a mask: rows that do not pass cause no memory traffic) and packed exactly as `gate_pack` packs them, so
+K2 (`updown`) runs unchanged. Optionally a few channels (`exact_cols`, e.g. the bias channel of a synth model
+or an LLM's massive-activation channels) are held exactly (W_gate's own values, in its dtype) and left out
+of the quantisation.
+
+The guarantee: a row whose gate, AS THE TWELL KERNELS COMPUTE AND ROUND IT, is active (relu: fp32
+accumulator > 0; theta: the accumulator rounded to x's dtype > theta_j) is always a candidate. So the screened
+TwELL FFN packs exactly the same entries as the unscreened one: lossless.
+
+The bound (proof sketch; every constant below is named in the code)
+--------------------------------------------------------------------
+Write w-hat_j for the screen's copy of w_j (s_j q_j off the exact channels, w_j on them) and
+e_j = w_j - w-hat_j (zero on the exact channels). Real arithmetic: G_j = w_j.x = w-hat_j.x + e_j.x.
+Assumption on the GPU/interpreter arithmetic: every fp32 operation (product, sum, including inside tl.dot /
+MMA accumulation, in ANY order or blocking) has relative error <= u = 2^-23 (IEEE round-to-nearest is 2^-24;
+2^-23 also covers truncating accumulators), plus at most 2^-126 absolute where results are flushed to zero;
+16-bit x 16-bit products and int8 / e4m3 -> bf16 / fp16 conversions are exact.
+1. The kernel's exact gate g^ = fl(sum_i w_ji x_i) (any summation order, d terms): by the standard dot-product
+   bound |g^ - G_j| <= gamma(d+4) sum_i |w_ji x_i|, gamma(n) = n u / (1 - n u); flushing adds <= 2 d 2^-126.
+   Split the sum: sum_i |w_ji x_i| = sum_K |w_ji x_i| + sum_{not K} |w_ji x_i| <= X_j + B_j ||x'||_2 (Cauchy-Schwarz
+   off the exact channels K), X_j = sum_K |w_ji x_i| (the kernel has both factors loaded for the estimate),
+   B_j >= ||w_j off K||_2, x' = x off K. (Without the split, a large weight on a small constant input, the synth
+   bias channel, made ||w|| ||x|| a hundred times sum |w x| there: 44% of the radius at d = 8192.)
+2. The screen's estimate est = fl(s_j fl(q_j.x)) (per group: sum_g fl(s_jg fl(q_jg.x_g)); exact channels:
+   + fl(sum_K w_ji x_i)) is a dot product of w-hat_j with x in which every term is rounded at most
+   d + G + MAX_EXACT + 4 times (one group's sum, its scale, the sum over G groups, the exact part):
+   |est - w-hat_j.x| <= gamma_A (X_j + A_j ||x'||_2), A_j >= ||w-hat_j off K||_2 (w-hat = w on K).
+3. Quantisation: |e_j.x| <= R_j ||x'||_2 (Cauchy-Schwarz) and <= m_j ||x'||_1 (Hoelder), R_j >= ||e_j||_2,
+   m_j >= max_i |e_ji|; per group the sum over groups of min(R_jg ||x'_g||_2, m_jg ||x'_g||_1) (each group
+   bounded by the smaller: rigorous, and never looser than per-row Cauchy-Schwarz by more than the min picks).
+So g^ <= est + Q_j(x) + C_j ||x'||_2 + c_X X_j with C_j = gamma(d+4) B_j + gamma_A A_j ("err_round", float64,
+rounded up), c_X = gamma(d+4) + gamma_A ("c_exact") and Q_j the quantisation term of 3. The kernel evaluates this
+right-hand side itself in fp32 (norms of x summed in fp32): every evaluated quantity is made an upper bound by
+explicit slack: norms and the radius are multiplied by (1 + 2^-6) (covers gamma(d) <= 2^-8 of the norm sums for
+d <= 2^15 and the few roundings of the radius), + 2^-55 on ||x||_2 and + 2^-100 on ||x||_1 and on U (flushed subnormals: d 2^-126 <= 2^-111), and
+|est| 2^-20 on the estimate (one product and two sums rounded, 3 u < 2^-20). Call the result U (g^ <= U).
+4. The comparison. relu: active <=> g^ > 0, so active => U > 0. theta, 16-bit x: active <=> rn(g^) > theta,
+   rn = round to nearest even to bf16 (unit roundoff 2^-8, half the subnormal spacing 2^-134) or fp16 (2^-11,
+   2^-25): rn(v) <= v + 2^-8 |v| + 2^-134, hence rn(g^) > theta => g^ > theta - |theta| 2^-7 - 2^-120 =: theta_e
+   (the 2^-7 instead of 2^-8 absorbs theta_e's own fp32 rounding; fp16: 2^-10 and 2^-23); a bf16 (fp16) value
+   that rounds to inf has g^ >= 2^127 (65520), so theta_e is capped at 2^126 (65000). fp32 x: theta_e = theta.
+   A row passes iff NOT (U <= theta_e): active => g^ > theta_e and U >= g^ => passes; a NaN U passes.
+5. Rows of x that are all zero: g^ = 0 exactly, so such a row makes j active iff 0 > theta_j (relu: never); the
+   screen uses that instead of U (without it the absolute slack would pass every row at every zero input). The
+   kernel tests the bit patterns (|x| bits all 0), not a float compare a flush-to-zero mode could fool: a
+   subnormal x is not zero (its flushed squares and products are covered by the absolute slack of 3.).
+   Rows whose computed ||x||_2 is not below n_big = 2^126 / max_j max(A_j, B_j) (large norms, inf, NaN) pass
+   everything: below it no partial sum of 1. or 2. can overflow, above it nothing is claimed.
+The per-(m, j) decision is reduced to "any row m passes" per column j: the kernel then computes the column's
+exact gate for all M rows, so every row's packed entries are exactly gate_pack's (bitwise where both sum in the
+same order: the kernels here mirror `_k1_gate_pack` (M > 1) and `_k1_gemv` (M = 1) block for block).
+
+How tight: for Gaussian weights and inputs the Cauchy-Schwarz radius is ~ (s / sqrt(12)) sqrt(d) ||x|| against a
+gate spread ||w|| ||x|| / sqrt(d): their ratio is ~ 0.009 sqrt(d) for per-row int8 absmax (0.4 at d = 2048, 0.8
+at d = 8192) and ~4x that for e4m3. A weight outlier (the synth bias channel) blows up the per-row absmax scale:
+hold such channels exactly (`exact_cols`, `outlier_columns`) or use groups. eval/bench_screen.py measures the
+pass fraction against the active fraction.
+
+Memory (`ScreenWeights.nbytes`): the copy is F d bytes (half of bf16 W_gate), + 12 bytes per (row, group)
+(scale, R, m: fp32), + 4 bytes per row (C), + the exact channels (F k x 2 bytes).
+
+Flat file: imports torch, the standard library and its siblings (triton through twell_triton, which imports it
+in try/except).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .twell_reference import DECODE_SLOTS, DECODE_TILE, TwellPacked, n_tiles
+from .twell_triton import (
+    ENT_CODES, GEMV_BLOCK_K, HAS_TRITON, default_entries, next_pow2, require_triton, theta_args, tl, triton,
+)
+
+if HAS_TRITON:
+    from .twell_triton import _k1_epilogue
+
+U_ACC = 2.0**-23  # assumed unit roundoff of every fp32 operation of the gate / screen GEMMs (see 3. above)
+SLACK = 2.0**-6  # relative slack on every evaluated norm and on the radius
+EST_REL = 2.0**-20  # |est| slack: one product and two sums of the estimate rounded
+ABS_L2 = 2.0**-55  # absolute slack on ||x||_2 (flushed squares: 2 d 2^-126 <= 2^-110 under the square root)
+ABS_L1 = 2.0**-100  # absolute slack on ||x||_1 and on U (flushed products and sums)
+MAX_D = 1 << 15  # gamma_A <= gamma(2d + 16) <= 2^-7 and the norm slack above hold up to here
+KINDS = ("int8", "fp8")
+QMAX = {"int8": 127.0, "fp8": 448.0}
+MAX_EXACT = 64  # exact channels the kernel handles (one block)
+
+
+def gamma(n: int, u: float = U_ACC) -> float:
+    return n * u / (1.0 - n * u)
+
+
+def _up32(t: torch.Tensor) -> torch.Tensor:
+    """float64 -> float32 rounded UP (toward +inf), after a relative inflation of 2^-30 that covers the float64
+    rounding of the sums that produced t."""
+    t = t * (1.0 + 2.0**-30)
+    f = t.float()
+    return torch.where(f.double() < t, torch.nextafter(f, torch.full_like(f, math.inf)), f)
+
+
+@dataclass
+class ScreenWeights:
+    """A layer's screen: q [F, d] int8 / float8_e4m3fn (zeros on the exact channels), and per (row, group)
+    float32 [F, G] scale, rq (R: ||e||_2, rounded up), mq (m: max |e|, rounded up); err_round [F] (C_j, the
+    coefficient of ||x'||_2 in the rounding term; c_exact: that of X_j = sum_K |w_ji x_i|);
+    exact channels: exact_cols [k] int32 (sorted), w_exact [F, k] (W_gate's values, its dtype), keep [d] float32
+    (0 on exact channels, 1 elsewhere). group = columns per group (d when per row)."""
+
+    kind: str
+    q: torch.Tensor
+    scale: torch.Tensor
+    rq: torch.Tensor
+    mq: torch.Tensor
+    err_round: torch.Tensor
+    group: int
+    n_big: float
+    exact_cols: torch.Tensor | None = None
+    w_exact: torch.Tensor | None = None
+    keep: torch.Tensor | None = None
+    c_exact: float = 0.0  # c_X: gamma(d+4) + gamma_A, the coefficient of X_j = sum_K |w_ji x_i|
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    @property
+    def n_groups(self) -> int:
+        return self.scale.shape[1]
+
+    def nbytes(self) -> dict:
+        """Bytes of the screen: the copy, the per-row / per-group terms, the exact channels; and the ratio of
+        the total to a bf16 W_gate of the same shape."""
+        f, d = self.shape
+        parts = {"copy": self.q.numel() * self.q.element_size(),
+                 "terms": sum(t.numel() * t.element_size() for t in (self.scale, self.rq, self.mq, self.err_round)),
+                 "exact": 0 if self.w_exact is None else self.w_exact.numel() * self.w_exact.element_size()
+                 + self.exact_cols.numel() * 4 + self.keep.numel() * 4}
+        parts["total"] = sum(parts.values())
+        parts["vs_bf16_w_gate"] = parts["total"] / (f * d * 2)
+        return parts
+
+    def to(self, device) -> "ScreenWeights":
+        mv = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return ScreenWeights(self.kind, mv(self.q), mv(self.scale), mv(self.rq), mv(self.mq), mv(self.err_round),
+                             self.group, self.n_big, mv(self.exact_cols), mv(self.w_exact), mv(self.keep),
+                             self.c_exact)
+
+
+def outlier_columns(w_gate: torch.Tensor, k: int, x_calib: torch.Tensor | None = None) -> torch.Tensor:
+    """k channels worth holding exactly: the largest rms(x_i) * max_j |w_ji| (x_calib [N, d] of the layer's
+    inputs; without it, the largest column absmax of W_gate). Any choice keeps the screen exact; this one aims
+    at the channels that inflate per-row scales (weight outliers) or x's norms (massive activations)."""
+    score = w_gate.float().abs().amax(0)  # [d]
+    if x_calib is not None:
+        score = score * x_calib.float().pow(2).mean(0).sqrt()
+    return torch.topk(score, k).indices.sort().values.to(torch.int32)
+
+
+def screen_weights(w_gate: torch.Tensor, kind: str = "int8", group: int | None = None,
+                   exact_cols: torch.Tensor | list | None = None, chunk: int = 1024) -> ScreenWeights:
+    """The screen of W_gate [F, d]: kind "int8" (absmax / 127 scales, round to nearest) or "fp8" (e4m3fn,
+    absmax / 448 scales); group: columns per scale (None: one per row); exact_cols: channels held exactly
+    (at most MAX_EXACT). Terms are computed in float64 in chunks of `chunk` rows, on W_gate's device."""
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r} is not one of {KINDS}")
+    f, d = w_gate.shape
+    if d > MAX_D:
+        raise ValueError(f"d = {d} > {MAX_D}: the screen's slack constants are derived for d <= {MAX_D}")
+    gs = d if group is None else int(group)
+    ng = -(-d // gs)
+    dp = ng * gs
+    dev = w_gate.device
+    keep = torch.ones(d, dtype=torch.float64, device=dev)
+    ex = None
+    if exact_cols is not None and len(exact_cols):
+        ex = torch.as_tensor(exact_cols, dtype=torch.int64, device=dev).unique().sort().values
+        if len(ex) > MAX_EXACT:
+            raise ValueError(f"{len(ex)} exact channels > {MAX_EXACT}")
+        keep[ex] = 0.0
+    qdt = torch.int8 if kind == "int8" else torch.float8_e4m3fn
+    q = torch.empty(f, d, dtype=qdt, device=dev)
+    scale = torch.empty(f, ng, dtype=torch.float32, device=dev)
+    rq, mq = torch.empty_like(scale), torch.empty_like(scale)
+    err_round = torch.empty(f, dtype=torch.float32, device=dev)
+    big = 0.0
+    ga, gb = gamma(d + ng + MAX_EXACT + 4), gamma(d + 4)
+    for r0 in range(0, f, chunk):
+        w = w_gate[r0:r0 + chunk].double()  # [r, d]
+        r = w.shape[0]
+        wq = torch.zeros(r, dp, dtype=torch.float64, device=dev)
+        wq[:, :d] = w * keep
+        wq = wq.view(r, ng, gs)
+        amax = wq.abs().amax(-1)  # [r, G]
+        s = (amax / QMAX[kind]).float()  # the stored fp32 scale
+        s = torch.where(s > 0, s, torch.ones_like(s))  # an all-zero group: any scale, q = 0
+        s64 = s.double().unsqueeze(-1)
+        if kind == "int8":
+            qq = torch.round(wq / s64).clamp(-127, 127)
+            qv = qq.to(torch.int8)
+            deq = qq
+        else:
+            qv = (wq / s64).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+            deq = qv.double()
+        what = deq * s64  # [r, G, gs] exact in float64 (24 x 8-bit products)
+        e = (wq - what).view(r, dp)[:, :d]  # zero on exact channels
+        e_g = (wq - what)  # [r, G, gs]
+        q[r0:r0 + r] = qv.view(r, dp)[:, :d]
+        scale[r0:r0 + r] = s
+        rq[r0:r0 + r] = _up32(e_g.pow(2).sum(-1).sqrt())
+        mq[r0:r0 + r] = _up32(e_g.abs().amax(-1))
+        a = what.view(r, dp)[:, :d].norm(dim=1)  # ||w-hat_j off K|| (what is 0 on K)
+        b = (w * keep).norm(dim=1)  # ||w_j off K||
+        err_round[r0:r0 + r] = _up32(gb * b + ga * a)
+        wk = (w * (1 - keep)).norm(dim=1)  # the exact channels' part, for the overflow guard
+        big = max(big, float((torch.maximum(a, b) + wk).max()))
+        del e
+    n_big = min(2.0**126 / max(big, 1e-30), 2.0**127)  # a float32 scalar for the kernel
+    w_exact = keep32 = None
+    if ex is not None:
+        w_exact = w_gate[:, ex].contiguous()
+        keep32 = keep.float()
+        ex = ex.to(torch.int32)
+    return ScreenWeights(kind, q, scale, rq, mq, err_round, gs, n_big, ex, w_exact, keep32,
+                         c_exact=float(_up32(torch.tensor(ga + gb, dtype=torch.float64))))
+
+
+def theta_eff(threshold: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | float:
+    """theta_e (float64) of 4.: g^ > theta_e is necessary for an active row (relu: 0, strict)."""
+    if threshold is None:
+        return 0.0
+    th = threshold.double()
+    if dtype == torch.bfloat16:
+        return (th - th.abs() * 2.0**-7 - 2.0**-120).clamp(max=2.0**126)
+    if dtype == torch.float16:
+        return (th - th.abs() * 2.0**-10 - 2.0**-23).clamp(max=65000.0)
+    return th
+
+
+def screen_terms(x2d: torch.Tensor, sw: ScreenWeights) -> dict:
+    """The screen's pieces for inputs x2d [M, d] (torch, float32 estimate, float64 bounds): est [M, F], the
+    quantisation terms [M, F] "cs" (R ||x'||_2), "holder" (m ||x'||_1), "group" (sum_g R_g ||x'_g||_2),
+    "group_min" (sum_g min(..)), "min" (min(cs, holder) per row), the rounding term "round" [M, F] (C ||x'||_2 + c_X X),
+    and per row "l2" [M] (||x||_2), "zero" [M] bool, "big" [M] bool. Every quantisation term is rigorous; the
+    kernel uses "min" (per row) or "group_min" (groups)."""
+    xf = x2d.float()
+    m, d = xf.shape
+    f = sw.q.shape[0]
+    ng, gs = sw.n_groups, sw.group
+    keep = sw.keep if sw.keep is not None else torch.ones(d, device=xf.device)
+    xq = xf * keep  # x' (exact channels out)
+    deq = sw.q.float()  # [F, d]
+    est = torch.zeros(m, f, dtype=torch.float32, device=xf.device)
+    x64 = xq.double()
+    l2g = torch.zeros(m, ng, dtype=torch.float64, device=xf.device)
+    l1g = torch.zeros_like(l2g)
+    for g in range(ng):
+        sl = slice(g * gs, min(d, (g + 1) * gs))
+        est += (xf[:, sl] @ deq[:, sl].t()) * sw.scale[:, g]
+        l2g[:, g] = x64[:, sl].pow(2).sum(1).sqrt()
+        l1g[:, g] = x64[:, sl].abs().sum(1)
+    xk_abs = None
+    if sw.w_exact is not None:
+        est += xf[:, sw.exact_cols.long()] @ sw.w_exact.float().t()
+        xk_abs = xf[:, sw.exact_cols.long()].double().abs() @ sw.w_exact.double().abs().t()  # X [M, F]
+    rq, mq = sw.rq.double(), sw.mq.double()  # [F, G]
+    l2 = x64.pow(2).sum(1).sqrt()  # [M] ||x'||_2
+    l1 = x64.abs().sum(1)
+    # per-row R, m from the group terms: ||e||_2 = sqrt(sum R_g^2), max|e| = max m_g (rounded up again)
+    r_row = rq.pow(2).sum(1).sqrt() * (1 + 2.0**-40)
+    m_row = mq.amax(1)
+    full = xf.double().pow(2).sum(1).sqrt()  # ||x||_2
+    out = {"est": est, "cs": l2[:, None] * r_row[None, :], "holder": l1[:, None] * m_row[None, :],
+           "group": l2g @ rq.t(),
+           "round": l2[:, None] * sw.err_round.double()[None, :] + (0 if xk_abs is None else sw.c_exact * xk_abs),
+           "l2": full,
+           "zero": xf.abs().amax(1) == 0, "big": ~(full < sw.n_big)}
+    out["min"] = torch.minimum(out["cs"], out["holder"])
+    gm = torch.zeros(m, f, dtype=torch.float64, device=xf.device)
+    for g in range(ng):
+        gm += torch.minimum(l2g[:, g:g + 1] * rq[None, :, g], l1g[:, g:g + 1] * mq[None, :, g])
+    out["group_min"] = gm
+    return out
+
+
+def screen_mask(terms: dict, threshold: torch.Tensor | None, dtype: torch.dtype, bound: str = "min",
+                z: float | None = None, d_eff: int | None = None) -> torch.Tensor:
+    """Candidates [M, F] bool from screen_terms: NOT (U <= theta_e) with U = est + |est| EST_REL + (quant +
+    round) (1 + SLACK) + ABS_L1; zero rows: 0 > theta; big rows: all. bound: a quantisation term of
+    screen_terms ("min" per row and "group_min" with groups are the kernel's). z (LOSSY, off by default):
+    replace the quantisation term by z R ||x'||_2 / sqrt(d_eff), the size of e.x for errors spread like
+    noise, instead of its worst case: rows can be dropped."""
+    est = terms["est"].double()
+    quant = terms["cs"] * (z / math.sqrt(d_eff)) if z is not None else terms[bound]
+    u = est + est.abs() * EST_REL + (quant + terms["round"]) * (1 + SLACK) + ABS_L1
+    th = theta_eff(threshold, dtype)
+    th = th if isinstance(th, float) else th[None, :]
+    passed = ~(u <= th)
+    zero_pass = torch.zeros_like(passed) if threshold is None else (0 > threshold.double())[None, :].expand_as(passed)
+    passed = torch.where(terms["zero"][:, None], zero_pass, passed)
+    return passed | terms["big"][:, None]
+
+
+def screen_reference(x2d: torch.Tensor, sw: ScreenWeights, threshold: torch.Tensor | None = None,
+                     bound: str | None = None) -> torch.Tensor:
+    """Candidate mask [M, F] bool in torch: every (m, j) whose exact gate, as the TwELL kernels compute and
+    round it, is active (relu: > 0; theta: x's dtype's value > theta_j) is True (module docstring: the proof).
+    bound: None = the kernel's ("min" per row, "group_min" with groups), or any rigorous term of screen_terms."""
+    terms = screen_terms(x2d, sw)
+    if bound is None:
+        bound = "min" if sw.n_groups == 1 else "group_min"
+    return screen_mask(terms, threshold, x2d.dtype, bound)
+
+
+def active_mask(x2d: torch.Tensor, w_gate: torch.Tensor, threshold: torch.Tensor | None = None) -> torch.Tensor:
+    """[M, F] bool: the rows the TwELL kernels keep (fp32 gate, relu on it, or theta on its x-dtype rounding)."""
+    g = x2d.float() @ w_gate.float().t()
+    if threshold is None:
+        return g > 0
+    return g.to(x2d.dtype).float() > threshold
+
+
+# ------------------------------------------------------------------------------------------------ kernel
+if HAS_TRITON:
+
+    @triton.jit
+    def _theta_e(th, RND: tl.constexpr):
+        """theta_e of the docstring's 4. in fp32 (RND: 1 bf16, 2 fp16, 0 fp32)."""
+        if RND == 1:
+            return tl.minimum(th - tl.abs(th) * 0.0078125 - 7.52316384526264e-37, 8.507059173023462e37)
+        elif RND == 2:
+            return tl.minimum(th - tl.abs(th) * 0.0009765625 - 1.1920928955078125e-07, 65000.0)
+        else:
+            return th
+
+    @triton.jit
+    def _k1_screened(
+        x_ptr, q_ptr, sc_ptr, rq_ptr, mq_ptr, er_ptr, kp_ptr, xc_ptr, wx_ptr, wg_ptr,
+        cnt_ptr, col_ptr, val_ptr, th_ptr, pass_ptr, npass_ptr,
+        M, F, D, NT, G, KX, stride_xm, stride_qf, stride_wf, stride_wx, n_big, c_exact,
+        BLOCK_M: tl.constexpr, T: tl.constexpr, BK1: tl.constexpr, BK2: tl.constexpr, S: tl.constexpr,
+        GROUPED: tl.constexpr, KP: tl.constexpr, HAS_EX: tl.constexpr, GEMV: tl.constexpr,
+        DOT16: tl.constexpr, IEEE: tl.constexpr, ENT: tl.constexpr, HAS_THETA: tl.constexpr, RND: tl.constexpr,
+        PASS_OUT: tl.constexpr,
+    ):
+        """One program per tile of T columns: phase 1 screens the tile's rows from q (estimate + rigorous radius
+        per (m, j)), phase 2 computes the exact gate of the passed columns only (masked W_gate row loads,
+        mirroring _k1_gate_pack / _k1_gemv's loop block for block) and packs it with _k1_epilogue. GEMV: M = 1
+        (BLOCK_M = 2, row 1 masked out); GROUPED: BK1 = the group size, scales and terms per (row, group)."""
+        pid_n = tl.program_id(0)
+        offs_m = tl.arange(0, BLOCK_M)
+        m_ok = offs_m < M
+        offs_n = pid_n * T + tl.arange(0, T)
+        n_ok = offs_n < F
+        rows64 = offs_n.to(tl.int64)
+        # ---------------------------------------------------------------- phase 1: estimate and radius
+        offs_k1 = tl.arange(0, BK1)
+        est = tl.zeros([BLOCK_M, T], dtype=tl.float32)
+        quant = tl.zeros([BLOCK_M, T], dtype=tl.float32)
+        if GEMV and not GROUPED:
+            pacc = tl.zeros([T, BK1], dtype=tl.float32)
+        l2f = tl.zeros([BLOCK_M], dtype=tl.float32)  # ||x||^2
+        l2q = tl.zeros([BLOCK_M], dtype=tl.float32)  # ||x'||^2 (exact channels out)
+        l1q = tl.zeros([BLOCK_M], dtype=tl.float32)
+        nzb = tl.zeros([BLOCK_M], dtype=tl.int32)  # max of |x| bit patterns: 0 iff the row is all (+-)0
+        for k in range(0, tl.cdiv(D, BK1)):
+            kk = k * BK1 + offs_k1
+            k_ok = kk < D
+            xk = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                         other=0.0)  # [BM, BK1] x's dtype
+            xf = xk.to(tl.float32)
+            if HAS_EX:
+                xq = xf * tl.load(kp_ptr + kk, mask=k_ok, other=0.0)[None, :]
+            else:
+                xq = xf
+            l2f += tl.sum(xf * xf, 1)
+            if DOT16:  # zero test on the bits: a flush-to-zero compare would call a subnormal x zero
+                bits = xk.to(tl.int16, bitcast=True).to(tl.int32) & 0x7FFF
+            else:
+                bits = xk.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+            nzb = tl.maximum(nzb, tl.max(bits, 1))
+            sq = tl.sum(xq * xq, 1)
+            sa = tl.sum(tl.abs(xq), 1)
+            if GEMV:
+                qt = tl.load(q_ptr + rows64[:, None] * stride_qf + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                             other=0.0).to(tl.float32)  # [T, BK1]
+                x0 = tl.sum(tl.where(offs_m[:, None] == 0, xf, 0.0), 0)  # [BK1] row 0
+                if GROUPED:
+                    p = tl.sum(qt * x0[None, :], 1)[None, :]  # [1, T]
+                else:
+                    pacc += qt * x0[None, :]
+            else:
+                qb = tl.load(q_ptr + rows64[None, :] * stride_qf + kk[:, None], mask=k_ok[:, None] & n_ok[None, :],
+                             other=0.0)  # [BK1, T]
+                if DOT16:
+                    p = tl.dot(xk, qb.to(xk.dtype))
+                else:
+                    p = tl.dot(xf, qb.to(tl.float32), input_precision="ieee")
+            if GROUPED:
+                sg = tl.load(sc_ptr + rows64 * G + k, mask=n_ok, other=0.0)
+                rg = tl.load(rq_ptr + rows64 * G + k, mask=n_ok, other=0.0)
+                mg = tl.load(mq_ptr + rows64 * G + k, mask=n_ok, other=0.0)
+                est += p * sg[None, :]
+                n2 = tl.sqrt(sq) * (1 + 0.015625) + 2.7755575615628914e-17
+                n1 = sa * (1 + 0.015625) + 7.888609052210118e-31
+                quant += tl.minimum(rg[None, :] * n2[:, None], mg[None, :] * n1[:, None])
+            elif not GEMV:
+                est += p
+            l2q += sq
+            l1q += sa
+        if not GROUPED:
+            if GEMV:
+                est = tl.zeros([BLOCK_M, T], dtype=tl.float32) + tl.sum(pacc, 1)[None, :]
+            s = tl.load(sc_ptr + rows64, mask=n_ok, other=0.0)
+            r = tl.load(rq_ptr + rows64, mask=n_ok, other=0.0)
+            mm = tl.load(mq_ptr + rows64, mask=n_ok, other=0.0)
+            est = est * s[None, :]
+            n2 = tl.sqrt(l2q) * (1 + 0.015625) + 2.7755575615628914e-17
+            n1 = l1q * (1 + 0.015625) + 7.888609052210118e-31
+            quant = tl.minimum(r[None, :] * n2[:, None], mm[None, :] * n1[:, None])
+        if HAS_EX:  # exact channels: + sum_K w_ji x_i
+            kx = tl.arange(0, KP)
+            kx_ok = kx < KX
+            cols = tl.load(xc_ptr + kx, mask=kx_ok, other=0)
+            xe = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=m_ok[:, None] & kx_ok[None, :],
+                         other=0.0).to(tl.float32)  # [BM, KP]
+            we = tl.load(wx_ptr + rows64[:, None] * stride_wx + kx[None, :], mask=n_ok[:, None] & kx_ok[None, :],
+                         other=0.0).to(tl.float32)  # [T, KP]
+            est += tl.sum(xe[:, None, :] * we[None, :, :], 2)
+            quant += c_exact * tl.sum(tl.abs(xe)[:, None, :] * tl.abs(we)[None, :, :], 2)  # c_X X_j (1. and 2.)
+        nf = tl.sqrt(l2f)
+        er = tl.load(er_ptr + rows64, mask=n_ok, other=0.0)
+        rad = (quant + er[None, :] * (tl.sqrt(l2q) * (1 + 0.015625) + 2.7755575615628914e-17)[:, None]) * (1 + 0.015625)
+        u = est + tl.abs(est) * 9.5367431640625e-07 + rad + 7.888609052210118e-31
+        if HAS_THETA:
+            th = tl.load(th_ptr + offs_n, mask=n_ok, other=0.0)
+        else:
+            th = tl.zeros([T], dtype=tl.float32)
+        passed = ~(u <= _theta_e(th, RND)[None, :])
+        passed = tl.where((nzb == 0)[:, None], (0.0 > th)[None, :], passed)
+        passed = passed | (~(nf < n_big))[:, None]
+        passed = passed & m_ok[:, None] & n_ok[None, :]
+        colpass = tl.max(passed.to(tl.int32), 0) > 0  # [T]
+        npass = tl.sum(colpass.to(tl.int32), 0)
+        if PASS_OUT:
+            tl.store(pass_ptr + offs_m[:, None].to(tl.int64) * F + offs_n[None, :], passed.to(tl.int8),
+                     mask=m_ok[:, None] & n_ok[None, :])
+            tl.store(npass_ptr + pid_n, npass)
+        # ------------------------------------------------------ phase 2: exact gate of the passed columns
+        offs_k = tl.arange(0, BK2)
+        if GEMV:
+            acc = tl.zeros([T, BK2], dtype=tl.float32)
+            if npass > 0:
+                w_ptrs = wg_ptr + rows64[:, None] * stride_wf + offs_k[None, :]
+                for k in range(0, tl.cdiv(D, BK2)):
+                    k_ok = offs_k < D - k * BK2
+                    w = tl.load(w_ptrs, mask=(n_ok & colpass)[:, None] & k_ok[None, :], other=0.0)
+                    xk = tl.load(x_ptr + k * BK2 + offs_k, mask=k_ok, other=0.0)
+                    acc += w.to(tl.float32) * xk.to(tl.float32)[None, :]
+                    w_ptrs += BK2
+            g = tl.sum(acc, 1)
+            gate = tl.where(m_ok[:, None], g[None, :], 0.0)  # [2, T]
+        else:
+            gate = tl.zeros([BLOCK_M, T], dtype=tl.float32)
+            if npass > 0:
+                a_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+                b_ptrs = wg_ptr + rows64[None, :] * stride_wf + offs_k[:, None]
+                for k in range(0, tl.cdiv(D, BK2)):
+                    k_ok = offs_k < D - k * BK2
+                    a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                    b = tl.load(b_ptrs, mask=k_ok[:, None] & (n_ok & colpass)[None, :], other=0.0)
+                    if IEEE:
+                        gate = tl.dot(a, b, gate, input_precision="ieee")
+                    else:
+                        gate = tl.dot(a, b, gate)
+                    a_ptrs += BK2
+                    b_ptrs += BK2
+        gate = tl.where(colpass[None, :], gate, float("-inf"))  # never active: not computed
+        _k1_epilogue(gate, offs_m, offs_n, m_ok, n_ok, pid_n, cnt_ptr, col_ptr, val_ptr, th_ptr, NT, BLOCK_M, T, S,
+                     ENT, HAS_THETA, RND)
+
+
+def screen_config(m: int, sw: ScreenWeights, device_type: str) -> dict:
+    """Blocks of the screened K1: decode tiles T = S = 32; phase 2 mirrors gate_pack's decode K1 (M = 1: the GEMV
+    K1 with BLOCK_K GEMV_BLOCK_K; else _k1_gate_pack with BLOCK_M 16, BLOCK_K 128); phase 1 reads one group per
+    step (per-row scales: BLOCK_K of phase 2)."""
+    gemv = m == 1
+    bk2 = GEMV_BLOCK_K if gemv else 128
+    grouped = sw.n_groups > 1
+    if grouped and (sw.group & (sw.group - 1)):
+        raise ValueError(f"group = {sw.group}: the kernel needs a power-of-two group")
+    return dict(T=DECODE_TILE, S=DECODE_SLOTS, BLOCK_M=2 if gemv else 16, BK1=sw.group if grouped else bk2,
+                BK2=bk2, GEMV=gemv, GROUPED=grouped, num_warps=4, num_stages=2 if device_type == "cpu" else 3)
+
+
+def gate_pack_screened(x2d: torch.Tensor, w_gate: torch.Tensor, sw: ScreenWeights,
+                       threshold: torch.Tensor | None = None, *, entries: str | None = None,
+                       return_pass: bool = False, **overrides):
+    """K1 with the screen (M <= 16): the decode TwELL packing of gate_pack (same tiles, same words), W_gate rows
+    read only where the screen passes them. return_pass: also return the screen's pass mask [M, F] bool and
+    the passed columns per tile [NT] int32 (one more store; off in the hot path)."""
+    require_triton()
+    m, d = x2d.shape
+    f = w_gate.shape[0]
+    if m > 16:
+        raise ValueError(f"M = {m}: the gate screen is a decode path (M <= 16)")
+    if sw.shape != (f, d):
+        raise ValueError(f"screen of shape {sw.shape} for W_gate {tuple(w_gate.shape)}")
+    entries = entries or default_entries(x2d.dtype)
+    cfg = {**screen_config(m, sw, x2d.device.type), **overrides}
+    t, s = cfg.pop("T"), cfg.pop("S")
+    nt = n_tiles(f, t)
+    cnt = torch.empty(m, nt, dtype=torch.int32, device=x2d.device)
+    col = torch.empty(m, nt, s, dtype=torch.int32, device=x2d.device)
+    val = torch.empty(m, nt, s, dtype=torch.float32, device=x2d.device) if entries == "split" else cnt
+    pas = torch.zeros(m, f, dtype=torch.int8, device=x2d.device) if return_pass else cnt
+    npass = torch.zeros(nt, dtype=torch.int32, device=x2d.device) if return_pass else cnt
+    th = theta_args(x2d, threshold)
+    has_ex = sw.w_exact is not None
+    kx = int(sw.exact_cols.numel()) if has_ex else 0
+    _k1_screened[(nt,)](
+        x2d, sw.q, sw.scale, sw.rq, sw.mq, sw.err_round, sw.keep if has_ex else sw.scale,
+        sw.exact_cols if has_ex else cnt, sw.w_exact if has_ex else sw.scale, w_gate,
+        cnt, col, val, th["th_ptr"], pas, npass,
+        m, f, d, nt, sw.n_groups, kx, x2d.stride(0), sw.q.stride(0), w_gate.stride(0),
+        sw.w_exact.stride(0) if has_ex else 0, float(sw.n_big), float(sw.c_exact),
+        T=t, S=s, KP=max(2, next_pow2(kx)), HAS_EX=has_ex, DOT16=x2d.dtype != torch.float32,
+        IEEE=x2d.dtype == torch.float32, ENT=ENT_CODES[entries], HAS_THETA=th["HAS_THETA"], RND=th["RND"],
+        PASS_OUT=return_pass, **cfg,
+    )
+    packed = (TwellPacked(cnt=cnt, col=col, val=val, tile=t, n_cols=f) if entries == "split" else
+              TwellPacked(cnt=cnt, col=None, val=None, tile=t, n_cols=f, ent=col, entries=entries))
+    if return_pass:
+        return packed, pas.bool(), npass
+    return packed
+
+
+def twell_ffn_screened(x2d: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down_t: torch.Tensor,
+                       sw: ScreenWeights, threshold: torch.Tensor | None = None) -> torch.Tensor:
+    """The decode TwELL FFN with the screened K1: gate_pack_screened, then the same K2 as twell_ffn_triton."""
+    from .twell_updown import updown
+
+    packed = gate_pack_screened(x2d, w_gate, sw, threshold)
+    return updown(x2d, packed, w_gate, w_up, w_down_t, compact=True, threshold=threshold)
