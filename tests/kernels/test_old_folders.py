@@ -1,10 +1,11 @@
 """Folders written by earlier versions keep loading next to this version's bundle (issue 31: the FFN runtime
 replaced the shared `sparsify::twell_ffn` op and `sparsify_twell_ffn_auto` dispatcher; old folders still carry
-them). tests/data/folders_9d2915f holds two folders written at 9d2915f, with and without thresholds."""
+them). tests/data/folders_9d2915f.tar.xz holds two folders written at 9d2915f, with and without thresholds (a tar: they are
+a fixture, frozen code of an earlier version, not source of this one; folders_9d2915f.README.md says how they were made)."""
 
 from __future__ import annotations
 
-import shutil
+import tarfile
 import subprocess
 import sys
 import textwrap
@@ -17,7 +18,7 @@ from sparsify.folder.convert import convert
 from tests.test_families import make_source
 
 ROOT = Path(__file__).resolve().parents[2]
-OLD = ROOT / "tests" / "data" / "folders_9d2915f"
+OLD = ROOT / "tests" / "data" / "folders_9d2915f.tar.xz"
 
 # Run in a fresh process per import order: the old copies register their op and publish their dispatcher.
 CHECK = textwrap.dedent("""
@@ -111,8 +112,10 @@ def test_old_folders_load_beside_this_version(order, tmp_path):
     trust_remote_code in one process with this version's sparsify.kernels, in either order: each computes the
     stock model's function (thresholds applied), set_ffn_backend and the eval helpers work on all three, and the
     old copies' op and dispatcher keep working beside the registry's op, neither touching the other."""
-    for name in ("relu", "thr"):  # (copied: transformers names a folder's module by its directory)
-        shutil.copytree(OLD / name, tmp_path / f"old_{name}_9d2915f")
+    with tarfile.open(OLD) as tar:  # relu/ and thr/
+        tar.extractall(tmp_path / "old", filter="data")
+    for name in ("relu", "thr"):  # (renamed: transformers names a folder's module by its directory)
+        (tmp_path / "old" / name).rename(tmp_path / f"old_{name}_9d2915f")
     make_source("llama", tmp_path / "src")
     new = convert(tmp_path / "src", tmp_path / "new_folder", progress=False)
     res = subprocess.run([sys.executable, "-c", CHECK, order, str(tmp_path / "old_relu_9d2915f"),
