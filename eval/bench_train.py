@@ -67,7 +67,7 @@ def run_variant(name: str, overrides: list[str], model: Path, tokens: Path, out:
            "output.plots=false", "distill.kd=0", f"train.max_steps={steps}", "train.max_tokens=none",
            "train.log_every=10", "train.save_every=0", "train.eval_batches=1", "train.compile=true",
            # the recipe's mixture weights, held-out domains and per-layer targets belong to its own text and model
-           "data.weights=[]", "data.heldout={}", "data.ood=[]", "sparsity.target=none", *overrides]
+           "data.weights=[]", "data.heldout={}", "data.ood=[]", "sparsity.method=l1", "sparsity.target=none", *overrides]
     tic = time.perf_counter()
     log = (out / f"{name}.log").open("w")
     proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)

@@ -85,7 +85,7 @@ finetune() {  # finetune NAME OVERRIDES...: one run into out/h200/NAME, its arte
     local dir=$WORK/$name
     ${LAUNCH:-python} -m sparsify finetune --no-progress recipes/smollm2-135m.yaml \
         model.source="$SOURCE" "data.train=[$DATA]" output.dir="$dir" output.overwrite=true \
-        "data.weights=[]" "data.heldout={}" "data.ood=[]" sparsity.target=none train.lr=3e-4 \
+        "data.weights=[]" "data.heldout={}" "data.ood=[]" sparsity.method=l1 sparsity.target=none train.lr=3e-4 \
         train.batch_size="$BATCH" train.compile="$COMPILE" "$@" ${EXTRA:-} > "$OUT/$name.log" 2>&1 \
         || { echo "$name failed: see $OUT/$name.log"; tail -5 "$OUT/$name.log"; return 0; }
     tail -2 "$OUT/$name.log"

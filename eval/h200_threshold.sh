@@ -19,7 +19,7 @@ WARM="sparsity.method=threshold sparsity.warmup_target=0.85 sparsity.warmup_toke
 # default: exact won, and is the default now; l1 is the default recipe on the same schedule)
 # Default: three 20M-token arms (thr, thr_neuron, l1 on the same schedule) and thr at 100M tokens, all side by side
 # (160M tokens: ~14 min of one H200 at ~190k tokens/s shared, 235k alone); ARMS2 the next ones when time is left.
-ARMS=${ARMS:-"thr=$WARM;thr_neuron=$WARM sparsity.threshold=neuron;l1=;\
+ARMS=${ARMS:-"thr=$WARM;thr_neuron=$WARM sparsity.threshold=neuron;l1=sparsity.method=l1;\
 thr_100M=$WARM train.max_tokens=100_000_000 train.eval_every=610"}
 ARMS2="thr_093=$WARM sparsity.target=0.93;thr_warm90=sparsity.method=threshold sparsity.warmup_target=0.90 \
 sparsity.warmup_tokens=6_000_000"

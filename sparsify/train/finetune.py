@@ -53,7 +53,7 @@ from sparsify.train.model import (build_optimizer, load_student, load_teacher, s
                                   wrap_model)
 from sparsify.train.objective import (ActivationBlend, L1Control, MlpDistill, Plateau, SparsityProbe,
                                       ThresholdControl, reinit_dead)
-from sparsify.train.preflight import load_recipe, raise_problems, recipe_problems
+from sparsify.train.preflight import load_recipe, raise_problems, recipe_notes, recipe_problems
 from sparsify.train.profiling import StepProfiler
 from sparsify.train.step import Run, TrainState, evaluate_all, losses, train_step
 
@@ -77,6 +77,8 @@ def finetune(recipe: Recipe, *, resume: bool = False, progress: bool = True, ver
 
     raise_problems("the recipe", recipe_problems(recipe))  # load_recipe checked it; a Recipe built in Python too
     dist = init_distributed()
+    for note in recipe_notes(recipe) if dist.main and verbose else []:
+        print(f"note: {note}", file=sys.stderr)
     out = Path(recipe.output.dir)
     if data_only:  # tokenising touches no run in OUT and needs none of the run's settings to be supported
         checkpoint = None

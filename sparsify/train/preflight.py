@@ -132,13 +132,8 @@ def _check_threshold(r: Recipe) -> Problems:
     """sparsity.method=threshold and the keys that only it reads."""
     e: Problems = []
     sp, t = r.sparsity, r.train
-    if sp.method != "threshold":
-        used = [k for k, v in (("sparsity.warmup_target", sp.warmup_target is not None),
-                               ("sparsity.warmup_tokens", sp.warmup_tokens != 0)) if v]
-        if used:
-            e.append(((*used, "sparsity.method"), f"{' and '.join(used)}: set, but sparsity.method is `{sp.method}`; "
-                      "they describe the L1 warm-up of sparsity.method=threshold: set that, or drop them"))
-        return e
+    if sp.method != "threshold":  # warm-up keys under l1: unused (recipe_notes says so), so that a recipe of the
+        return e                  # threshold method runs as L1 with one override, sparsity.method=l1
     if sp.target is None:
         e.append((("sparsity.method", "sparsity.target"), "sparsity.method: `threshold` needs sparsity.target, the "
                   "fraction of zeros theta holds each layer at (one value or one per layer), e.g. sparsity.target=0.95"))
@@ -336,6 +331,17 @@ def _fetch_message(fetched: list[tuple[str, str]], fetch: str) -> str:
     return (f"{listing}: {verb} no file yet{relative_note(Path(fetched[0][1]))}. This recipe's data.fetch gets "
             f"{'it' if len(fetched) == 1 else 'all of them'}: run it once from {Path.cwd()}, then run this command "
             f"again:\n{command}")
+
+
+def recipe_notes(r: Recipe) -> list[str]:
+    """What a valid recipe sets but will not use, said before work starts (never an error)."""
+    sp = r.sparsity
+    used = [k for k, v in (("sparsity.warmup_target", sp.warmup_target is not None),
+                           ("sparsity.warmup_tokens", sp.warmup_tokens != 0)) if v]
+    if sp.method != "threshold" and used:
+        return [f"{' and '.join(used)}: set, but sparsity.method is `{sp.method}`; they describe the L1 warm-up of "
+                "sparsity.method=threshold and are not used in this run"]
+    return []
 
 
 def recipe_problems(recipe: Recipe, *, check_paths: bool = True, skip: set[str] = frozenset()) -> list[str]:

@@ -138,7 +138,6 @@ def test_threshold_run_warms_up_switches_holds_targets_exports_and_resumes_exact
 
 @pytest.mark.parametrize("overrides, message", [
     (["sparsity.method=threshold", "sparsity.target=none"], "needs sparsity.target"),
-    (["sparsity.warmup_tokens=100"], "they describe the L1 warm-up of sparsity.method=threshold"),
     (["sparsity.method=threshold", "sparsity.target=0.9", "sparsity.warmup_target=0.8"], "no warm-up to drive"),
     (["sparsity.method=threshold", "sparsity.target=0.9", "sparsity.warmup_tokens=10_000"], "never be calibrated"),
     (["sparsity.method=threshold", "sparsity.target=0.9", "sparsity.threshold_grad=ste", "train.kernels=twell"],
@@ -152,6 +151,22 @@ def test_threshold_recipe_problems_are_refused_before_work(tiny_silu, tmp_path, 
 
     with pytest.raises(SparsifyError, match=message):
         load_recipe(recipe_dict(tiny_silu, tmp_path / "run", max_tokens=5_000), overrides)
+
+
+def test_warmup_keys_under_l1_are_noted_not_refused(tiny_silu, tmp_path):
+    """A threshold recipe runs as L1 with one override (sparsity.method=l1): its warm-up keys stay set, unused, and
+    the run says so before work starts; a recipe without them gets no note."""
+    from sparsify.train.preflight import load_recipe, recipe_notes
+
+    recipe = recipe_dict(tiny_silu, tmp_path / "run", max_tokens=5_000)
+    r = load_recipe(recipe, ["sparsity.warmup_target=0.8", "sparsity.warmup_tokens=100"])
+    assert r.sparsity.method == "l1"
+    (note,) = recipe_notes(r)
+    assert "sparsity.warmup_target and sparsity.warmup_tokens" in note and "not used" in note
+    assert recipe_notes(load_recipe(recipe, [])) == []
+    threshold = load_recipe(recipe, ["sparsity.method=threshold", "sparsity.target=0.9", "sparsity.warmup_target=0.8",
+                                     "sparsity.warmup_tokens=100"])
+    assert recipe_notes(threshold) == []
 
 
 def test_compiled_threshold_run_matches_eager_and_compiles_once(tiny_silu, tokens, tmp_path):
