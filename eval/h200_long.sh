@@ -119,7 +119,8 @@ case "${1:-}" in
   stage)
     shift
     for d in "$@"; do cp -r "$d"/. "$WORK/in/"; done
-    ls -la "$WORK/in" "$WORK/in/tok" 2>/dev/null | tail -n +1
+    ls -la "$WORK/in"  # (and tok/ when a part carried it loose; a missing one is no failure: the next call chains)
+    if [ -d "$WORK/in/tok" ]; then ls -la "$WORK/in/tok"; fi
     ;;
   train)
     inputs

@@ -1,28 +1,32 @@
 #!/usr/bin/env bash
-# The threshold frontier (issue 30) on one lease of an H200, on top of eval/h200_long.sh (stage, sweep, detach, wait,
-# cloze): threshold runs of recipes/smollm2-135m.yaml side by side, then what the zeros buy in decode speed, gendata's
-# rate, the cloze task, and one frontier table over these runs and the recorded L1 ones.
+# The threshold frontier (issue 30) on one lease of an H200, on top of eval/h200_long.sh (stage, sweep, levers, detach,
+# wait, cloze): threshold runs of recipes/smollm2-135m.yaml (its default method now), then what the zeros buy in decode
+# speed, gendata's rate, the cloze task, and one frontier table over these runs and the recorded L1 ones.
 #
-# From the repository root on the GPU machine, one call each (a call sends at most 64 MiB: the bundle in 3 parts,
-# made on the CPU machine from the recipe's token folder, the GGUF and the gguf wheel; see ood-frontier-h200/README):
-#   bash eval/h200_long.sh stage .carry/p1          (carry .carry/p1), then p2, then p3
-#   bash eval/h200_threshold.sh sweep               the ARMS below, detached, SLOTS at a time (default: all)
-#   bash eval/h200_threshold.sh gpu-tests           the GPU tests of the thresholded kernel paths (beside the sweep)
-#   bash eval/h200_long.sh wait 540; PACK=$OUT bash eval/h200_threshold.sh pack    until the sweep ends; metrics so far
-#   PACK=$OUT bash eval/h200_threshold.sh after     decode speed per zeros level, gendata tokens/s, cloze, frontier
-# Knobs: ARMS ("name=override ...;..."), TOKENS (default 20M each), ZEROS (decode levels), GEN_TOKENS / GEN_BATCH.
+# From the repository root on the GPU machine, one call each (a call sends at most 64 MiB: the inputs in 4 parts,
+# made on the CPU machine by `bash eval/make_carry.sh`):
+#   bash eval/h200_long.sh stage .carry/p1          (carry .carry/p1), then p2, p3, p4 (p4: raw text, for levers)
+#   bash eval/h200_threshold.sh gendata-bench       gendata's tokens/s alone on the GPU (eval/bench_gendata.py), ~2 min
+#   bash eval/h200_threshold.sh levers              detached: gendata (GEN_TOKENS) beside the first LEVERS run, the
+#                                                   gendata mixture tokenised, then the GEN_LEVERS runs, then cloze
+#   bash eval/h200_threshold.sh sweep               or: the ARMS below side by side, detached
+#   bash eval/h200_threshold.sh gpu-tests           the GPU tests of the thresholded kernel paths (beside a run)
+#   bash eval/h200_long.sh wait 540; PACK=$OUT bash eval/h200_threshold.sh pack    until it ends; metrics so far
+#   PACK=$OUT bash eval/h200_threshold.sh after     cloze on every finished run, the frontier (ZEROS=...: decode speed
+#                                                   per zeros level too; SPEED_AT=... gendata's rate)
+# Knobs: ARMS ("name=override ...;..."), TOKENS (default 20M each), LEVERS / GEN_LEVERS, GEN_TOKENS / GEN_BATCH, ZEROS.
 set -euo pipefail
 WORK=${WORK:-/tmp/sparsify-long}
 OUT_DIR=${RESULTS:-$WORK/results}
 WARM="sparsity.method=threshold sparsity.warmup_target=0.85 sparsity.warmup_tokens=6_000_000"
-# (the first lease ran thr / thr_exact / thr_neuron / thr_nowarm / thr_093 with the straight-through gradient as the
-# default: exact won, and is the default now; l1 is the default recipe on the same schedule)
-# Default: three 20M-token arms (thr, thr_neuron, l1 on the same schedule) and thr at 100M tokens, all side by side
-# (160M tokens: ~14 min of one H200 at ~190k tokens/s shared, 235k alone); ARMS2 the next ones when time is left.
-ARMS=${ARMS:-"thr=$WARM;thr_neuron=$WARM sparsity.threshold=neuron;l1=sparsity.method=l1;\
-thr_100M=$WARM train.max_tokens=100_000_000 train.eval_every=610"}
-ARMS2="thr_093=$WARM sparsity.target=0.93;thr_warm90=sparsity.method=threshold sparsity.warmup_target=0.90 \
-sparsity.warmup_tokens=6_000_000"
+# (lease 1 ran thr / thr_exact / thr_neuron / thr_nowarm / thr_093 with the straight-through gradient as the default:
+# exact won. Lease 2 ran thr, thr_neuron, l1 (sparsity.method=l1) at 20M and thr at 100M side by side: the threshold
+# won at equal zeros, and is the recipe's default now; WARM repeats it for the record of each run's recipe.)
+# Default ARMS: the frontier's lower zeros levels at 20M tokens (the user's choice of zeros for quality and speed);
+# ARMS2: a longer warm-up target and the 100M-token arm again.
+ARMS=${ARMS:-"thr_085=$WARM sparsity.target=0.85 sparsity.warmup_target=0.80;thr_090=$WARM sparsity.target=0.90;\
+thr_093=$WARM sparsity.target=0.93"}
+ARMS2="thr_warm90=$WARM sparsity.warmup_target=0.90;thr_100M=$WARM train.max_tokens=100_000_000 train.eval_every=610"
 [ "${ARMS}" = 2 ] && ARMS=$ARMS2
 export TOKENS=${TOKENS:-20_000_000} EVAL_EVERY=${EVAL_EVERY:-305}
 
@@ -31,6 +35,19 @@ case "${1:-}" in
     n=$(awk -F';' '{print NF}' <<< "$ARMS")
     SLOTS=${SLOTS:-$n} SWEEP=$ARMS EXTRA="train.batch_size=8 train.grad_accum=2 ${EXTRA:-}" \
         bash eval/h200_long.sh detach sweep
+    ;;
+  levers)  # the next lease's 100M-token levers, one run at a time on the GPU (h200_long.sh levers): thr at 90% zeros
+    # (issue 30's ">= 90% at <= 1.20x") beside gendata, then the default (95.5%) with a 25% share of gendata text
+    LEVERS=${LEVERS:-"thr090_100M=sparsity.target=0.90"} \
+    GEN_LEVERS=${GEN_LEVERS:-"gen25_100M=data.weights=[0.25,0.5,0.25]"} \
+    GEN_TOKENS=${GEN_TOKENS:-12_000_000} GEN_BATCH=${GEN_BATCH:-1024} TOKENS=${LEVER_TOKENS:-100_000_000} \
+    EVAL_EVERY=610 bash eval/h200_long.sh detach levers
+    ;;
+  gendata-bench)  # gendata's tokens/s alone on the GPU: the graph-loop sampler against transformers' loop
+    source eval/device_env.sh
+    mkdir -p "$OUT_DIR"
+    PYTHONPATH=$PWD:$WORK/pydeps HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 python eval/bench_gendata.py \
+        --model "$WORK/smollm2.gguf" --out "$OUT_DIR/gendata-bench" --budget-s "${GEN_BENCH_S:-150}" 2>&1 | tail -15
     ;;
   gpu-tests)
     source eval/device_env.sh
@@ -42,21 +59,24 @@ case "${1:-}" in
     source eval/device_env.sh
     export PYTHONPATH=$PWD:$WORK/pydeps HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
     mkdir -p "$OUT_DIR"
-    python eval/bench_decode.py --zeros "${ZEROS:-0.85,0.9,0.93,0.955}" --ms 1,8 --no-split --budget-s 100 \
-        --shapes 2048x8192,4096x14336,8192x28672 --out "$OUT_DIR/zeros-speed" 2>&1 | tail -12 || echo "bench_decode failed"
-    rm -rf "$WORK/gen"
-    GEN_TOKENS=${GEN_TOKENS:-3_000_000} GEN_BATCH=${GEN_BATCH:-1024} bash eval/h200_long.sh gendata 2>&1 | tail -12 \
-        | tee "$OUT_DIR/gendata.log" || echo "gendata failed"
-    cp "$WORK/gen/gendata.json" "$OUT_DIR/" 2>/dev/null || true
+    speed=""  # decode speed per zeros level: measured in lease 2 (threshold-frontier-h200/lease2/zeros-speed.json)
+    if [ -n "${ZEROS:-}" ]; then
+        python eval/bench_decode.py --zeros "$ZEROS" --ms 1,8 --no-split --budget-s 100 \
+            --shapes 2048x8192,4096x14336,8192x28672 --out "$OUT_DIR/zeros-speed" 2>&1 | tail -12 || echo "bench_decode failed"
+        speed="$OUT_DIR/zeros-speed/decode-bench.json"
+    fi
+    [ -f "$WORK/gen/gendata.json" ] && cp "$WORK/gen/gendata.json" "$OUT_DIR/"
     bash eval/h200_long.sh cloze || true
-    python eval/frontier.py "$OUT_DIR"/sweep/*/ --out "$OUT_DIR/frontier" --cloze "$OUT_DIR/cloze/cloze.json" \
-        --speed "$OUT_DIR/zeros-speed/decode-bench.json" \
-        --recorded eval/results/threshold-frontier-h200/recorded-l1-20M.json 2>&1 | tail -30 || true
+    # this lease's runs, lease 2's (their cloze: lease2/cloze.json) and the L1 default at 100M beside them
+    python eval/frontier.py "$OUT_DIR"/sweep/*/ eval/results/threshold-frontier-h200/lease2/runs/*/ \
+        eval/results/ood-frontier-h200/runs/base-100M/ --out "$OUT_DIR/frontier" --cloze "$OUT_DIR/cloze/cloze.json" \
+        --speed "${speed:-eval/results/threshold-frontier-h200/lease2/zeros-speed.json}" \
+        --recorded eval/results/threshold-frontier-h200/lease2/recorded.json 2>&1 | tail -30 || true
     if [ -n "${PACK:-}" ]; then tar -cJf "$PACK/results.tar.xz" -C "$OUT_DIR" . && ls -la "$PACK"; fi
     ;;
   pack)  # the runs' metrics and recipes so far (a wait call can end the lease): $PACK/partial.tar.xz
     (cd "$WORK" && find sweep results -maxdepth 3 \( -name metrics.jsonl -o -name recipe.yaml -o -name '*.log' \) -print0 \
         | tar -cJf "${PACK:?set PACK=DIR}/partial.tar.xz" --null -T -) && ls -la "$PACK"
     ;;
-  *) echo "usage: $0 sweep | gpu-tests | after | pack" >&2; exit 2 ;;
+  *) echo "usage: $0 sweep | levers | gendata-bench | gpu-tests | after | pack" >&2; exit 2 ;;
 esac
