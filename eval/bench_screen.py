@@ -16,7 +16,11 @@ CUDA mode (H200): dense / today's twell (twell_ffn_triton) / screened twell (twe
 variant) FFN at M = 1, 8 on the three shapes at 0.957 zeros, timed side by side under CUDA graphs in interleaved
 rounds (eval/bench_decode.py's time_graphs: ratios are medians of per-round paired ratios), with the screen's
 measured pass fraction per case:
-  source eval/device_env.sh; PYTHONPATH=$PWD python eval/bench_screen.py --cuda --out $OUT/screen
+  source eval/device_env.sh; PYTHONPATH=$PWD python eval/bench_screen.py --cuda --out $OUT/screen --budget-s 420
+  The same run sweeps the screened K1's launch parameters (SWEEP: BK1 / BK2 / CP / CVT / warps / stages, per M
+  bucket, on the variants of SWEEP_VARIANTS) beside each variant's default: a second table with every config's
+  ratio to dense and to twell, the best per case and variant in bold (--no-sweep: defaults only).
+  CPU dry run of that code path: TRITON_INTERPRET=1 python eval/bench_screen.py --cuda --smoke --out /tmp/scr
 Writes DIR/screen.json and DIR/screen.md.
 """
 
@@ -194,56 +198,110 @@ def table(rows: list[dict]) -> list[str]:
 
 # ------------------------------------------------------------------------------------------------ CUDA mode
 CUDA_VARIANTS = ("int8-row+ex", "int8-g128+ex", "fp8-row+ex", "int8-row")
+# The screened K1's launch sweep (gate_pack_screened overrides, gate_screen.SCREEN_KEYS), per M bucket (1: the
+# GEMV-shaped kernel, 8: tl.dot), beside each variant's default ("def"). "*" marks configs whose exact gates sum in
+# another order than today's K1 (valid, not bitwise twell's). Grouped screens keep BK1 = the group.
+SWEEP = {
+    1: {"bk1=512": dict(BK1=512), "bk1=512,w8": dict(BK1=512, num_warps=8), "w8": dict(num_warps=8),
+        "cp4": dict(CP=4), "cp16": dict(CP=16), "s2": dict(num_stages=2), "s4": dict(num_stages=4),
+        "cvt0": dict(CVT=0), "*bk2=512,cp4": dict(BK2=512, CP=4), "*bk2=1024,cp4,w8": dict(BK2=1024, CP=4, num_warps=8),
+        "*bk1=512,bk2=1024,cp2,w8": dict(BK1=512, BK2=1024, CP=2, num_warps=8)},
+    8: {"bk1=256": dict(BK1=256), "w8": dict(num_warps=8), "s4": dict(num_stages=4), "cvt0": dict(CVT=0),
+        "*cp16": dict(CP=16), "*cp16,bk2=256": dict(CP=16, BK2=256), "*cp16,bk1=256,bk2=256,w8":
+        dict(CP=16, BK1=256, BK2=256, num_warps=8)},
+}
+SWEEP_VARIANTS = {1: ("int8-row+ex", "fp8-row+ex", "int8-g128+ex"), 8: ("int8-row+ex", "int8-g128+ex")}
 
 
-def cuda_mode(shapes, ms, budget_s: float) -> list[dict]:
-    from bench_decode import check, paired, time_graphs
+def sweep_configs(vn: str, m: int, sweep: bool, smoke: bool = False) -> dict:
+    """{config name: overrides} timed for variant vn at M = m: the default, plus SWEEP's where it applies (smoke:
+    its first and last only, on int8-row+ex)."""
+    out = {"def": {}}
+    if smoke:
+        sw8 = SWEEP[min(SWEEP, key=lambda b: abs(b - m))]
+        keys = list(sw8)
+        return {**out, **({keys[0]: sw8[keys[0]], keys[-1]: sw8[keys[-1]]} if sweep and vn == "int8-row+ex" else {})}
+    if sweep and vn in SWEEP_VARIANTS.get(min(SWEEP, key=lambda b: abs(b - m)), ()):
+        grouped = VARIANTS[vn][1] is not None
+        out.update({k: v for k, v in SWEEP[min(SWEEP, key=lambda b: abs(b - m))].items()
+                    if not (grouped and "BK1" in v)})
+    return out
+
+
+def cuda_mode(shapes, ms, budget_s: float, sweep: bool = True, smoke: bool = False) -> list[dict]:
+    """Per (shape, M): dense, today's twell and every screened variant (its default launch and, with sweep, the
+    SWEEP configs) checked against the fp32 reference, then timed side by side under CUDA graphs (smoke: the
+    interpreter on CPU, fp32, eager timing: the code path only)."""
+    from bench_decode import check, paired, time_eager, time_graphs
 
     from sparsify.kernels import twell_updown as tu
     from sparsify.kernels.twell_reference import ffn_dense
 
+    dev, dt = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
     rows = []
     deadline = time.time() + budget_s
     n_cases = len(shapes) * len(ms)
     for d, f in shapes:
-        layer = make_layer(d, f, "cuda", torch.bfloat16)
+        layer = make_layer(d, f, dev, dt)
         set_sparsity(layer[0], ZEROS, "skewed")
         w_gate, w_up, w_down = layer
         w_down_t = w_down.t().contiguous()
-        gen = torch.Generator(device="cuda").manual_seed(1)
-        calib = torch.randn(64, d, device="cuda", generator=gen).to(torch.bfloat16)
+        gen = torch.Generator(device=dev).manual_seed(1)
+        calib = torch.randn(64, d, device=dev, generator=gen).to(dt)
         calib[:, 0] = 1.0
         screens = {}
         for vn in CUDA_VARIANTS:
             kind, group, k = VARIANTS[vn]
-            screens[vn] = gs.screen_weights(w_gate, kind, group, gs.outlier_columns(w_gate, k, calib) if k else None)
+            screens[vn] = gs.screen_weights(w_gate, kind, group if group is None else min(group, d // 2),
+                                            gs.outlier_columns(w_gate, k, calib) if k else None)
         for m in ms:
-            x = torch.randn(m, d, device="cuda", generator=gen).to(torch.bfloat16)
+            x = torch.randn(m, d, device=dev, generator=gen).to(dt)
             x[:, 0] = 1.0
-            row = {"d": d, "F": f, "M": m, "zeros": ZEROS, "errors": {}}
+            row = {"d": d, "F": f, "M": m, "zeros": ZEROS, "errors": {}, "configs": {}}
             act = gs.active_mask(x, w_gate)
             row["active_cols"] = act.any(0).float().mean().item()
             fns = {"dense": lambda: ffn_dense(x, w_gate, w_up, w_down), "dense_b": lambda: ffn_dense(x, w_gate, w_up, w_down),
                    "twell": lambda: tu.twell_ffn_triton(x, w_gate, w_up, w_down_t)}
             for vn, sw in screens.items():
-                fns[f"screen:{vn}"] = lambda sw=sw: gs.twell_ffn_screened(x, w_gate, w_up, w_down_t, sw)
-                _, pas, _ = gs.gate_pack_screened(x, w_gate, sw, return_pass=True)
-                row.setdefault("pass_cols", {})[vn] = pas.any(0).float().mean().item()
-                row.setdefault("screen_bytes", {})[vn] = sw.nbytes()
-                assert not (act & ~pas).any(), f"{vn}: the kernel's screen dropped an active row"
+                for cn, over in sweep_configs(vn, m, sweep, smoke).items():
+                    name = f"screen:{vn}" if cn == "def" else f"screen:{vn}@{cn}"
+                    try:
+                        _, pas, _ = gs.gate_pack_screened(x, w_gate, sw, return_pass=True, **over)
+                    except Exception as e:  # noqa: BLE001 - a config that does not compile must not lose the case
+                        row["errors"][name] = f"{type(e).__name__}: {e}"[:300]
+                        continue
+                    assert not (act & ~pas).any(), f"{name}: the kernel's screen dropped an active row"
+                    if cn == "def":
+                        row.setdefault("pass_cols", {})[vn] = pas.any(0).float().mean().item()
+                        row.setdefault("screen_bytes", {})[vn] = sw.nbytes()
+                    row["configs"][name] = {"variant": vn, "config": cn, "overrides": over}
+                    fns[name] = lambda sw=sw, over=over: gs.twell_ffn_screened(x, w_gate, w_up, w_down_t, sw, **over)
             ref = ffn_dense(x.float(), w_gate.float(), w_up.float(), w_down.float())
             fns = check(fns, ref, row)
             budget = 1000 * 0.6 * max(1.0, deadline - time.time()) / max(1, n_cases - len(rows))
-            t, calls = time_graphs(fns, budget, row["errors"])
+            t = time_eager(fns, 1) if smoke else time_graphs(fns, budget, row["errors"])[0]
             row["ms"] = {k: sorted(v)[len(v) // 2] for k, v in t.items()}
             row["x"] = {k: paired(t, "dense", k) for k in t if k != "dense"}
+            row["best"] = best_configs(row)
             print(f"{d}x{f} M={m}: " + ", ".join(f"{k} {v:.2f}x" for k, v in row["x"].items() if v)
-                  + " | pass " + ", ".join(f"{k} {v:.3f}" for k, v in row["pass_cols"].items())
-                  + f" | active {row['active_cols']:.3f}", flush=True)
+                  + " | pass " + ", ".join(f"{k} {v:.3f}" for k, v in row.get("pass_cols", {}).items())
+                  + f" | active {row['active_cols']:.3f} | best " + ", ".join(f"{k}: {v}" for k, v in row["best"].items()),
+                  flush=True)
             rows.append(row)
         del layer, w_gate, w_up, w_down, w_down_t, screens
-        torch.cuda.empty_cache()
+        if not smoke:
+            torch.cuda.empty_cache()
     return rows
+
+
+def best_configs(row: dict) -> dict:
+    """{variant: name of its fastest timed config} of one case."""
+    best = {}
+    for name, c in row["configs"].items():
+        v = row["x"].get(name)
+        if v and (c["variant"] not in best or v > row["x"][best[c["variant"]]]):
+            best[c["variant"]] = name
+    return best
 
 
 def cuda_table(rows: list[dict]) -> list[str]:
@@ -253,8 +311,28 @@ def cuda_table(rows: list[dict]) -> list[str]:
     for r in rows:
         cells = [f"{r['x'].get(n):.2f}x" if r["x"].get(n) else "-" for n in names]
         out.append(f"| {r['d']}x{r['F']} | {r['M']} | {r['active_cols']:.3f} | " + " | ".join(cells) + " | "
-                   + ", ".join(f"{k} {v:.3f}" for k, v in r["pass_cols"].items()) + " |")
+                   + ", ".join(f"{k} {v:.3f}" for k, v in r.get("pass_cols", {}).items()) + " |")
+    out += ["", "Launch sweep of the screened K1 (x dense; ms per FFN; * = another summation order than twell's K1; "
+            "best per case and variant in bold)",
+            "| d x F | M | variant | config | x dense | ms | vs twell |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        tw = r["x"].get("twell")
+        for name, c in r["configs"].items():
+            v = r["x"].get(name)
+            if not v:
+                out.append(f"| {r['d']}x{r['F']} | {r['M']} | {c['variant']} | {c['config']} | - | - | - |")
+                continue
+            b = "**" if r["best"].get(c["variant"]) == name else ""
+            out.append(f"| {r['d']}x{r['F']} | {r['M']} | {c['variant']} | {b}{c['config']}{b} | {b}{v:.2f}x{b} | "
+                       f"{r['ms'][name]:.4f} | {v / tw if tw else float('nan'):.2f} |")
+    out += ["", "Best per case: " + "; ".join(
+        f"{r['d']}x{r['F']} M={r['M']}: " + ", ".join(f"{n.split(':', 1)[1]} {r['x'][n]:.2f}x" for n in r["best"].values())
+        for r in rows)]
     return out
+
+
+def parser_default_shapes() -> str:
+    return ",".join(f"{d}x{f}" for d, f in SHAPES)
 
 
 def main(argv=None) -> int:
@@ -272,6 +350,9 @@ def main(argv=None) -> int:
     p.add_argument("--real-tokens", type=int, default=1024)
     p.add_argument("--layers", default="all", help="real model layers: all or a comma list")
     p.add_argument("--budget-s", type=float, default=240)
+    p.add_argument("--no-sweep", action="store_true", help="--cuda: each screen variant's default launch only")
+    p.add_argument("--smoke", action="store_true",
+                   help="with --cuda: the CUDA mode's code path on CPU (TRITON_INTERPRET=1, fp32, tiny shape, eager timing)")
     args = p.parse_args(argv)
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",") if s]
     meta = {"env": env_info(), "args": {k: str(v) for k, v in vars(args).items()},
@@ -284,10 +365,12 @@ def main(argv=None) -> int:
             rows += real(args.model, args.data, args.real_tokens, args.layers)
         lines = table(rows)
     else:
-        if not torch.cuda.is_available():
+        if args.smoke:
+            shapes = [(64, 128)] if args.shapes == parser_default_shapes() else shapes
+        elif not torch.cuda.is_available():
             print("--cuda needs a CUDA GPU", file=sys.stderr)
             return 2
-        rows = cuda_mode(shapes, [int(m) for m in args.ms.split(",")], args.budget_s)
+        rows = cuda_mode(shapes, [int(m) for m in args.ms.split(",")], args.budget_s, not args.no_sweep, args.smoke)
         lines = cuda_table(rows)
     meta["total_s"] = round(time.time() - t0, 1)
     (args.out / "screen.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))

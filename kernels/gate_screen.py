@@ -349,83 +349,152 @@ if HAS_TRITON:
             return th
 
     @triton.jit
+    def _q_f32(q, QI8: tl.constexpr, CVT: tl.constexpr):
+        """The screen copy's values as fp32 (exact). CVT = 1 with int8: integer add + bitcast + one fp32
+        subtract (2^23 + 128 + q is exact in fp32's mantissa), full-rate ops instead of the quarter-rate
+        I2F of a plain int8 -> fp32 cast; same values bit for bit. Else Triton's cast."""
+        if QI8 and CVT == 1:
+            return (q.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+        else:
+            return q.to(tl.float32)
+
+    @triton.jit
+    def _rank_select(colpass, npass, c, offs_t, CP: tl.constexpr):
+        """Chunk c of the tile's passed columns: sel [CP, T] (sel[p, t]: column t is the (c CP + p)-th passed
+        one), their positions in the tile [CP] and p_ok [CP] (the chunk's slot p holds a passed column)."""
+        rank = tl.cumsum(colpass.to(tl.int32), 0) - 1  # [T]
+        want = c * CP + tl.arange(0, CP)  # [CP]
+        sel = colpass[None, :] & (rank[None, :] == want[:, None])  # [CP, T]
+        idx = tl.sum(tl.where(sel, offs_t[None, :], 0), 1)  # [CP]
+        return sel, idx, want < npass
+
+    @triton.jit
     def _k1_screened(
         x_ptr, q_ptr, sc_ptr, rq_ptr, mq_ptr, er_ptr, kp_ptr, xc_ptr, wx_ptr, wg_ptr,
         cnt_ptr, col_ptr, val_ptr, th_ptr, pass_ptr, npass_ptr,
         M, F, D, NT, G, KX, stride_xm, stride_qf, stride_wf, stride_wx, n_big, c_exact,
         BLOCK_M: tl.constexpr, T: tl.constexpr, BK1: tl.constexpr, BK2: tl.constexpr, S: tl.constexpr,
-        GROUPED: tl.constexpr, KP: tl.constexpr, HAS_EX: tl.constexpr, GEMV: tl.constexpr,
+        CP: tl.constexpr, GROUPED: tl.constexpr, KP: tl.constexpr, HAS_EX: tl.constexpr, GEMV: tl.constexpr,
         DOT16: tl.constexpr, IEEE: tl.constexpr, ENT: tl.constexpr, HAS_THETA: tl.constexpr, RND: tl.constexpr,
-        PASS_OUT: tl.constexpr,
+        PASS_OUT: tl.constexpr, QI8: tl.constexpr, CVT: tl.constexpr,
     ):
         """One program per tile of T columns: phase 1 screens the tile's rows from q (estimate + rigorous radius
-        per (m, j)), phase 2 computes the exact gate of the passed columns only (masked W_gate row loads,
-        mirroring _k1_gate_pack / _k1_gemv's loop block for block) and packs it with _k1_epilogue. GEMV: M = 1
-        (BLOCK_M = 2, row 1 masked out); GROUPED: BK1 = the group size, scales and terms per (row, group)."""
+        per (m, j)), phase 2 computes the exact gate of the passed columns only and packs it with _k1_epilogue.
+
+        GEMV (M = 1): phase 1 is _k1_gemv's loop on the int8 / fp8 copy (acc [T, BK1] of products, x's norms
+        kept as [BK1] vectors: no reduction inside the loop); phase 2 gathers the passed rows, CP at a time
+        ([CP, BK2] loads of W_gate rows by index: work and traffic in proportion to the passed rows, not to
+        T), each summed as _k1_gemv sums a row (same BK2 lanes: bitwise _k1_gemv's gate when BK2 = its
+        BLOCK_K). M > 1: phase 1 is tl.dot on [BLOCK_M, BK1] x [BK1, T]; phase 2 mirrors _k1_gate_pack
+        (CP = T: masked columns) or gathers the passed columns CP (>= 16) at a time into [BK2, CP] dots.
+        GROUPED: BK1 = the group size, scales and terms per (row, group)."""
         pid_n = tl.program_id(0)
         offs_m = tl.arange(0, BLOCK_M)
         m_ok = offs_m < M
-        offs_n = pid_n * T + tl.arange(0, T)
+        offs_t = tl.arange(0, T)
+        offs_n = pid_n * T + offs_t
         n_ok = offs_n < F
         rows64 = offs_n.to(tl.int64)
         # ---------------------------------------------------------------- phase 1: estimate and radius
         offs_k1 = tl.arange(0, BK1)
-        est = tl.zeros([BLOCK_M, T], dtype=tl.float32)
-        quant = tl.zeros([BLOCK_M, T], dtype=tl.float32)
-        if GEMV and not GROUPED:
+        if GEMV:
+            # x's row 0 as [BK1] vectors (the layout the [T, BK1] products broadcast it in); its sums of
+            # squares / absolute values / bit maxima accumulate elementwise and are reduced once after the loop
+            # (fp32 in any order: the norm slack of 3. covers it); grouped: per group, warp-local sums
             pacc = tl.zeros([T, BK1], dtype=tl.float32)
-        l2f = tl.zeros([BLOCK_M], dtype=tl.float32)  # ||x||^2
-        l2q = tl.zeros([BLOCK_M], dtype=tl.float32)  # ||x'||^2 (exact channels out)
-        l1q = tl.zeros([BLOCK_M], dtype=tl.float32)
-        nzb = tl.zeros([BLOCK_M], dtype=tl.int32)  # max of |x| bit patterns: 0 iff the row is all (+-)0
-        for k in range(0, tl.cdiv(D, BK1)):
-            kk = k * BK1 + offs_k1
-            k_ok = kk < D
-            xk = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                         other=0.0)  # [BM, BK1] x's dtype
-            xf = xk.to(tl.float32)
-            if HAS_EX:
-                xq = xf * tl.load(kp_ptr + kk, mask=k_ok, other=0.0)[None, :]
-            else:
-                xq = xf
-            l2f += tl.sum(xf * xf, 1)
-            if DOT16:  # zero test on the bits: a flush-to-zero compare would call a subnormal x zero
-                bits = xk.to(tl.int16, bitcast=True).to(tl.int32) & 0x7FFF
-            else:
-                bits = xk.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-            nzb = tl.maximum(nzb, tl.max(bits, 1))
-            sq = tl.sum(xq * xq, 1)
-            sa = tl.sum(tl.abs(xq), 1)
-            if GEMV:
-                qt = tl.load(q_ptr + rows64[:, None] * stride_qf + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                             other=0.0).to(tl.float32)  # [T, BK1]
-                x0 = tl.sum(tl.where(offs_m[:, None] == 0, xf, 0.0), 0)  # [BK1] row 0
-                if GROUPED:
-                    p = tl.sum(qt * x0[None, :], 1)[None, :]  # [1, T]
+            est1 = tl.zeros([T], dtype=tl.float32)
+            quant1 = tl.zeros([T], dtype=tl.float32)
+            vf2 = tl.zeros([BK1], dtype=tl.float32)
+            vq2 = tl.zeros([BK1], dtype=tl.float32)
+            vq1 = tl.zeros([BK1], dtype=tl.float32)
+            vnz = tl.zeros([BK1], dtype=tl.int32)
+            for k in range(0, tl.cdiv(D, BK1)):
+                kk = k * BK1 + offs_k1
+                k_ok = kk < D
+                xk = tl.load(x_ptr + kk, mask=k_ok, other=0.0)  # [BK1] x's dtype, row 0
+                xf = xk.to(tl.float32)
+                if HAS_EX:
+                    xq = xf * tl.load(kp_ptr + kk, mask=k_ok, other=0.0)
                 else:
-                    pacc += qt * x0[None, :]
+                    xq = xf
+                if DOT16:  # zero test on the bits: a flush-to-zero compare would call a subnormal x zero
+                    bits = xk.to(tl.int16, bitcast=True).to(tl.int32) & 0x7FFF
+                else:
+                    bits = xk.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+                vnz = tl.maximum(vnz, bits)
+                vf2 += xf * xf
+                qt = _q_f32(tl.load(q_ptr + rows64[:, None] * stride_qf + kk[None, :],
+                                    mask=n_ok[:, None] & k_ok[None, :], other=0.0), QI8, CVT)  # [T, BK1]
+                if GROUPED:
+                    sq = tl.sum(xq * xq, 0)
+                    sa = tl.sum(tl.abs(xq), 0)
+                    sg = tl.load(sc_ptr + rows64 * G + k, mask=n_ok, other=0.0)
+                    rg = tl.load(rq_ptr + rows64 * G + k, mask=n_ok, other=0.0)
+                    mg = tl.load(mq_ptr + rows64 * G + k, mask=n_ok, other=0.0)
+                    est1 += tl.sum(qt * xf[None, :], 1) * sg
+                    n2 = tl.sqrt(sq) * (1 + 0.015625) + 2.7755575615628914e-17
+                    n1 = sa * (1 + 0.015625) + 7.888609052210118e-31
+                    quant1 += tl.minimum(rg * n2, mg * n1)
+                else:
+                    pacc += qt * xf[None, :]
+                vq2 += xq * xq
+                vq1 += tl.abs(xq)
+            l2f = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.sum(vf2, 0)
+            l2q = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.sum(vq2, 0)
+            l1q = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.sum(vq1, 0)
+            nzb = tl.zeros([BLOCK_M], dtype=tl.int32) + tl.max(vnz, 0)
+            if GROUPED:
+                est = tl.zeros([BLOCK_M, T], dtype=tl.float32) + est1[None, :]
+                quant = tl.zeros([BLOCK_M, T], dtype=tl.float32) + quant1[None, :]
             else:
+                est = tl.zeros([BLOCK_M, T], dtype=tl.float32) + tl.sum(pacc, 1)[None, :]
+        else:
+            est = tl.zeros([BLOCK_M, T], dtype=tl.float32)
+            quant = tl.zeros([BLOCK_M, T], dtype=tl.float32)
+            l2f = tl.zeros([BLOCK_M], dtype=tl.float32)  # ||x||^2
+            l2q = tl.zeros([BLOCK_M], dtype=tl.float32)  # ||x'||^2 (exact channels out)
+            l1q = tl.zeros([BLOCK_M], dtype=tl.float32)
+            nzb = tl.zeros([BLOCK_M], dtype=tl.int32)  # max of |x| bit patterns: 0 iff the row is all (+-)0
+            for k in range(0, tl.cdiv(D, BK1)):
+                kk = k * BK1 + offs_k1
+                k_ok = kk < D
+                xk = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                             other=0.0)  # [BM, BK1] x's dtype
+                xf = xk.to(tl.float32)
+                if HAS_EX:
+                    xq = xf * tl.load(kp_ptr + kk, mask=k_ok, other=0.0)[None, :]
+                else:
+                    xq = xf
+                l2f += tl.sum(xf * xf, 1)
+                if DOT16:
+                    bits = xk.to(tl.int16, bitcast=True).to(tl.int32) & 0x7FFF
+                else:
+                    bits = xk.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+                nzb = tl.maximum(nzb, tl.max(bits, 1))
+                sq = tl.sum(xq * xq, 1)
+                sa = tl.sum(tl.abs(xq), 1)
                 qb = tl.load(q_ptr + rows64[None, :] * stride_qf + kk[:, None], mask=k_ok[:, None] & n_ok[None, :],
                              other=0.0)  # [BK1, T]
                 if DOT16:
-                    p = tl.dot(xk, qb.to(xk.dtype))
+                    if QI8 and CVT == 1:
+                        p = tl.dot(xk, _q_f32(qb, QI8, CVT).to(xk.dtype))
+                    else:
+                        p = tl.dot(xk, qb.to(xk.dtype))
                 else:
-                    p = tl.dot(xf, qb.to(tl.float32), input_precision="ieee")
-            if GROUPED:
-                sg = tl.load(sc_ptr + rows64 * G + k, mask=n_ok, other=0.0)
-                rg = tl.load(rq_ptr + rows64 * G + k, mask=n_ok, other=0.0)
-                mg = tl.load(mq_ptr + rows64 * G + k, mask=n_ok, other=0.0)
-                est += p * sg[None, :]
-                n2 = tl.sqrt(sq) * (1 + 0.015625) + 2.7755575615628914e-17
-                n1 = sa * (1 + 0.015625) + 7.888609052210118e-31
-                quant += tl.minimum(rg[None, :] * n2[:, None], mg[None, :] * n1[:, None])
-            elif not GEMV:
-                est += p
-            l2q += sq
-            l1q += sa
+                    p = tl.dot(xf, _q_f32(qb, QI8, CVT), input_precision="ieee")
+                if GROUPED:
+                    sg = tl.load(sc_ptr + rows64 * G + k, mask=n_ok, other=0.0)
+                    rg = tl.load(rq_ptr + rows64 * G + k, mask=n_ok, other=0.0)
+                    mg = tl.load(mq_ptr + rows64 * G + k, mask=n_ok, other=0.0)
+                    est += p * sg[None, :]
+                    n2 = tl.sqrt(sq) * (1 + 0.015625) + 2.7755575615628914e-17
+                    n1 = sa * (1 + 0.015625) + 7.888609052210118e-31
+                    quant += tl.minimum(rg[None, :] * n2[:, None], mg[None, :] * n1[:, None])
+                else:
+                    est += p
+                l2q += sq
+                l1q += sa
         if not GROUPED:
-            if GEMV:
-                est = tl.zeros([BLOCK_M, T], dtype=tl.float32) + tl.sum(pacc, 1)[None, :]
             s = tl.load(sc_ptr + rows64, mask=n_ok, other=0.0)
             r = tl.load(rq_ptr + rows64, mask=n_ok, other=0.0)
             mm = tl.load(mq_ptr + rows64, mask=n_ok, other=0.0)
@@ -462,20 +531,24 @@ if HAS_TRITON:
                      mask=m_ok[:, None] & n_ok[None, :])
             tl.store(npass_ptr + pid_n, npass)
         # ------------------------------------------------------ phase 2: exact gate of the passed columns
+        # (a column's gate lands in its slot as g + (-0.0) + ... = g bit for bit, signed zeros included)
         offs_k = tl.arange(0, BK2)
         if GEMV:
-            acc = tl.zeros([T, BK2], dtype=tl.float32)
-            if npass > 0:
-                w_ptrs = wg_ptr + rows64[:, None] * stride_wf + offs_k[None, :]
+            gsum = tl.full([T], -0.0, tl.float32)
+            for c in range(0, tl.cdiv(npass, CP)):
+                sel, idx, p_ok = _rank_select(colpass, npass, c, offs_t, CP)
+                w_ptrs = wg_ptr + (pid_n * T + idx).to(tl.int64)[:, None] * stride_wf + offs_k[None, :]  # [CP, BK2]
+                acc = tl.zeros([CP, BK2], dtype=tl.float32)
                 for k in range(0, tl.cdiv(D, BK2)):
                     k_ok = offs_k < D - k * BK2
-                    w = tl.load(w_ptrs, mask=(n_ok & colpass)[:, None] & k_ok[None, :], other=0.0)
+                    w = tl.load(w_ptrs, mask=p_ok[:, None] & k_ok[None, :], other=0.0)
                     xk = tl.load(x_ptr + k * BK2 + offs_k, mask=k_ok, other=0.0)
                     acc += w.to(tl.float32) * xk.to(tl.float32)[None, :]
                     w_ptrs += BK2
-            g = tl.sum(acc, 1)
-            gate = tl.where(m_ok[:, None], g[None, :], 0.0)  # [2, T]
-        else:
+                g = tl.sum(acc, 1)  # [CP]
+                gsum += tl.sum(tl.where(sel, g[:, None], -0.0), 0)
+            gate = tl.where(m_ok[:, None], gsum[None, :], 0.0)  # [2, T]
+        elif CP == T:  # _k1_gate_pack's loop, columns that did not pass masked out
             gate = tl.zeros([BLOCK_M, T], dtype=tl.float32)
             if npass > 0:
                 a_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
@@ -490,22 +563,51 @@ if HAS_TRITON:
                         gate = tl.dot(a, b, gate)
                     a_ptrs += BK2
                     b_ptrs += BK2
+        else:  # the passed columns CP at a time
+            gate = tl.full([BLOCK_M, T], -0.0, tl.float32)
+            for c in range(0, tl.cdiv(npass, CP)):
+                sel, idx, p_ok = _rank_select(colpass, npass, c, offs_t, CP)
+                a_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+                b_ptrs = wg_ptr + (pid_n * T + idx).to(tl.int64)[None, :] * stride_wf + offs_k[:, None]  # [BK2, CP]
+                acc = tl.zeros([BLOCK_M, CP], dtype=tl.float32)
+                for k in range(0, tl.cdiv(D, BK2)):
+                    k_ok = offs_k < D - k * BK2
+                    a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                    b = tl.load(b_ptrs, mask=k_ok[:, None] & p_ok[None, :], other=0.0)
+                    if IEEE:
+                        acc = tl.dot(a, b, acc, input_precision="ieee")
+                    else:
+                        acc = tl.dot(a, b, acc)
+                    a_ptrs += BK2
+                    b_ptrs += BK2
+                gate += tl.sum(tl.where(sel[None, :, :], acc[:, :, None], -0.0), 1)  # [BM, T]
         gate = tl.where(colpass[None, :], gate, float("-inf"))  # never active: not computed
         _k1_epilogue(gate, offs_m, offs_n, m_ok, n_ok, pid_n, cnt_ptr, col_ptr, val_ptr, th_ptr, NT, BLOCK_M, T, S,
                      ENT, HAS_THETA, RND)
 
 
+# The screened K1's launch parameters (gate_pack_screened's overrides; eval/bench_screen.py --cuda sweeps them):
+# BK1 phase-1 columns per step (per-row screens; grouped: the group), BK2 phase-2 columns per step, CP passed
+# rows (M = 1) / columns (M > 1, >= 16; T: masked, no gather) per phase-2 chunk, CVT int8 conversion (1: integer
+# trick, 0: cast), num_warps, num_stages. The defaults keep the exact gates bitwise those of today's decode K1
+# (M = 1: BK2 = _k1_gemv's BLOCK_K; M > 1: _k1_gate_pack's blocks, CP = T); other BK2 / CP sum in another order
+# (still covered by the bound: any order) and pack the same entries up to fp32 ties at the threshold.
+SCREEN_KEYS = ("BK1", "BK2", "CP", "CVT", "num_warps", "num_stages")
+
+
 def screen_config(m: int, sw: ScreenWeights, device_type: str) -> dict:
     """Blocks of the screened K1: decode tiles T = S = 32; phase 2 mirrors gate_pack's decode K1 (M = 1: the GEMV
-    K1 with BLOCK_K GEMV_BLOCK_K; else _k1_gate_pack with BLOCK_M 16, BLOCK_K 128); phase 1 reads one group per
-    step (per-row scales: BLOCK_K of phase 2)."""
+    K1 with BLOCK_K GEMV_BLOCK_K, passed rows gathered 8 at a time; else _k1_gate_pack with BLOCK_M 16,
+    BLOCK_K 128, masked columns); phase 1 reads one group per step (per-row scales: 256 columns at M = 1, 128
+    else)."""
     gemv = m == 1
     bk2 = GEMV_BLOCK_K if gemv else 128
     grouped = sw.n_groups > 1
     if grouped and (sw.group & (sw.group - 1)):
         raise ValueError(f"group = {sw.group}: the kernel needs a power-of-two group")
-    return dict(T=DECODE_TILE, S=DECODE_SLOTS, BLOCK_M=2 if gemv else 16, BK1=sw.group if grouped else bk2,
-                BK2=bk2, GEMV=gemv, GROUPED=grouped, num_warps=4, num_stages=2 if device_type == "cpu" else 3)
+    return dict(T=DECODE_TILE, S=DECODE_SLOTS, BLOCK_M=2 if gemv else 16, BK1=sw.group if grouped else (256 if gemv else 128),
+                BK2=bk2, CP=8 if gemv else DECODE_TILE, CVT=1, GEMV=gemv, GROUPED=grouped, num_warps=4,
+                num_stages=2 if device_type == "cpu" else 3)
 
 
 def gate_pack_screened(x2d: torch.Tensor, w_gate: torch.Tensor, sw: ScreenWeights,
@@ -513,7 +615,8 @@ def gate_pack_screened(x2d: torch.Tensor, w_gate: torch.Tensor, sw: ScreenWeight
                        return_pass: bool = False, **overrides):
     """K1 with the screen (M <= 16): the decode TwELL packing of gate_pack (same tiles, same words), W_gate rows
     read only where the screen passes them. return_pass: also return the screen's pass mask [M, F] bool and
-    the passed columns per tile [NT] int32 (one more store; off in the hot path)."""
+    the passed columns per tile [NT] int32 (one more store; off in the hot path). overrides: SCREEN_KEYS.
+    Host side: a few torch.empty (no launch, no sync), one kernel launch."""
     require_triton()
     m, d = x2d.shape
     f = w_gate.shape[0]
@@ -521,8 +624,15 @@ def gate_pack_screened(x2d: torch.Tensor, w_gate: torch.Tensor, sw: ScreenWeight
         raise ValueError(f"M = {m}: the gate screen is a decode path (M <= 16)")
     if sw.shape != (f, d):
         raise ValueError(f"screen of shape {sw.shape} for W_gate {tuple(w_gate.shape)}")
+    bad = set(overrides) - set(SCREEN_KEYS)
+    if bad:
+        raise ValueError(f"unknown overrides {sorted(bad)}: use {SCREEN_KEYS}")
     entries = entries or default_entries(x2d.dtype)
     cfg = {**screen_config(m, sw, x2d.device.type), **overrides}
+    if cfg["GROUPED"] and cfg["BK1"] != sw.group:
+        raise ValueError(f"BK1 = {cfg['BK1']}: a grouped screen reads one group (BK1 = {sw.group}) per step")
+    if not cfg["GEMV"] and cfg["CP"] != cfg["T"] and cfg["CP"] < 16:
+        raise ValueError(f"CP = {cfg['CP']}: at M > 1 the passed-column chunks feed tl.dot (CP >= 16, or T)")
     t, s = cfg.pop("T"), cfg.pop("S")
     nt = n_tiles(f, t)
     cnt = torch.empty(m, nt, dtype=torch.int32, device=x2d.device)
@@ -541,7 +651,7 @@ def gate_pack_screened(x2d: torch.Tensor, w_gate: torch.Tensor, sw: ScreenWeight
         sw.w_exact.stride(0) if has_ex else 0, float(sw.n_big), float(sw.c_exact),
         T=t, S=s, KP=max(2, next_pow2(kx)), HAS_EX=has_ex, DOT16=x2d.dtype != torch.float32,
         IEEE=x2d.dtype == torch.float32, ENT=ENT_CODES[entries], HAS_THETA=th["HAS_THETA"], RND=th["RND"],
-        PASS_OUT=return_pass, **cfg,
+        PASS_OUT=return_pass, QI8=sw.kind == "int8", **cfg,
     )
     packed = (TwellPacked(cnt=cnt, col=col, val=val, tile=t, n_cols=f) if entries == "split" else
               TwellPacked(cnt=cnt, col=None, val=None, tile=t, n_cols=f, ent=col, entries=entries))
@@ -551,9 +661,10 @@ def gate_pack_screened(x2d: torch.Tensor, w_gate: torch.Tensor, sw: ScreenWeight
 
 
 def twell_ffn_screened(x2d: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down_t: torch.Tensor,
-                       sw: ScreenWeights, threshold: torch.Tensor | None = None) -> torch.Tensor:
-    """The decode TwELL FFN with the screened K1: gate_pack_screened, then the same K2 as twell_ffn_triton."""
+                       sw: ScreenWeights, threshold: torch.Tensor | None = None, **overrides) -> torch.Tensor:
+    """The decode TwELL FFN with the screened K1: gate_pack_screened (overrides: SCREEN_KEYS), then the same K2
+    as twell_ffn_triton (launches per call: K1, then K2's zero-fill, kernel and output cast, as twell's)."""
     from .twell_updown import updown
 
-    packed = gate_pack_screened(x2d, w_gate, sw, threshold)
+    packed = gate_pack_screened(x2d, w_gate, sw, threshold, **overrides)
     return updown(x2d, packed, w_gate, w_up, w_down_t, compact=True, threshold=threshold)

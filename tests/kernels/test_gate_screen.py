@@ -226,6 +226,67 @@ def test_kernel_random_seeds_never_drop():
                 assert_superset(pas, gs.active_mask(x, wg), f"seed {seed} M={m} {kind} g{group} k{k}")
 
 
+# launch configurations the bench sweeps (gate_pack_screened overrides): (M, overrides, same order as gate_pack)
+SWEEP_CFGS = [(1, dict(CP=1), True), (1, dict(CP=2, BK1=64, num_warps=8), True), (1, dict(CP=32, CVT=0), True),
+              (1, dict(BK2=64, CP=4), False), (5, dict(CP=16), False), (5, dict(BK1=64, CVT=0), True),
+              (16, dict(CP=16, BK2=64), False)]
+
+
+@pytest.mark.parametrize("m,over,same", SWEEP_CFGS)
+def test_kernel_sweep_configs(m, over, same):
+    """Every swept launch configuration (passed rows gathered 1 / 2 / 4 / 32 at a time at M = 1, passed columns 16
+    at a time at M > 1, other phase-1 / phase-2 steps, the plain int8 cast): the pass mask covers every active
+    row, on random rows and on rows sitting on the bound (theta one ulp under the gate). Configurations that keep
+    gate_pack's summation order pack bitwise the same; the others pack values within the K1 bound."""
+    x, wg, _, _ = make_case(m, 128, 256, 0.9, seed=40 + m, dtype=torch.float32, skew=True)
+    xa, wa, _, js = aligned_case(128, 256, "int8", None)
+    gate_a = xa.float() @ wa.float().t()
+    th_a = torch.full((256,), 1e30)
+    for i, j in enumerate(js.tolist()):
+        th_a[j] = torch.nextafter(gate_a[i, j], torch.tensor(-float("inf")))
+    for kind, group, k in (("int8", None, 1), ("fp8", None, 0), ("int8", 32, 0)):
+        if group is not None and "BK1" in over:
+            continue
+        for xx, ww, th in ((x, wg, None), (x, wg, theta_for(x.float() @ wg.float().t(), x.dtype, 3)),
+                           (xa[:m], wa, th_a)):
+            sw = screen(ww, kind, group, k, xx)
+            what = f"M={m} {over} {kind} g{group} k{k} theta {th is not None}"
+            got, pas, npass = gs.gate_pack_screened(xx, ww, sw, th, return_pass=True, **over)
+            assert_superset(pas, gs.active_mask(xx, ww, th), what)
+            assert int(npass.sum()) == int(pas.any(0).sum()), what
+            if same:
+                _same_packing(got, _k1(xx, ww, th), what)
+            elif th is None:
+                check_packed_values(got, xx, ww, xx.float() @ ww.float().t(), what)
+
+
+def test_int8_conversion_trick_is_exact():
+    """CVT = 1's integer trick gives every int8 value exactly (what the plain cast gives)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def conv(q_ptr, o_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(o_ptr + i, gs._q_f32(tl.load(q_ptr + i), True, 1))
+
+    q = torch.arange(-128, 128, dtype=torch.int32).to(torch.int8)
+    out = torch.empty(256, dtype=torch.float32)
+    conv[(1,)](q, out, N=256)
+    assert torch.equal(out, q.float())
+
+
+def test_overrides_checked():
+    x, wg, _, _ = make_case(4, 64, 128, 0.9, seed=1)
+    sw = gs.screen_weights(wg, "int8", 32)
+    with pytest.raises(ValueError, match="unknown overrides"):
+        gs.gate_pack_screened(x, wg, sw, BLOCK_K=64)
+    with pytest.raises(ValueError, match="one group"):
+        gs.gate_pack_screened(x, wg, sw, BK1=64)
+    with pytest.raises(ValueError, match="CP >= 16"):
+        gs.gate_pack_screened(x, wg, gs.screen_weights(wg, "int8"), CP=8)
+
+
 def test_bench_screen_cpu_mode_tiny(tmp_path):
     """eval/bench_screen.py --cpu on a tiny synthetic shape (no real model): JSON and table written, every
     rigorous bound checked inside (it asserts no active row is dropped)."""
