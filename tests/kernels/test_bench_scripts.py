@@ -143,3 +143,21 @@ def test_bench_auto_overhead_smoke_on_cpu(tmp_path):
     for case in row["cases"].values():
         assert set(case["ms"]) == {"dense", "auto", "auto_no_grant"} and min(case["ms"].values()) > 0
     assert "| tiny | decode |" in res.stdout
+
+
+def test_bench_gendata_smoke_on_cpu(tmp_path):
+    """eval/bench_gendata.py --cpu --tiny: both paths at both batch sizes, the new one served by the sampling graph
+    loop (emulated) with its seed and row checks passing, JSON + table with the new / old ratio."""
+    res = subprocess.run([sys.executable, str(ROOT / "eval" / "bench_gendata.py"), "--cpu", "--tiny", "--batches", "1",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = json.loads((tmp_path / "gendata-bench.json").read_text())["rows"]
+    assert [(r["batch"], r["path"]) for r in rows] == [(2, "new"), (2, "old"), (4, "new"), (4, "old")]
+    for r in rows:
+        assert r["tokens"] > 0 and r["tokens_per_s"] > 0
+        if r["path"] == "new":
+            assert r["served_by_graph_loop"] == 3 and r["same_seed_same_tokens"] and r["rows_differ"], r
+            assert r["tokens"] <= r["sampled"]
+        else:
+            assert r["served_by_graph_loop"] == 0
+    assert "new / old" in res.stdout and (tmp_path / "gendata-bench.md").exists()
