@@ -1,15 +1,17 @@
 """Fast decode: a static KV cache and the decode step replayed from a CUDA graph.
 
 Eager decode is bound by the host (hundreds of kernel launches per token), so on CUDA generate() defaults
-to a static cache and the one-token forward is captured once and replayed. Greedy decoding runs the
-ladder below (`prefill` -> `decode_one_token` captured -> `decode_n_tokens` -> `generate`); every other
-generation option keeps transformers' own loop with the forward replayed. torch.compile is applied in one
+to a static cache and the one-token forward is captured once and replayed. Greedy decoding and plain
+temperature / top-p sampling run the ladder below (`prefill` -> `decode_one_token` captured ->
+`decode_n_tokens` -> `generate`), the whole step (forward, then argmax or the draw) in one graph; every
+other generation option keeps transformers' own loop with the forward replayed. torch.compile is applied in one
 place, FastDecode.decode_forward. `enable_fast_decode(model, compile=True)` gives any transformers causal
 LM (the dense original too) the same regime, so comparisons are like for like.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -37,6 +39,11 @@ _NEUTRAL = MappingProxyType({  # generate() options the greedy loop serves only 
     "output_hidden_states": (None, False), "stop_strings": (None,), "max_time": (None,),
     "assistant_model": (None,), "prompt_lookup_num_tokens": (None,), "watermarking_config": (None,),
     "token_healing": (None, False), "dola_layers": (None,), "penalty_alpha": (None,),
+})
+_SAMPLE_KWARGS = _LOOP_KWARGS | {"temperature", "top_p", "top_k"}
+_SAMPLE_NEUTRAL = MappingProxyType({  # sampling warpers the sampling loop serves only at these (off) values
+    "min_p": (None,), "top_h": (None,), "typical_p": (None, 1.0), "epsilon_cutoff": (None, 0.0),
+    "eta_cutoff": (None, 0.0),
 })
 
 
@@ -70,16 +77,17 @@ class FastDecode:
         self.cpu_emulation = False
         self.cache = None  # the static cache generate() reuses (see reused_cache) and its (batch, length)
         self.cache_key = None
-        self.loop = True  # greedy generate() runs the whole decode step (forward + argmax) in one graph
+        self.loop = True  # greedy / sampling generate() runs the whole decode step (forward + argmax or draw)
+        # in one graph
         self.check_step = True  # a captured step with TwELL layers is timed against the same step all dense
         self.step_checks: list[dict] = []  # what those checks measured and kept
         self.capture = capture_call
         self.step_timer = time_graphs
         self.twell_in_step = functools.partial(twell_in_step, model)
-        self.loops = 0  # generate() calls served by the greedy loop
+        self.loops = 0  # generate() calls served by the greedy or sampling loop
         self.timing = False  # (benchmarks) sync after prefill and at the end: `last` = {"ttft_s", "decode_s"}
         self.last: dict = {}
-        self._loops: dict = {}  # (id(cache), batch, FFN backends, compile) -> _Loop
+        self._loops: dict = {}  # (id(cache), batch, FFN backends, sampling, compile) -> _Loop
         self.replays = 0
         self.captures = 0
         self._graphs: OrderedDict = OrderedDict()
@@ -207,14 +215,38 @@ class FastDecode:
 def greedy_plan(model, args: tuple, kwargs: dict):
     """(ids, max_new, min_new, eos ids, pad id) when this generate() call is plain greedy decoding of an
     unpadded batch that the graph loop serves; else None (transformers' loop runs)."""
-    if len(args) > 1 or set(kwargs) - _LOOP_KWARGS:
+    return _plan(model, args, kwargs, sample=False)
+
+
+def sampling_plan(model, args: tuple, kwargs: dict):
+    """(ids, max_new, min_new, eos ids, pad id, (temperature, top_p)) when this generate() call is plain
+    sampling of an unpadded batch that the graph loop serves: do_sample with temperature > 0, top_p in (0, 1],
+    top_k 0 (transformers reads an unset top_k as 50: that call keeps its loop) and no other warper; else None."""
+    plan = _plan(model, args, kwargs, sample=True)
+    if plan is None:
+        return None
+    config = kwargs.get("generation_config") or model.generation_config
+    get = lambda k, default=None: kwargs[k] if k in kwargs else getattr(config, k, default)  # noqa: E731
+    temperature, top_p, top_k = get("temperature"), get("top_p"), get("top_k")
+    temperature = 1.0 if temperature is None else float(temperature)
+    top_p = 1.0 if top_p is None else float(top_p)
+    if not temperature > 0 or not 0 < top_p <= 1 or top_k != 0:
+        return None
+    if any(getattr(config, k, None) not in ok for k, ok in _SAMPLE_NEUTRAL.items()):
+        return None
+    return (*plan, (temperature, top_p))
+
+
+def _plan(model, args: tuple, kwargs: dict, sample: bool):
+    """greedy_plan's checks; `sample` asks for do_sample (and allows the sampling arguments) instead."""
+    if len(args) > 1 or set(kwargs) - (_SAMPLE_KWARGS if sample else _LOOP_KWARGS):
         return None
     ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype != torch.long or ids.shape[1] == 0:
         return None
     config = kwargs.get("generation_config") or model.generation_config
     get = lambda k, default=None: kwargs[k] if k in kwargs else getattr(config, k, default)  # noqa: E731
-    if get("do_sample", False) or get("use_cache", True) is False:
+    if bool(get("do_sample", False)) != sample or get("use_cache", True) is False:
         return None
     if any(getattr(config, k, None) not in ok for k, ok in _NEUTRAL.items()):
         return None
@@ -237,9 +269,10 @@ def greedy_plan(model, args: tuple, kwargs: dict):
 
 
 class _Loop:
-    """The captured greedy step for one (cache, batch): static next-token and output buffers."""
+    """The captured step for one (cache, batch, greedy or sampling): static next-token and output buffers;
+    a sampling loop also holds its temperature and top-p as tensors the graph reads (set per call)."""
 
-    def __init__(self, cache, batch: int, length: int, device):
+    def __init__(self, cache, batch: int, length: int, device, sample: bool = False):
         self.cache = cache
         self.token = torch.zeros(batch, 1, dtype=torch.long, device=device)  # [B, 1] next input
         self.step = torch.zeros((), dtype=torch.long, device=device)  # index of the token being written
@@ -248,14 +281,48 @@ class _Loop:
         self.graph = None
         self.eos = None  # [E] long tensor the graph masks before min_new_tokens (fixed at capture)
         self.eos_ids: tuple = ()  # its values, compared on the host
+        self.temperature = self.top_p = None  # sampling: [] float32 tensors; None: greedy (argmax)
+        if sample:
+            self.temperature = torch.ones((), dtype=torch.float32, device=device)
+            self.top_p = torch.ones((), dtype=torch.float32, device=device)
+
+
+def nucleus(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor):
+    """(probabilities, token ids), both [B, V] sorted by falling probability, of softmax(logits / temperature)
+    with the tokens outside the top-p nucleus at 0. As transformers' TopPLogitsWarper: a token stays when the
+    mass of the tokens ranked above it is below top_p (so the top token always stays); top_p >= 1 keeps every
+    token (a float cumsum can pass 1 before the tail)."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    probs, order = probs.sort(dim=-1, descending=True)
+    above = probs.cumsum(-1) - probs  # mass ranked above each token
+    keep = (above < top_p) | (top_p >= 1)
+    return probs * keep, order
+
+
+def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[B] tokens drawn from the top-p nucleus of softmax(logits / temperature), graph-safe: the exponential
+    race argmax(p_i / E_i), E_i ~ Exp(1) i.i.d., picks token i with probability p_i / sum(p) (no host sync, no
+    data-dependent shapes; the noise comes from the default generator: under a CUDA graph each replay draws
+    at the generator's next philox offset, so one seed gives one token stream and replays differ)."""
+    probs, order = nucleus(logits, temperature, top_p)
+    noise = torch.empty_like(probs).exponential_().clamp_min_(torch.finfo(probs.dtype).tiny)  # (never / 0)
+    pick = (probs / noise).argmax(-1, keepdim=True)  # [B, 1] rank in the sorted order
+    return order.gather(1, pick)[:, 0]
+
+
+def next_token(loop: _Loop, logits: torch.Tensor) -> torch.Tensor:
+    """[B] next tokens from [B, V] logits: argmax (greedy loop) or a draw (sampling loop)."""
+    if loop.temperature is None:
+        return logits.argmax(-1)
+    return sample_tokens(logits, loop.temperature, loop.top_p)
 
 
 def prefill(forward, loop: _Loop, ids: torch.Tensor, cache_kw: str, cache, eos: list[int], min_new: int) -> None:
-    """The prompt's forward (eager, through the FFN dispatcher); its argmax is the first new token."""
+    """The prompt's forward (eager, through the FFN dispatcher); its argmax (or draw) is the first new token."""
     logits = forward(input_ids=ids, use_cache=True, **{cache_kw: cache}).logits[:, -1, :]  # [B, V]
     if eos and min_new > 0:
         logits[:, eos] = float("-inf")
-    first = logits.argmax(-1)  # [B]
+    first = next_token(loop, logits)  # [B]
     loop.out[:, 0] = first
     loop.token.copy_(first[:, None])
     loop.step.fill_(1)
@@ -263,19 +330,21 @@ def prefill(forward, loop: _Loop, ids: torch.Tensor, cache_kw: str, cache, eos: 
 
 
 def decode_one_token(loop: _Loop, forward, cache_kw: str, cache) -> None:
-    """One greedy step on the loop's buffers (what the graph holds): forward, argmax, bookkeeping."""
+    """One step on the loop's buffers (what the graph holds): forward, argmax or draw, bookkeeping."""
     logits = forward(input_ids=loop.token, use_cache=True, **{cache_kw: cache}).logits[:, -1, :]  # [B, V]
     if loop.eos is not None:  # no end-of-sequence before min_new_tokens
         early = loop.step < loop.min_new
         logits = torch.where(early, logits.index_fill(1, loop.eos, float("-inf")), logits)
-    nxt = logits.argmax(-1)  # [B]
+    nxt = next_token(loop, logits)  # [B]
     loop.out.scatter_(1, loop.step.expand(nxt.shape[0], 1), nxt[:, None])
     loop.token.copy_(nxt[:, None])
     loop.step.add_(1)
 
 
 def _capture_loop(loop: _Loop, fast: FastDecode, cache_kw: str, cache) -> None:
-    """Capture decode_one_token (checked against its all-dense twin: step_check)."""
+    """Capture decode_one_token (checked against its all-dense twin: step_check). A sampling step's warm-up
+    and timed runs draw from the default generator: its state is put back after them (rng_kept), so a call
+    that captures draws the same tokens as one that only replays."""
     forward = fast.decode_forward()
     saved = cache_counters(cache) + [(t, t.clone()) for t in (loop.token, loop.step, loop.out)]
 
@@ -283,8 +352,24 @@ def _capture_loop(loop: _Loop, fast: FastDecode, cache_kw: str, cache) -> None:
         return fast.capture(lambda: decode_one_token(loop, forward, cache_kw, cache), lambda: restore(saved),
                             loop.token.is_cuda)
 
-    loop.graph = step_check(fast, capture, lambda: restore(saved), loop.token.shape[0], cache, capture(), "greedy")[0]
+    name = "greedy" if loop.temperature is None else "sampling"
+    with rng_kept(loop.token.device):
+        loop.graph = step_check(fast, capture, lambda: restore(saved), loop.token.shape[0], cache, capture(), name)[0]
     fast.captures += 1
+
+
+@contextlib.contextmanager
+def rng_kept(device: torch.device):
+    """Put the default generator of `device` back as it was on entry (draws made inside do not count)."""
+    cuda = device.type == "cuda"
+    state = torch.cuda.get_rng_state(device) if cuda else torch.get_rng_state()
+    try:
+        yield
+    finally:
+        if cuda:
+            torch.cuda.set_rng_state(state, device)
+        else:
+            torch.set_rng_state(state)
 
 
 def decode_n_tokens(fast: FastDecode, loop: _Loop, key: tuple, cache_kw: str, cache, new: int, eos: list[int]) -> int:
@@ -294,8 +379,8 @@ def decode_n_tokens(fast: FastDecode, loop: _Loop, key: tuple, cache_kw: str, ca
         if loop.graph is None:
             if i == 1:
                 fast.first_step(lambda f: decode_one_token(loop, f, cache_kw, cache), cache)
-                if fast.compile != key[3]:  # compiling failed: the loop moves to the uncompiled key
-                    fast._loops[(*key[:3], fast.compile)] = fast._loops.pop(key)
+                if fast.compile != key[-1]:  # compiling failed: the loop moves to the uncompiled key
+                    fast._loops[(*key[:-1], fast.compile)] = fast._loops.pop(key)
                 continue
             _capture_loop(loop, fast, cache_kw, cache)
         loop.graph.replay()
@@ -320,18 +405,24 @@ def _pad_after_eos(tokens: torch.Tensor, eos: list[int], pad: int) -> torch.Tens
 
 
 def generate(model, fast: FastDecode, plan) -> torch.Tensor:
-    """Greedy decoding on the reused static cache: prefill, then decode_one_token replayed from its graph."""
-    ids, new, min_new, eos, pad = plan
+    """Greedy decoding (a greedy_plan) or sampling (a sampling_plan) on the reused static cache: prefill, then
+    decode_one_token replayed from its graph."""
+    ids, new, min_new, eos, pad = plan[:5]
+    sampling = plan[5] if len(plan) > 5 else None  # (temperature, top_p)
     cache = reused_cache(model, fast, (ids,), {"max_new_tokens": new})
     cache_kw = cache_kwarg(model)
     sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
     if fast.timing:
         sync()
         t0 = time.perf_counter()
-    key = (id(cache), ids.shape[0], ffn_state(model), fast.compile)
+    key = (id(cache), ids.shape[0], ffn_state(model), sampling is not None, fast.compile)
     loop = fast._loops.get(key)
     if loop is None:
-        loop = fast._loops[key] = _Loop(cache, ids.shape[0], cache.layers[0].max_cache_len, ids.device)
+        loop = fast._loops[key] = _Loop(cache, ids.shape[0], cache.layers[0].max_cache_len, ids.device,
+                                        sample=sampling is not None)
+    if sampling is not None:  # values, not part of the graph: another temperature replays the same graph
+        loop.temperature.fill_(sampling[0])
+        loop.top_p.fill_(sampling[1])
     with torch.no_grad():
         prefill(fast.forward, loop, ids, cache_kw, cache, eos, min_new)
         if fast.timing:
@@ -438,7 +529,7 @@ def enable_fast_decode(model, enabled: bool = True, compile: bool | None = None)
             fast.last = {}
             new = _fast_generate_kwargs(model, args, kwargs)
             if new is not kwargs and fast.loop:
-                plan = greedy_plan(model, args, kwargs)
+                plan = greedy_plan(model, args, kwargs) or sampling_plan(model, args, kwargs)
                 if plan is not None:
                     return generate(model, fast, plan)
             return plain_generate(*args, **new)

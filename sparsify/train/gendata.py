@@ -2,12 +2,21 @@
 
 Teaching the student on what the teacher itself says keeps what the teacher knows better than any one corpus
 does (LLM-QAT found the same for quantisation-aware training). The output folder holds `text-NNNNN.jsonl`
-shards (one {"text": ...} document per sample) and `gendata.json` (model, settings, token count): give the
-folder as a `data.train` entry, mixed with real text by `data.weights`.
+shards (one {"text", "prompt", "tokens"} document per line) and `gendata.json` (model, settings, token count):
+give the folder as a `data.train` entry, mixed with real text by `data.weights`.
+
+Each row of a batch samples exactly --seq-len tokens and does not stop at end-of-sequence: as in packed
+pretraining text, the model starts a new document after an EOS, and the row's text is split there into separate
+documents (the first continues the row's prompt, the next ones have prompt ""; a document's `tokens` count its
+closing EOS; an EOS right after an EOS makes no document). So every sampled token is kept and counted, and no row
+idles while others finish. On CUDA a batch whose prompts are all one length (always so without --prompts: each
+row starts from the BOS token alone) is sampled by the fast decode loop (kernels/fast_decode.py: static cache,
+the whole step, forward + temperature + top-p + draw, replayed from one CUDA graph); a batch of prompts of
+different lengths is left-padded and sampled by transformers' own loop, as before.
 
 Batch k is sampled with its own seed (derived from --seed and k), so the same command writes the same text,
 and a killed run continues from its last whole batch: batches land one file each in a work folder beside OUT,
-which becomes OUT only when the token budget is reached. OUT holds exactly --tokens tokens: the samples in
+which becomes OUT only when the token budget is reached. OUT holds exactly --tokens tokens: the documents in
 order, the one that reaches the count cut there, those after it left out (the work folder keeps whole batches,
 so a run asked for more tokens continues them unchanged).
 """
@@ -30,7 +39,8 @@ from sparsify.version import __version__
 
 FORMAT = "sparsify-gendata/1"
 SHARD_BYTES = 64 * 2**20  # finished output: shards of about this size
-WORK_FORMAT = 2  # batch files hold each sample's token ids (to cut the last sample at the budget): 1 did not
+WORK_FORMAT = 3  # batch files: one line per document (rows split at EOS, ids with the closing EOS); 2: one line per
+# row cut at its first EOS, 1: no token ids
 
 
 @dataclass
@@ -54,9 +64,9 @@ def settings_problems(s: GenSettings) -> list[str]:
     if s.tokens < 1:
         problems.append(f"--tokens {s.tokens}: give at least 1 token to generate.")
     if s.seq_len < 1:
-        problems.append(f"--seq-len {s.seq_len}: the length of each sample in new tokens must be at least 1.")
+        problems.append(f"--seq-len {s.seq_len}: the new tokens each row samples must be at least 1.")
     if s.batch_size < 1:
-        problems.append(f"--batch-size {s.batch_size}: at least 1 sample per batch.")
+        problems.append(f"--batch-size {s.batch_size}: at least 1 row per batch.")
     if not s.temperature > 0:
         problems.append(f"--temperature {s.temperature}: must be above 0 (sampling; 1.0 is the model's own "
                         "distribution).")
@@ -191,7 +201,8 @@ def _batch_prompts(prompts: list[str], k: int, size: int) -> list[str]:
 
 
 def _sample_batch(model: Any, tok: Any, s: GenSettings, prompts: list[str], device: str) -> list[dict]:
-    """One batch of samples: each prompt (left-padded) continued by `seq_len` sampled tokens, cut at EOS."""
+    """One batch: each prompt continued by exactly `seq_len` sampled tokens (no stop at EOS; prompts of different
+    lengths left-padded), each row split into documents at its EOS tokens (_documents)."""
     import torch
 
     start = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
@@ -200,22 +211,36 @@ def _sample_batch(model: Any, tok: Any, s: GenSettings, prompts: list[str], devi
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     ids = torch.tensor([[pad] * (width - len(e)) + e for e in encoded], device=device)
     mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded], device=device)
-    with torch.inference_mode():
+    with torch.inference_mode():  # eos_token_id None: no row stops (unpadded: the fast decode sampling loop)
         gen = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=s.temperature,
-                             top_p=s.top_p, top_k=0, max_new_tokens=s.seq_len, min_new_tokens=1, pad_token_id=pad)
+                             top_p=s.top_p, top_k=0, max_new_tokens=s.seq_len, eos_token_id=None, pad_token_id=pad)
     rows = []
     for prompt, row in zip(prompts, gen[:, width:].tolist()):
-        if tok.eos_token_id in row:
-            row = row[: row.index(tok.eos_token_id)]
-        rows.append({"text": tok.decode(row, skip_special_tokens=True), "prompt": prompt, "tokens": len(row),
-                     "ids": row})
+        for first, ids_ in enumerate(_documents(row, tok.eos_token_id)):
+            rows.append({"text": tok.decode(ids_, skip_special_tokens=True), "prompt": prompt if first == 0 else "",
+                         "tokens": len(ids_), "ids": ids_})
     return rows
 
 
+def _documents(row: list[int], eos: int | None) -> list[list[int]]:
+    """A row's sampled ids split after each `eos`: one id list per document, each with its closing EOS (the last
+    one ends without, at --seq-len); an EOS alone (right after another, or first) makes no document."""
+    docs, cur = [], []
+    for t in row:
+        cur.append(t)
+        if t == eos:
+            if len(cur) > 1:
+                docs.append(cur)
+            cur = []
+    if cur:
+        docs.append(cur)
+    return docs
+
+
 def _finish(work: Path, out: Path, s: GenSettings, tok: Any, device: str, progress: bool) -> None:
-    """The first `s.tokens` sampled tokens (whole samples in order, the one reaching the count cut there) ->
+    """The first `s.tokens` sampled tokens (whole documents in order, the one reaching the count cut there) ->
     shards + gendata.json, written into OUT at once (atomic_dir); then the work folder goes. `tok` decodes the cut
-    sample (None: loaded here, for a run whose batches were all sampled before)."""
+    document (None: loaded here, for a run whose batches were all sampled before)."""
     with atomic_dir(out) as final:
         shard, size, n, left, k = None, 0, 0, s.tokens, 0
         while left > 0:
@@ -223,7 +248,7 @@ def _finish(work: Path, out: Path, s: GenSettings, tok: Any, device: str, progre
             for row in map(json.loads, (work / f"batch-{k:06d}.jsonl").read_text(encoding="utf-8").splitlines()):
                 if left == 0:
                     break
-                if row["tokens"] > left:  # the sample reaching the count: its first `left` tokens
+                if row["tokens"] > left:  # the document reaching the count: its first `left` tokens
                     tok = tok if tok is not None else _load(s, device, progress)[1]
                     row.update(text=tok.decode(row["ids"][:left], skip_special_tokens=True), tokens=left)
                 kept.append({"text": row["text"], "prompt": row["prompt"], "tokens": row["tokens"]})
@@ -251,20 +276,26 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = ("Sample text from a model (the original, before conversion) as training data for its sparse "
-                     "student: give OUT as a data.train entry, mixed with real text by data.weights. Same seed, same "
-                     "text; a killed run continues when the same command runs again. Fast on CUDA; tiny models "
-                     "work on CPU.")
+                     "student: give OUT as a data.train entry, mixed with real text by data.weights. Every row "
+                     "samples --seq-len tokens without stopping at end-of-sequence; its text is split at each EOS "
+                     "into separate documents, so every sampled token counts. Same seed, same text; a killed run "
+                     "continues when the same command runs again. Fast on CUDA (without --prompts, or prompts of "
+                     "one length: the whole sampling step replayed from a CUDA graph); tiny models work on CPU.")
     p.add_argument("model", help="Hub id, local model folder, or smollm2-135m-gguf (the embedded default)")
     p.add_argument("-o", "--output", required=True, help="output folder (must not exist)")
     p.add_argument("--tokens", type=int, required=True,
-                   help="new tokens to write in all, exactly (the sample that reaches the count is cut there)")
-    p.add_argument("--seq-len", type=int, default=512, help="new tokens per sample at most (default 512)")
+                   help="new tokens to write in all, exactly (the document that reaches the count is cut there)")
+    p.add_argument("--seq-len", type=int, default=512,
+                   help="new tokens each row samples (default 512), split into documents at each EOS")
     p.add_argument("--temperature", type=float, default=0.8,
                    help="sampling temperature (default 0.8: SmolLM2-135M at 1.0 with every token allowed wrote "
                         "mostly word salad and mixed languages; at 0.8 / top-p 0.95, English prose and lists)")
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default 0.95; 1.0: off)")
-    p.add_argument("--prompts", help="text file, one prompt per line, cycled (default: start from the BOS token)")
-    p.add_argument("--batch-size", type=int, default=8, help="samples per generate() call (default 8)")
+    p.add_argument("--prompts", help="text file, one prompt per line, cycled; each row's first document continues "
+                                      "its prompt (default: start from the BOS token; on CUDA a batch of prompts "
+                                      "of different token lengths is padded and takes transformers' slower loop)")
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="rows per generate() call (default 8; on a GPU use 1024 or more)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")

@@ -161,3 +161,21 @@ def test_bench_screen_cuda_smoke_on_cpu(tmp_path):
         assert set(r["best"]) == {"int8-row+ex", "int8-g128+ex", "fp8-row+ex", "int8-row"}
     md = (tmp_path / "screen.md").read_text()
     assert "Launch sweep of the screened K1" in md and "Best per case" in md
+
+
+def test_bench_gendata_smoke_on_cpu(tmp_path):
+    """eval/bench_gendata.py --cpu --tiny: both paths at both batch sizes, the new one served by the sampling graph
+    loop (emulated) with its seed and row checks passing, JSON + table with the new / old ratio."""
+    res = subprocess.run([sys.executable, str(ROOT / "eval" / "bench_gendata.py"), "--cpu", "--tiny", "--batches", "1",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = json.loads((tmp_path / "gendata-bench.json").read_text())["rows"]
+    assert [(r["batch"], r["path"]) for r in rows] == [(2, "new"), (2, "old"), (4, "new"), (4, "old")]
+    for r in rows:
+        assert r["tokens"] > 0 and r["tokens_per_s"] > 0
+        if r["path"] == "new":
+            assert r["served_by_graph_loop"] == 3 and r["same_seed_same_tokens"] and r["rows_differ"], r
+            assert r["tokens"] <= r["sampled"]
+        else:
+            assert r["served_by_graph_loop"] == 0
+    assert "new / old" in res.stdout and (tmp_path / "gendata-bench.md").exists()

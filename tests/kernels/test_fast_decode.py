@@ -365,3 +365,156 @@ def test_auto_decided_dense_skips_the_op_until_the_refresh(tiny, monkeypatch):
         for m in mlps:
             auto.store.drop("states", m.gate_weight())
         tiny.set_ffn_backend("auto")
+
+
+SAMPLE = {"do_sample": True, "temperature": 1.3, "top_p": 0.6, "top_k": 0}
+
+
+def warming_capture(fn, undo, cuda):
+    """capture_call as on CUDA, in cpu_emulation: fn() runs once (the warm-up, drawing noise too), is undone, and
+    an EagerReplay stands in for the graph."""
+    from sparsify.kernels.decode_capture import EagerReplay
+
+    fn()
+    undo()
+    replay = EagerReplay(fn)
+    return replay, replay
+
+
+def fresh(fast):
+    fast.drop_graphs()
+    fast.cache = fast.cache_key = None
+
+
+def test_sampling_loop_same_seed_same_tokens_whether_it_captures_or_replays(tiny):
+    """do_sample with temperature / top-p / top_k 0 runs the sampling graph loop (not transformers'): the same
+    seed gives the same tokens in a call that captures the step (its warm-up draws are undone) and in one that
+    replays it; another seed gives others; rows draw their own tokens."""
+    ids = torch.randint(3, TINY["vocab_size"], (3, 5), generator=torch.Generator().manual_seed(8))
+    fast = tiny._fast_decode
+    saved = fast.capture
+    fast.cpu_emulation, fast.capture = True, warming_capture
+    fresh(fast)
+    loops, captures = fast.loops, fast.captures
+    try:
+        runs = []
+        for seed in (0, 0, 1):
+            torch.manual_seed(seed)
+            runs.append(tiny.generate(ids, max_new_tokens=16, **SAMPLE))
+        assert fast.loops - loops == 3 and fast.captures - captures == 1  # captured in the first call only
+    finally:
+        fast.cpu_emulation, fast.capture = False, saved
+        fresh(fast)
+    first, again, other = runs
+    assert first.shape == (3, 21) and torch.equal(first[:, :5], ids)
+    assert torch.equal(first, again) and not torch.equal(first, other)
+    assert len({tuple(r) for r in first[:, 5:].tolist()}) == 3
+
+
+def test_sampling_plan_serves_only_what_the_loop_draws_exactly(tiny):
+    """top_k unset (transformers reads 50), min_p, temperature 0, a padded batch: transformers' loop, as before."""
+    from sparsify.kernels.fast_decode import sampling_plan
+
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    plan = sampling_plan(tiny, (ids,), {"max_new_tokens": 4, **SAMPLE})
+    assert plan is not None and plan[1:] == (4, 0, plan[3], plan[4], (1.3, 0.6))
+    for bad in ({"top_k": None}, {"top_k": 5}, {"temperature": 0.0}, {"top_p": 0.0}, {"min_p": 0.1},
+                {"attention_mask": torch.tensor([[0, 1, 1], [1, 1, 1]])}, {"do_sample": False}):
+        assert sampling_plan(tiny, (ids,), {"max_new_tokens": 4, **SAMPLE, **bad}) is None, bad
+    fast = tiny._fast_decode
+    fast.cpu_emulation = True
+    loops = fast.loops
+    try:
+        tiny.generate(ids, max_new_tokens=4, do_sample=True, temperature=0.8, top_p=0.9)  # top_k unset
+        tiny.generate(ids, max_new_tokens=4, **SAMPLE)
+    finally:
+        fast.cpu_emulation = False
+        fresh(fast)
+    assert fast.loops == loops + 1
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.3, 0.6), (0.7, 0.95), (2.0, 0.3)])
+def test_every_sampled_token_is_in_the_top_p_nucleus_of_its_step(tiny, temperature, top_p):
+    """Each token the sampling loop draws (the prefill's and every step's, captured or not) lies in the nucleus
+    transformers' TemperatureLogitsWarper + TopPLogitsWarper keep for the logits of that step."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+
+    ids = torch.randint(3, TINY["vocab_size"], (4, 5), generator=torch.Generator().manual_seed(9))
+    fast = tiny._fast_decode
+    plain, logits = fast.forward, []
+
+    def recording(**kwargs):  # the loop's forward (prefill and decode steps), its last-position logits kept
+        out = plain(**kwargs)
+        logits.append(out.logits[:, -1, :].detach().clone())
+        return out
+
+    fast.cpu_emulation, fast.forward = True, recording
+    fresh(fast)
+    try:
+        torch.manual_seed(2)
+        got = tiny.generate(ids, max_new_tokens=20, do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+    finally:
+        fast.cpu_emulation, fast.forward = False, plain
+        fresh(fast)
+    assert len(logits) == 20
+    sizes, outside = [], []
+    for i, step in enumerate(logits):
+        scores = TopPLogitsWarper(top_p)(None, TemperatureLogitsWarper(temperature)(None, step.float()))
+        allowed = torch.isfinite(scores)
+        sizes += allowed.sum(1).tolist()
+        outside += [(i, r) for r, t in enumerate(got[:, 5 + i].tolist()) if not allowed[r, t]]
+    assert not outside, outside
+    assert max(sizes) > 1  # (a nucleus of more than the top token: a draw, not an argmax)
+
+
+def test_sampling_at_a_tiny_temperature_is_greedy(tiny):
+    ids = torch.randint(3, TINY["vocab_size"], (3, 5), generator=torch.Generator().manual_seed(10))
+    out = tiny.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False, output_scores=True,
+                        return_dict_in_generate=True)
+    assert top2_gap(out.scores) > 1e-5, "a near-tie between logits: choose another prompt seed"
+    fast = tiny._fast_decode
+    fast.cpu_emulation = True
+    fresh(fast)
+    try:
+        greedy = tiny.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False)
+        cold = tiny.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=True, temperature=1e-7, top_p=0.9,
+                             top_k=0)
+    finally:
+        fast.cpu_emulation = False
+        fresh(fast)
+    assert torch.equal(out.sequences, greedy) and torch.equal(greedy, cold)
+
+
+def test_nucleus_keeps_what_transformers_keeps_and_top_p_one_keeps_every_token():
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    from sparsify.kernels.fast_decode import nucleus
+
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(64, 300, generator=gen) * 3
+    one = torch.tensor(1.0)
+    for p in (0.05, 0.5, 0.9, 0.999):
+        probs, order = nucleus(logits, one, torch.tensor(p))
+        kept = torch.zeros_like(logits, dtype=torch.bool).scatter(1, order, probs > 0)
+        assert torch.equal(kept, torch.isfinite(TopPLogitsWarper(p)(None, logits.clone()))), p
+    # a long tail of tiny probabilities: the float cumsum reaches 1 before it ends, top_p 1 still keeps it all
+    tail = torch.cat([torch.zeros(1, 2), torch.full((1, 49152), -9.0)], 1)
+    probs, _ = nucleus(tail, one, one)
+    full = torch.softmax(tail, -1).sort(descending=True).values
+    assert bool((full.cumsum(-1) - full >= 1).any())  # (what a plain "mass above < top_p" test would drop)
+    assert bool((probs > 0).all())
+
+
+def test_sample_tokens_draws_in_proportion_to_the_nucleus():
+    """The exponential race draws each nucleus token with its renormalised probability, never one outside;
+    top_p 1 draws every token."""
+    from sparsify.kernels.fast_decode import sample_tokens
+
+    logits = torch.log(torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])).expand(40_000, 6)
+    torch.manual_seed(12)
+    counts = torch.bincount(sample_tokens(logits, torch.tensor(1.0), torch.tensor(0.75)), minlength=6)
+    assert counts[3:].sum() == 0  # 0.4 + 0.25 < 0.75 <= 0.8: the nucleus is the first three
+    freq = counts[:3].float() / counts.sum()
+    assert torch.allclose(freq, torch.tensor([0.4, 0.25, 0.15]) / 0.8, atol=0.01), freq
+    counts = torch.bincount(sample_tokens(logits, torch.tensor(1.0), torch.tensor(1.0)), minlength=6)
+    assert torch.allclose(counts.float() / counts.sum(), logits[0].exp(), atol=0.01), counts

@@ -114,3 +114,103 @@ def test_a_continued_run_must_keep_its_settings(model, tmp_path):
     (work_dir(out) / "settings.json").write_text(json.dumps({"model": str(model), "seed": 9}))
     with pytest.raises(SparsifyError, match="other settings"):
         gendata(model, out, tokens=10, seq_len=8, device="cpu", progress=False)
+
+
+@pytest.fixture(scope="module")
+def eos_model(tmp_path_factory):
+    """The tiny model made to end a document about one token in five: its last MLP's output bias pins the final
+    hidden state to one direction (dimension 0), where the EOS token's (tied) embedding stands out."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = tiny_model_folder(tmp_path_factory.mktemp("gendata-eos") / "tiny")
+    model = AutoModelForCausalLM.from_pretrained(folder, mlp_bias=True)
+    eos = AutoTokenizer.from_pretrained(folder).eos_token_id  # (gendata's; the config's generation eos differs)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for lin in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                lin.bias.zero_()
+        model.model.layers[-1].mlp.down_proj.bias[0] = 100.0
+        model.model.embed_tokens.weight[eos, 0] = 0.8  # logit ~ sqrt(32) * 0.8 = 4.5 over ~0: P(EOS) ~ 0.2
+    model.save_pretrained(folder)
+    return folder
+
+
+def rows_of(folder):
+    return [json.loads(line) for f in sorted(folder.glob("text-*.jsonl")) for line in f.read_text().splitlines()]
+
+
+def test_documents_split_after_each_eos():
+    from sparsify.train.gendata import _documents
+
+    assert _documents([5, 0, 0, 7, 8, 0, 9], 0) == [[5, 0], [7, 8, 0], [9]]  # a lone EOS makes no document
+    assert _documents([0, 4, 0], 0) == [[4, 0]] and _documents([3, 4], None) == [[3, 4]]
+    assert _documents([0, 0], 0) == []
+
+
+def test_rows_go_on_after_eos_as_new_documents_that_fill_the_budget(eos_model, tmp_path):
+    """No row stops at EOS: each batch samples batch x seq-len tokens, split at each EOS into documents (the
+    first continues the row's prompt, the others have prompt ""); their counts sum to the budget exactly and
+    every sampled token is in some document but the lone EOS tokens."""
+    from sparsify.train import gendata as gd
+
+    out = gendata(eos_model, tmp_path / "a", tokens=250, seq_len=32, batch_size=4, seed=2, device="cpu",
+                  progress=False)
+    rows = rows_of(out)
+    assert sum(r["tokens"] for r in rows) == 250 and len(rows) > 250 / 32 + 10  # many documents per row
+    assert all(r["tokens"] >= 1 and r["prompt"] == "" for r in rows)
+    more = gd.GenSettings(str(eos_model), 10**6, seq_len=32, batch_size=4, seed=2)
+    work = gd._open_work(work_dir(tmp_path / "b"), more)
+    model, tok = gd._load(more, "cpu", False)
+    import torch
+
+    torch.manual_seed(7)
+    docs = gd._sample_batch(model, tok, more, ["", "", "", ""], "cpu")
+    lone = 0
+    torch.manual_seed(7)
+    with torch.inference_mode():
+        raw = model.generate(input_ids=torch.zeros(4, 1, dtype=torch.long), attention_mask=torch.ones(4, 1, dtype=torch.long),
+                             do_sample=True, temperature=0.8, top_p=0.95, top_k=0, max_new_tokens=32, eos_token_id=None,
+                             pad_token_id=0)[:, 1:]
+    for row in raw.tolist():
+        lone += sum(1 for i, t in enumerate(row) if t == 0 and (i == 0 or row[i - 1] == 0))
+    assert raw.shape == (4, 32) and sum(d["tokens"] for d in docs) == 4 * 32 - lone
+    assert [t for d in docs for t in d["ids"]] == [t for row in raw.tolist() for i, t in enumerate(row)
+                                                    if not (t == 0 and (i == 0 or row[i - 1] == 0))]
+    assert sum(d["ids"][-1] == 0 for d in docs) >= 4 * 32 // 10 and work.exists()
+
+
+def fast_loader(monkeypatch, served):
+    """gendata's _load with the fast decode regime on CPU (cpu_emulation), counting generate() calls the graph
+    loop served."""
+    from sparsify.kernels.fast_decode import enable_fast_decode
+    from sparsify.train import gendata as gd
+
+    plain = gd._load
+
+    def load(s, device, progress):
+        model, tok = plain(s, device, progress)
+        fast = enable_fast_decode(model, compile=False)
+        fast.cpu_emulation = True
+        served.append(fast)
+        return model, tok
+
+    monkeypatch.setattr(gd, "_load", load)
+
+
+def test_the_fast_sampling_loop_samples_gendata_and_a_killed_run_continues_it(eos_model, tmp_path, monkeypatch):
+    """gendata's batches (one-token prompts, unpadded) go through the sampling graph loop: the same seed writes
+    the same text, the budget is exact, and a run continued from its batch files writes what one run writes."""
+    from sparsify.train import gendata as gd
+
+    served = []
+    fast_loader(monkeypatch, served)
+    a = gendata(eos_model, tmp_path / "a", tokens=300, seq_len=40, batch_size=4, seed=5, device="cpu", progress=False)
+    assert served and served[-1].loops == 3 and served[-1].captures == 1  # 3 batches of 160 tokens, one capture
+    b = gendata(eos_model, tmp_path / "b", tokens=300, seq_len=40, batch_size=4, seed=5, device="cpu", progress=False)
+    assert rows_of(a) == rows_of(b) and sum(r["tokens"] for r in rows_of(a)) == 300
+    out = tmp_path / "c"  # batch 0 sampled by one process, then the rest by another (which captures anew)
+    s = gd.GenSettings(str(eos_model), 100, seq_len=40, batch_size=4, seed=5)
+    gd._sample(s, gd._open_work(work_dir(out), s), 0, 0, "cpu", False)
+    gendata(eos_model, out, tokens=300, seq_len=40, batch_size=4, seed=5, device="cpu", progress=False)
+    assert rows_of(out) == rows_of(a)
