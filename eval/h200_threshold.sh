@@ -6,7 +6,7 @@
 # From the repository root on the GPU machine, one call each (a call sends at most 64 MiB: the inputs in 4 parts,
 # made on the CPU machine by `bash eval/make_carry.sh`):
 #   bash eval/h200_long.sh stage .carry/p1          (carry .carry/p1), then p2, p3, p4 (p4: raw text, for levers)
-#   bash eval/h200_threshold.sh gendata-bench       gendata's tokens/s alone on the GPU (eval/bench_gendata.py), ~2 min
+#   bash eval/h200_threshold.sh gendata-bench       gendata's tokens/s alone on the GPU (eval/bench_gendata.py), ~6 min
 #   bash eval/h200_threshold.sh levers              detached: gendata (GEN_TOKENS) beside the first LEVERS run, the
 #                                                   gendata mixture tokenised, then the GEN_LEVERS runs, then cloze
 #   bash eval/h200_threshold.sh sweep               or: the ARMS below side by side, detached
@@ -46,8 +46,9 @@ case "${1:-}" in
   gendata-bench)  # gendata's tokens/s alone on the GPU: the graph-loop sampler against transformers' loop
     source eval/device_env.sh
     mkdir -p "$OUT_DIR"
-    PYTHONPATH=$PWD:$WORK/pydeps HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 python eval/bench_gendata.py \
-        --model "$WORK/smollm2.gguf" --out "$OUT_DIR/gendata-bench" --budget-s "${GEN_BENCH_S:-150}" 2>&1 | tail -15
+    PYTHONPATH=$PWD:$WORK/pydeps HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 timeout "${GEN_BENCH_S:-420}" python \
+        eval/bench_gendata.py --model "$WORK/smollm2.gguf" --batch-sizes "${GEN_BENCH_BATCHES:-256,1024,2048}" \
+        --old-batch-sizes 1024 --out "$OUT_DIR/gendata-bench" 2>&1 | tail -15
     ;;
   gpu-tests)
     source eval/device_env.sh
