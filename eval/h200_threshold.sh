@@ -43,9 +43,12 @@ case "${1:-}" in
     GEN_TOKENS=${GEN_TOKENS:-12_000_000} GEN_BATCH=${GEN_BATCH:-1024} TOKENS=${LEVER_TOKENS:-100_000_000} \
     EVAL_EVERY=610 bash eval/h200_long.sh detach levers
     ;;
-  gendata-bench)  # gendata's tokens/s alone on the GPU: the graph-loop sampler against transformers' loop
+  gendata-bench)  # gendata's tokens/s alone on the GPU: the graph-loop sampler against transformers' loop, after the
+    # GPU test of that sampler (seeded, draws from the nucleus: tests/kernels/test_fast_decode_gpu.py)
     source eval/device_env.sh
     mkdir -p "$OUT_DIR"
+    PYTHONPATH=$PWD:$WORK/pydeps timeout 240 python -m pytest -q -ra -m gpu tests/kernels/test_fast_decode_gpu.py 2>&1 \
+        | tee "$OUT_DIR/gpu-tests-sampling.log" | tail -4
     PYTHONPATH=$PWD:$WORK/pydeps HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 timeout "${GEN_BENCH_S:-420}" python \
         eval/bench_gendata.py --model "$WORK/smollm2.gguf" --batch-sizes "${GEN_BENCH_BATCHES:-256,1024,2048}" \
         --old-batch-sizes 1024 --out "$OUT_DIR/gendata-bench" 2>&1 | tail -15
