@@ -7,7 +7,8 @@ zeros over layers, the least sparse layer, the headline `ood_ratio` (geometric m
 domains, data.ood) and `id_ratio` (over the other held-out domains), and the perplexity ratio to the original
 SiLU model on the validation text and on every held-out domain (data.heldout), as `sparsify finetune` logs them.
 --cloze cloze.json (eval/cloze.py over the same runs, named as the run folders, plus the original) adds the
-cloze accuracy and its difference from the first model in that file. With
+cloze accuracy and its difference from the first model in that file (--cloze again for runs scored in another
+file, e.g. an earlier lease's). With
 --trajectory every evaluation of every run is a point too (a run's path through the plane: how quality comes
 back as training goes on at the sparsity its target holds).
 
@@ -86,7 +87,9 @@ def main() -> int:
     p.add_argument("runs", nargs="+", help="run folders (OUTPUT of sparsify finetune) or metrics.jsonl files")
     p.add_argument("--out", required=True, help="folder for frontier.md, frontier.json, frontier.png")
     p.add_argument("--trajectory", action="store_true", help="every evaluation of a run is a point")
-    p.add_argument("--cloze", type=Path, help="cloze.json of eval/cloze.py over the same runs (adds acc columns)")
+    p.add_argument("--cloze", type=Path, action="append", default=[],
+                   help="cloze.json of eval/cloze.py over the same runs (adds acc columns); again for runs scored in "
+                        "another file (a run named in several: the last file's score)")
     p.add_argument("--recorded", type=Path, action="append", default=[],
                    help="JSON list of points measured earlier (keys as frontier.json's rows, plus 'source')")
     p.add_argument("--speed", type=Path, help="decode-bench.json of eval/bench_decode.py at several --zeros levels")
@@ -96,8 +99,8 @@ def main() -> int:
         rows += points(run / "metrics.jsonl" if run.is_dir() else run, args.trajectory)
     if not rows:
         raise SystemExit("no evaluation after step 0 in the given runs")
-    if args.cloze:
-        add_cloze(rows, json.loads(args.cloze.read_text())["models"])
+    for cloze in args.cloze:
+        add_cloze(rows, json.loads(cloze.read_text())["models"])
     for recorded in args.recorded:
         rows += [{**r, "run": f"{r['run']} (recorded)"} for r in json.loads(recorded.read_text())]
     rows.sort(key=lambda r: (r.get("method", ""), r["zeros"]))

@@ -73,7 +73,8 @@ case "${1:-}" in
     bash eval/h200_long.sh cloze || true
     # this lease's runs, lease 2's (their cloze: lease2/cloze.json) and the L1 default at 100M beside them
     python eval/frontier.py "$OUT_DIR"/sweep/*/ eval/results/threshold-frontier-h200/lease2/runs/*/ \
-        eval/results/ood-frontier-h200/runs/base-100M/ --out "$OUT_DIR/frontier" --cloze "$OUT_DIR/cloze/cloze.json" \
+        eval/results/ood-frontier-h200/runs/base-100M/ --out "$OUT_DIR/frontier" \
+        --cloze eval/results/threshold-frontier-h200/lease2/cloze.json --cloze "$OUT_DIR/cloze/cloze.json" \
         --speed "${speed:-eval/results/threshold-frontier-h200/lease2/zeros-speed.json}" \
         --recorded eval/results/threshold-frontier-h200/lease2/recorded.json 2>&1 | tail -30 || true
     if [ -n "${PACK:-}" ]; then tar -cJf "$PACK/results.tar.xz" -C "$OUT_DIR" . && ls -la "$PACK"; fi

@@ -75,3 +75,21 @@ def test_frontier_gives_each_run_its_method_adds_recorded_points_and_what_the_ze
     assert "| 0.900 | 1 | 1.70x | 1.80x |" in md and "| 0.955 | 8 | 1.50x | - |" in md
     data = json.loads((tmp_path / "o" / "frontier.json").read_text())
     assert len(data["runs"]) == 4 and len(data["speed"]) == 3
+
+
+def test_frontier_takes_cloze_scores_from_several_files(tmp_path, monkeypatch):
+    """Runs scored in different leases: each file's scores go to its runs, each delta against that file's first
+    model (the original it was scored beside); a run in both files takes the last file's score."""
+    runs = [_run(tmp_path, "old", 0.95, 1.5, 1.0), _run(tmp_path, "new", 0.95, 1.3, 1.0)]
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    first.write_text(json.dumps({"models": {"original": {"acc": 0.38, "acc_stderr": 0.02},
+                                            "old": {"acc": 0.30, "acc_stderr": 0.02},
+                                            "new": {"acc": 0.10, "acc_stderr": 0.02}}}))
+    second.write_text(json.dumps({"models": {"original": {"acc": 0.40, "acc_stderr": 0.02},
+                                             "new": {"acc": 0.35, "acc_stderr": 0.02}}}))
+    monkeypatch.setattr(sys, "argv", ["frontier.py", *map(str, runs), "--out", str(tmp_path / "o"),
+                                      "--cloze", str(first), "--cloze", str(second)])
+    assert _load().main() == 0
+    md = (tmp_path / "o" / "frontier.md").read_text()
+    assert [line for line in md.splitlines() if line.startswith("| old |")][0].endswith("| 0.300 +- 0.020 | -8.0 pts |")
+    assert [line for line in md.splitlines() if line.startswith("| new |")][0].endswith("| 0.350 +- 0.020 | -5.0 pts |")
