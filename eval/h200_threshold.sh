@@ -23,10 +23,11 @@ WARM="sparsity.method=threshold sparsity.warmup_target=0.85 sparsity.warmup_toke
 # exact won. Lease 2 ran thr, thr_neuron, l1 (sparsity.method=l1) at 20M and thr at 100M side by side: the threshold
 # won at equal zeros, and is the recipe's default now; WARM repeats it for the record of each run's recipe.)
 # Default ARMS: the frontier's lower zeros levels at 20M tokens (the user's choice of zeros for quality and speed);
-# ARMS2: a longer warm-up target and the 100M-token arm again.
+# ARMS2: theta's target ramped from 85% over 6M tokens, a higher warm-up target, and the 100M-token arm again.
 ARMS=${ARMS:-"thr_085=$WARM sparsity.target=0.85 sparsity.warmup_target=0.80;thr_090=$WARM sparsity.target=0.90;\
 thr_093=$WARM sparsity.target=0.93"}
-ARMS2="thr_warm90=$WARM sparsity.warmup_target=0.90;thr_100M=$WARM train.max_tokens=100_000_000 train.eval_every=610"
+ARMS2="thr_ramp=$WARM sparsity.threshold_ramp=6_000_000;thr_warm90=$WARM sparsity.warmup_target=0.90;\
+thr_100M=$WARM train.max_tokens=100_000_000 train.eval_every=610"
 [ "${ARMS}" = 2 ] && ARMS=$ARMS2
 export TOKENS=${TOKENS:-20_000_000} EVAL_EVERY=${EVAL_EVERY:-305}
 

@@ -168,6 +168,12 @@ class SparsitySection:
         "method threshold: change of log(theta_l) per step per unit of zeros below (above) layer l's target; the "
         "error is clamped to +-0.05. theta acts at once (no weights to move), so the loop settles in a few steps.",
     )
+    threshold_ramp: int = doc(
+        0,
+        "method threshold: tokens over which the zeros target theta holds rises linearly, from the calibration on, "
+        "from each layer's warmup_target (capped at its target) to its `target`: theta is calibrated to the "
+        "warm-up's zeros and the cut deepens gradually. 0: calibrated to `target` at once. Needs warmup_target.",
+    )
     warmup_target: float | list[float] | None = doc(
         None,
         "method threshold: the zeros target (one value, or one per layer) of the L1 warm-up before theta is "

@@ -256,7 +256,7 @@ def _after_step(run: Run, logging_now: bool):
         reinit_dead(run.model, stats.inactive, run.state.step, run.recipe.train.seed)
     if not run.blend.active(run.state.step - 1):  # the blend's zeros say nothing about the targets
         run.l1.update(stats, run.state.tokens)
-    run.threshold.update(stats)
+    run.threshold.update(stats, run.state.tokens)
     if logging_now:
         run.ffn.update(stats.zeros, stats.nonzeros)  # train.kernels: which layers pack, and their capacity
         if run.ffn.changes and run.dist.main and run.verbose:

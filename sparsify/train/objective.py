@@ -13,6 +13,8 @@ list, which dynamo replays as a side effect). Per micro-batch and layer the hook
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from dataclasses import dataclass
 
@@ -267,6 +269,8 @@ class ThresholdControl:
     batch records g / s_j per layer; theta_l is the quantile of those values at the layer's target, so every layer
     starts at its target (all processes average log theta_l). Then after every step, on the device:
         log theta_l += threshold_gain * clamp(target_l - zeros_l, -0.05, 0.05)
+    With sparsity.threshold_ramp, target_l is a ramp: from min(warmup_target_l, target_l) at the calibration
+    (the quantile taken there) to target_l threshold_ramp tokens later, linear in tokens.
     The L1 penalty is off from the calibration on (L1Control.stop). A disabled control (method l1) does nothing.
     """
 
@@ -278,8 +282,13 @@ class ThresholdControl:
         self.acts = [self._install(m, device) for m in self.mlps]
         targets = layer_targets(cfg, len(self.mlps)) if self.enabled else None
         self.target = None if targets is None else torch.tensor(targets, device=device, dtype=torch.float32)
+        self.start = self.target  # [L] the target at the calibration (the ramp's start; no ramp: the target)
+        if self.enabled and cfg.threshold_ramp > 0 and cfg.warmup_target is not None:
+            warm = layer_targets(dataclasses.replace(cfg, target=cfg.warmup_target), len(self.mlps))
+            self.start = torch.minimum(torch.tensor(warm, device=device, dtype=torch.float32), self.target)
         self.log_theta = torch.full((len(self.mlps),), self.LOG_MIN, device=device)  # [L]
         self.calibrated = False
+        self.calibrated_at = 0  # training tokens at the calibration (where the ramp starts)
 
     def _install(self, mlp: nn.Module, device: torch.device) -> ThresholdReLU:
         name = next((n for n in ActivationBlend.ACT_NAMES if isinstance(getattr(mlp, n, None), nn.Module)), None)
@@ -293,9 +302,19 @@ class ThresholdControl:
         """Whether the calibration happens before the step that starts after `tokens` training tokens."""
         return self.enabled and not self.calibrated and tokens >= self.cfg.warmup_tokens
 
+    def target_at(self, tokens: int) -> torch.Tensor:
+        """[L] the zeros target theta holds after `tokens` training tokens (the ramp, or the target itself)."""
+        ramp = self.cfg.threshold_ramp
+        if self.start is self.target or ramp <= 0:
+            return self.target
+        frac = min(1.0, max(0.0, (tokens - self.calibrated_at) / ramp))
+        return self.start + (self.target - self.start) * frac
+
     @torch.no_grad()
-    def calibrate(self, forward, reduce=None) -> None:
-        """`forward()` runs the model once, eagerly, on a training batch; `reduce(tensor, op)` all-reduces."""
+    def calibrate(self, forward, reduce=None, tokens: int = 0) -> None:
+        """`forward()` runs the model once, eagerly, on a training batch; `reduce(tensor, op)` all-reduces;
+        `tokens`: training tokens so far (the ramp starts there)."""
+        self.calibrated_at = tokens
         if self.cfg.threshold == "neuron":
             for mlp, act in zip(self.mlps, self.acts):
                 act.shape.copy_(neuron_shape(mlp))
@@ -305,7 +324,7 @@ class ThresholdControl:
         try:
             forward()
             quantiles = torch.stack([torch.quantile(a.sample, q) if a.sample.numel() else a.sample.new_zeros(())
-                                     for a, q in zip(self.acts, self.target.tolist())])  # [L]
+                                     for a, q in zip(self.acts, self.target_at(tokens).tolist())])  # [L]
         finally:
             for act in self.acts:
                 act.sample = None
@@ -318,12 +337,13 @@ class ThresholdControl:
         self._write()
 
     @torch.no_grad()
-    def update(self, stats: StepStats) -> None:
-        """After an optimizer step: one controller step on every layer's theta (calibrated runs only)."""
+    def update(self, stats: StepStats, tokens: int = 0) -> None:
+        """After an optimizer step (`tokens` training tokens so far): one controller step on every layer's theta
+        (calibrated runs only)."""
         if not self.calibrated:
             return
         zeros = (1 - stats.per_token / stats.width).float()  # [L]
-        error = (self.target - zeros).clamp(-0.05, 0.05)
+        error = (self.target_at(tokens) - zeros).clamp(-0.05, 0.05)
         self.log_theta.add_(self.cfg.threshold_gain * error).clamp_(self.LOG_MIN, self.LOG_MAX)
         self._write()
 
@@ -341,11 +361,13 @@ class ThresholdControl:
         return [act.theta for act in self.acts]
 
     def state_dict(self) -> dict:
-        return {"log_theta": self.log_theta.tolist(), "calibrated": self.calibrated}
+        return {"log_theta": self.log_theta.tolist(), "calibrated": self.calibrated,
+                "calibrated_at": self.calibrated_at}
 
     def load_state_dict(self, state: dict) -> None:
         self.log_theta.copy_(torch.tensor(state["log_theta"], dtype=torch.float32))
         self.calibrated = bool(state["calibrated"])  # (theta and shape themselves are model buffers)
+        self.calibrated_at = int(state.get("calibrated_at", 0))  # (checkpoints before threshold_ramp: no ramp)
 
 
 @torch.no_grad()

@@ -152,6 +152,13 @@ def _check_threshold(r: Recipe) -> Problems:
         e.append((("sparsity.warmup_tokens", "train.max_tokens"), f"sparsity.warmup_tokens: {sp.warmup_tokens:,} is "
                   f"not below train.max_tokens {t.max_tokens:,}: theta would never be calibrated; shorten the warm-up "
                   "or raise the budget"))
+    if sp.threshold_ramp < 0:
+        e.append((("sparsity.threshold_ramp",), f"sparsity.threshold_ramp: got {sp.threshold_ramp}; must be >= 0 "
+                  "(tokens; 0: no ramp)"))
+    elif sp.threshold_ramp > 0 and sp.warmup_target is None:
+        e.append((("sparsity.threshold_ramp", "sparsity.warmup_target"), "sparsity.threshold_ramp: set without "
+                  "sparsity.warmup_target, where the ramp starts; set it (e.g. sparsity.warmup_target=0.85), or drop "
+                  "the ramp"))
     if sp.threshold_gain <= 0:
         e.append((("sparsity.threshold_gain",), f"sparsity.threshold_gain: got {sp.threshold_gain}; must be > 0"))
     if sp.blend_steps > 0:
@@ -337,10 +344,11 @@ def recipe_notes(r: Recipe) -> list[str]:
     """What a valid recipe sets but will not use, said before work starts (never an error)."""
     sp = r.sparsity
     used = [k for k, v in (("sparsity.warmup_target", sp.warmup_target is not None),
-                           ("sparsity.warmup_tokens", sp.warmup_tokens != 0)) if v]
+                           ("sparsity.warmup_tokens", sp.warmup_tokens != 0),
+                           ("sparsity.threshold_ramp", sp.threshold_ramp != 0)) if v]
     if sp.method != "threshold" and used:
-        return [f"{' and '.join(used)}: set, but sparsity.method is `{sp.method}`; they describe the L1 warm-up of "
-                "sparsity.method=threshold and are not used in this run"]
+        return [f"{', '.join(used)}: set, but sparsity.method is `{sp.method}`; they describe the L1 warm-up and "
+                "the thresholds of sparsity.method=threshold and are not used in this run"]
     return []
 
 

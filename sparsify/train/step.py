@@ -163,11 +163,14 @@ def calibrate_thresholds(run: Run) -> None:
         finally:
             run.model.train(was_training)
 
-    run.threshold.calibrate(forward, dist.reduce if dist.world > 1 else None)
+    run.threshold.calibrate(forward, dist.reduce if dist.world > 1 else None, run.state.tokens)
     run.l1.stop()
     if dist.main and run.verbose:
         theta = run.threshold.theta()
-        print(f"step {run.state.step}: thresholds calibrated to the targets (theta {min(theta):.3g}..{max(theta):.3g}, "
+        ramp = run.recipe.sparsity.threshold_ramp
+        aim = "the targets" if run.threshold.start is run.threshold.target else \
+            f"the warm-up's zeros, rising to the targets over {ramp:,} tokens"
+        print(f"step {run.state.step}: thresholds calibrated to {aim} (theta {min(theta):.3g}..{max(theta):.3g}, "
               f"{run.recipe.sparsity.threshold} mode); the L1 penalty is off from here", file=sys.stderr)
 
 

@@ -89,6 +89,50 @@ def test_calibration_puts_every_layer_at_its_target_and_the_controller_follows(m
     assert after[0] == pytest.approx(before[0] * math.exp(0.05)) and after[1] == pytest.approx(before[1] * math.exp(-0.05))
 
 
+def test_threshold_ramp_calibrates_at_the_warmup_zeros_then_raises_the_target_linearly():
+    """sparsity.threshold_ramp: theta is calibrated to each layer's warm-up target (capped at its target), and the
+    target the controller holds rises linearly to the final one over the ramp's tokens, from the calibration on."""
+    model = _tiny_model()
+    cfg = SparsitySection(method="threshold", target=[0.9, 0.6], warmup_target=0.7, warmup_tokens=100,
+                          threshold_ramp=1000)
+    control = ThresholdControl(model, cfg, torch.device("cpu"))
+    ids = torch.randint(0, 128, (4, 64))
+    control.calibrate(lambda: model(input_ids=ids), tokens=200)
+    assert _zeros(model, ids) == pytest.approx([0.7, 0.6], abs=0.01)  # layer 1's warm-up 0.7 capped at its 0.6
+    assert control.target_at(200).tolist() == pytest.approx([0.7, 0.6])
+    assert control.target_at(700).tolist() == pytest.approx([0.8, 0.6])
+    assert control.target_at(1200).tolist() == pytest.approx([0.9, 0.6]) == control.target_at(5000).tolist()
+    # the controller chases the ramped target: at 700 tokens, 0.78 zeros is below layer 0's 0.8 -> theta up
+    before = control.theta()
+    control.update(StepStats(per_token=torch.tensor([(1 - 0.78) * 64, (1 - 0.6) * 64]),
+                             inactive=torch.zeros(2, 64, dtype=torch.bool)), tokens=700)
+    after = control.theta()
+    assert after[0] == pytest.approx(before[0] * math.exp(0.02), rel=1e-4) and after[1] == pytest.approx(before[1])
+    state = control.state_dict()  # --resume: the ramp restarts where it was (its start is in the checkpoint)
+    again = ThresholdControl(_tiny_model(), cfg, torch.device("cpu"))
+    again.load_state_dict(state)
+    assert again.calibrated_at == 200 and again.target_at(700).tolist() == pytest.approx([0.8, 0.6])
+    no_ramp = ThresholdControl(_tiny_model(), SparsitySection(method="threshold", target=[0.9, 0.6],
+                                                                warmup_target=0.7, warmup_tokens=100),
+                               torch.device("cpu"))
+    assert no_ramp.target_at(0).tolist() == pytest.approx([0.9, 0.6])
+
+
+def test_threshold_run_with_a_ramp_starts_at_the_warmup_zeros_and_climbs(tiny_silu, tokens, tmp_path):
+    """The ramp wired through a run: calibrated at the warm-up's zeros (0.7 for both layers), then, with the
+    target rising over 192 tokens (3 steps), the controller raises theta step after step: layer 0's zeros climb
+    towards its 0.9, where a run without the ramp sits at 0.9 from the switch on."""
+    from sparsify.train.finetune import finetune
+    from sparsify.train.preflight import load_recipe
+
+    out = tmp_path / "run"
+    finetune(load_recipe(recipe_dict(tiny_silu, out, tokens=tokens, max_steps=12),
+                         [*THRESHOLD, "sparsity.threshold_ramp=192"]), progress=False)
+    layer0 = [m["per_layer"]["zeros"][0] for m in metrics(out) if "sparsity" in m and m["l1_coef"] == 0]
+    assert len(layer0) == 3 and layer0[0] < 0.8, layer0
+    assert layer0[2] > layer0[0] + 0.02, layer0
+
+
 def test_threshold_run_warms_up_switches_holds_targets_exports_and_resumes_exactly(tiny_silu, tokens, tmp_path):
     """12 steps of 64 tokens: 6 of L1 warm-up (384 tokens), the calibration, 6 with theta held at the targets."""
     from transformers import AutoModelForCausalLM
@@ -144,6 +188,8 @@ def test_threshold_run_warms_up_switches_holds_targets_exports_and_resumes_exact
      "threshold_grad=exact"),
     (["sparsity.method=threshold", "sparsity.target=0.9", "sparsity.blend_steps=2"], "both replace the MLP activation"),
     (["sparsity.method=threshold", "sparsity.target=[0.9, 0.9, 0.9]"], "3 values, but"),
+    (["sparsity.method=threshold", "sparsity.target=0.9", "sparsity.threshold_ramp=1000"], "where the ramp starts"),
+    (["sparsity.method=threshold", "sparsity.target=0.9", "sparsity.threshold_ramp=-1"], "must be >= 0"),
 ])
 def test_threshold_recipe_problems_are_refused_before_work(tiny_silu, tmp_path, overrides, message):
     from sparsify.errors import SparsifyError
@@ -162,7 +208,7 @@ def test_warmup_keys_under_l1_are_noted_not_refused(tiny_silu, tmp_path):
     r = load_recipe(recipe, ["sparsity.warmup_target=0.8", "sparsity.warmup_tokens=100"])
     assert r.sparsity.method == "l1"
     (note,) = recipe_notes(r)
-    assert "sparsity.warmup_target and sparsity.warmup_tokens" in note and "not used" in note
+    assert "sparsity.warmup_target, sparsity.warmup_tokens: set" in note and "not used" in note
     assert recipe_notes(load_recipe(recipe, [])) == []
     threshold = load_recipe(recipe, ["sparsity.method=threshold", "sparsity.target=0.9", "sparsity.warmup_target=0.8",
                                      "sparsity.warmup_tokens=100"])
