@@ -179,3 +179,19 @@ def test_bench_gendata_smoke_on_cpu(tmp_path):
         else:
             assert r["served_by_graph_loop"] == 0
     assert "new / old" in res.stdout and (tmp_path / "gendata-bench.md").exists()
+
+
+def test_bench_gqa_decode_smoke_on_cpu(tmp_path):
+    """eval/bench_gqa_decode.py --smoke: the attention table (three modes, each equal to repeat_kv's output) and
+    the step table (three models, the graph loop emulated) on a tiny GQA shape; JSON + table written."""
+    out = tmp_path / "gqa"
+    res = subprocess.run([sys.executable, str(ROOT / "eval" / "bench_gqa_decode.py"), "--smoke", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    data = json.loads((out / "gqa-decode.json").read_text())
+    (att,) = data["attention"]
+    assert att["shape"] == "2:4:2:16:8" and max(att[f"{m}_maxdiff"] for m in ("fold", "enable_gqa")) < 1e-5
+    assert [r["batch"] for r in data["steps"]] == [1, 3]
+    for r in data["steps"]:
+        assert r["fold_same_tokens"] and r["enable_gqa_same_tokens"] and r["sdpa_tok_s"] > 0
+    assert "enable_gqa x" in (out / "gqa-decode.md").read_text()
