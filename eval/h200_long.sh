@@ -34,7 +34,8 @@
 #                                        original and every finished sweep run; frontier.md gains its columns
 #   bash eval/h200_long.sh detach MODE   MODE (train, sweep, ...) in its own process session from a copy of the tree:
 #                                        it runs on across calls while the machine is held (LEG_S default 1 day);
-#   bash eval/h200_long.sh wait [S]      in the next calls, waits up to S seconds (default 540) for it to end
+#   bash eval/h200_long.sh wait [S]      in the next calls, waits up to S seconds (default 540) for it to end; copies
+#                                        the runs' metrics so far into $RESULTS (PACK=$OUT: they come back every call)
 #   bash eval/h200_long.sh finish        after the run or sweep: sparsify bench (generate speed, sparse vs dense
 #                                        FFN), eval/ppl_gap.py (the finetune log's measure vs sparsify eval's),
 #                                        sparsify eval original vs the fine-tuned models on the held-out text,
@@ -272,6 +273,13 @@ case "${1:-}" in
     if [ -f "$WORK/detached.rc" ]; then echo "detached run ended, exit status $(cat "$WORK/detached.rc")"
     else echo "still running (pid $(cat "$WORK/detached.pid"))"; fi
     tail -n 20 "$WORK/detached.log" 2>/dev/null || true
+    # the runs so far into $OUT (PACK=DIR brings them back with this call: a machine that goes back between
+    # calls takes only what no call brought back)
+    for d in "$WORK"/sweep/*/; do
+        [ -f "$d/metrics.jsonl" ] || continue
+        mkdir -p "$OUT/sweep/$(basename "$d")" && cp "$d"/metrics.jsonl "$d"/recipe.yaml "$OUT/sweep/$(basename "$d")/" 2>/dev/null || true
+    done
+    [ -f "$WORK/gen/gendata.json" ] && cp "$WORK/gen/gendata.json" "$OUT/" || true
     ;;
   *) echo "usage: $0 stage DIR... | train | sweep | gendata | prepare | levers | cloze | finish | detach MODE | wait [S]" >&2
      exit 2 ;;
