@@ -22,10 +22,10 @@
 #                                        overrides (e.g. a gendata share) into $WORK/prep-$NAME/data; the train and
 #                                        sweep modes read TOK=that folder (default $WORK/tok)
 #   bash eval/h200_long.sh levers        one lease's lever runs from the carried raw text, chained (run it detached):
-#                                        the recipe's token folder prepared on the CPU, then the LEVERS runs one at
-#                                        a time on it (default "lr1e3=train.lr=1e-3"), while gendata runs on the
-#                                        GPU beside them and a folder of docs, general and the gendata text is
-#                                        prepared after it, then the GEN_LEVERS runs on that folder, whose data.weights
+#                                        gendata alone on the GPU while the recipe's token folder is prepared on
+#                                        the CPU, then the LEVERS runs one at a time on it (default "lr1e3=train.lr=
+#                                        1e-3") while a folder of docs, general and the gendata text is prepared
+#                                        beside them, then the GEN_LEVERS runs on that folder, whose data.weights
 #                                        (three: docs, general, gendata) set the share (default "gen25=
 #                                        data.weights=[0.25,0.5,0.25]"); each run TOKENS (default 100M) with
 #                                        EVAL_EVERY (default 610) into $WORK/sweep/NAME, one run at a time on GPU 0
@@ -192,15 +192,18 @@ case "${1:-}" in
     export -n PACK  # (the steps below are this script again: only this call packs)
     export LEG_S=${LEG_S:-86400} TOKENS=${TOKENS:-100_000_000} EVAL_EVERY=${EVAL_EVERY:-610} SLOTS=1
     base=$WORK/prep-base/data gen=$WORK/prep-gen/data
-    # gendata on the GPU, then its mixture tokenised on the CPU, in the background: the LEVERS runs, which need
-    # neither, start as soon as the recipe's own token folder is ready (they share the GPU with gendata a while)
-    (bash "$0" gendata > "$OUT/gendata.log" 2>&1 || { echo "gendata failed (see $OUT/gendata.log): no GEN_LEVERS runs"; exit 1; }
-     [ -f "$gen/meta.json" ] && exit 0
-     # docs, general and gendata (weights are a training-time choice: each GEN_LEVERS run gives its own three)
-     NAME=gen EXTRA="data.train=[data/docs/train/*.txt,data/general/train/*.txt,$WORK/gen] data.weights=[]" \
-         bash "$0" prepare > "$OUT/prepare-gen.log" 2>&1) &
+    # gendata alone on the GPU (its gendata.json is then gendata's own rate) while the recipe's token folder is
+    # tokenised on the CPU; then the gendata mixture is tokenised in the background while the LEVERS runs train
+    (bash "$0" gendata > "$OUT/gendata.log" 2>&1 || echo "gendata failed (see $OUT/gendata.log): no GEN_LEVERS runs") &
+    gen_pid=$!
     [ -f "$base/meta.json" ] || NAME=base EXTRA="" bash "$0" prepare > "$OUT/prepare-base.log" 2>&1
     [ -f "$base/meta.json" ] || { echo "preparing the token folder failed: $OUT/prepare-base.log" >&2; exit 1; }
+    wait "$gen_pid"
+    if [ -f "$WORK/gen/gendata.json" ] && [ ! -f "$gen/meta.json" ]; then
+        # docs, general and gendata (weights are a training-time choice: each GEN_LEVERS run gives its own three)
+        NAME=gen EXTRA="data.train=[data/docs/train/*.txt,data/general/train/*.txt,$WORK/gen] data.weights=[]" \
+            bash "$0" prepare > "$OUT/prepare-gen.log" 2>&1 &
+    fi
     TOK=$base SWEEP=${LEVERS:-lr1e3=train.lr=1e-3} bash "$0" sweep
     wait
     [ -f "$WORK/gen/gendata.json" ] || { bash "$0" cloze; exit 1; }

@@ -6,9 +6,12 @@
 # From the repository root on the GPU machine, one call each (a call sends at most 64 MiB: the inputs in 4 parts,
 # made on the CPU machine by `bash eval/make_carry.sh`):
 #   bash eval/h200_long.sh stage .carry/p1          (carry .carry/p1), then p2, p3, p4 (p4: raw text, for levers)
+#   bash eval/h200_threshold.sh gqa-bench           decode attention: transformers' repeat_kv vs the KV heads as they
+#                                                   are (eval/bench_gqa_decode.py; needs no staged input), ~2 min
 #   bash eval/h200_threshold.sh gendata-bench       gendata's tokens/s alone on the GPU (eval/bench_gendata.py), ~6 min
-#   bash eval/h200_threshold.sh levers              detached: gendata (GEN_TOKENS) beside the first LEVERS run, the
-#                                                   gendata mixture tokenised, then the GEN_LEVERS runs, then cloze
+#   bash eval/h200_threshold.sh levers              detached: gendata (GEN_TOKENS) alone on the GPU, then the LEVERS
+#                                                   runs, the gendata mixture tokenised beside them, then the
+#                                                   GEN_LEVERS runs, then cloze
 #   bash eval/h200_threshold.sh sweep               or: the ARMS below side by side, detached
 #   bash eval/h200_threshold.sh gpu-tests           the GPU tests of the thresholded kernel paths (beside a run)
 #   bash eval/h200_long.sh wait 540; PACK=$OUT bash eval/h200_threshold.sh pack    until it ends; metrics so far
@@ -37,12 +40,19 @@ case "${1:-}" in
     SLOTS=${SLOTS:-$n} SWEEP=$ARMS EXTRA="train.batch_size=8 train.grad_accum=2 ${EXTRA:-}" \
         bash eval/h200_long.sh detach sweep
     ;;
-  levers)  # the next lease's 100M-token levers, one run at a time on the GPU (h200_long.sh levers): thr at 90% zeros
-    # (issue 30's ">= 90% at <= 1.20x") beside gendata, then the default (95.5%) with a 25% share of gendata text
+  levers)  # the next lease's 100M-token levers, one run at a time on the GPU (h200_long.sh levers): gendata, thr at 90%
+    # zeros (issue 30's ">= 90% at <= 1.20x"), then the default (95.5%) with a 25% share of gendata text
     LEVERS=${LEVERS:-"thr090_100M=sparsity.target=0.90"} \
     GEN_LEVERS=${GEN_LEVERS:-"gen25_100M=data.weights=[0.25,0.5,0.25]"} \
     GEN_TOKENS=${GEN_TOKENS:-12_000_000} GEN_BATCH=${GEN_BATCH:-1024} TOKENS=${LEVER_TOKENS:-100_000_000} \
     EVAL_EVERY=610 bash eval/h200_long.sh detach levers
+    ;;
+  gqa-bench)  # grouped-query decode attention, no staging needed (random weights): the attention call and the
+    # uncompiled graph-loop step at batch 1, 8, 1024, transformers' sdpa vs fold vs enable_gqa (eval/bench_gqa_decode.py)
+    source eval/device_env.sh
+    mkdir -p "$OUT_DIR"
+    PYTHONPATH=$PWD timeout "${GQA_BENCH_S:-300}" python eval/bench_gqa_decode.py --out "$OUT_DIR/gqa-$(date +%s)" \
+        --batch-sizes "${GQA_BATCHES:-1,8,1024}" --prompt 32 --new-tokens 224 --rounds 2 2>&1 | tail -22
     ;;
   gendata-bench)  # gendata's tokens/s alone on the GPU: the graph-loop sampler against transformers' loop, after the
     # GPU test of that sampler (seeded, draws from the nucleus: tests/kernels/test_fast_decode_gpu.py)
@@ -84,5 +94,5 @@ case "${1:-}" in
     (cd "$WORK" && find sweep results -maxdepth 3 \( -name metrics.jsonl -o -name recipe.yaml -o -name '*.log' \) -print0 \
         | tar -cJf "${PACK:?set PACK=DIR}/partial.tar.xz" --null -T -) && ls -la "$PACK"
     ;;
-  *) echo "usage: $0 sweep | levers | gendata-bench | gpu-tests | after | pack" >&2; exit 2 ;;
+  *) echo "usage: $0 sweep | levers | gqa-bench | gendata-bench | gpu-tests | after | pack" >&2; exit 2 ;;
 esac
