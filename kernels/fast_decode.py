@@ -349,27 +349,48 @@ class _Loop:
             self.top_p = torch.ones((), dtype=torch.float32, device=device)
 
 
+_BISECT_STEPS = 30  # halvings that close [0, bits(max p)] (at most 0x3F800001 < 2**30 values: p <= 1) to one
+
+
 def nucleus(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor):
-    """(probabilities, token ids), both [B, V] sorted by falling probability, of softmax(logits / temperature)
-    with the tokens outside the top-p nucleus at 0. As transformers' TopPLogitsWarper: a token stays when the
-    mass of the tokens ranked above it is below top_p (so the top token always stays); top_p >= 1 keeps every
-    token (a float cumsum can pass 1 before the tail)."""
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    probs, order = probs.sort(dim=-1, descending=True)
-    above = probs.cumsum(-1) - probs  # mass ranked above each token
-    keep = (above < top_p) | (top_p >= 1)
-    return probs * keep, order
+    """(probabilities, keep), both [B, V] in vocabulary order: softmax(logits / temperature) in fp32 and the top-p
+    nucleus, found without a sort (a [B, V] sort costs about as much as the decode step's forward at V ~ 50k).
+
+    Token i stays when the mass of the tokens with strictly larger probability is below top_p; the top token always
+    stays, and top_p >= 1 keeps every token (a float sum of the probabilities can reach 1 before the tail). That
+    mass is taken, as transformers' TopPLogitsWarper takes it, as 1 minus the mass at or below p_i: token i stays
+    iff h(p_i) > 1 - top_p, h(t) = sum_j p_j [p_j <= t] (equal in exact arithmetic; in fp32 the small side is the
+    precise one near top_p = 1, where the boundary tokens are tiny). With distinct probabilities the set is
+    TopPLogitsWarper's; tokens tied at the boundary all stay (a sort keeps an arbitrary subset of them).
+
+    Why `probs >= t` is that set, t the smallest fp32 value in [0, max p] with h(t) > 1 - top_p: h does not fall
+    as t grows, so if p_i >= t then h(p_i) >= h(t) > 1 - top_p, and if p_i < t then h(p_i) <= 1 - top_p, t being
+    the smallest. (If even h(max p) = sum p is not above 1 - top_p, t stays max p: the top tokens.) t is found by
+    bisection on the int32 bit patterns of non-negative fp32 values, ordered as the values are: `_BISECT_STEPS`
+    fixed halvings, each one compare-and-sum over [B, V] against [B] bounds (no sort, no host sync, static
+    shapes: graph-safe and traceable by torch.compile)."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)  # [B, V]
+    hi = probs.amax(-1).view(torch.int32)  # [B] t's bits lie in [lo, hi]; h(hi) > 1 - top_p unless none does
+    lo = torch.zeros_like(hi)
+    for _ in range(_BISECT_STEPS):
+        mid = (lo + hi) >> 1  # (no overflow: both < 2**30)
+        t = mid.view(torch.float32)[:, None]  # [B, 1]
+        above = torch.where(probs <= t, probs, 0.0).sum(-1) > 1 - top_p  # [B] h(mid) > 1 - top_p
+        hi = torch.where(above, mid, hi)
+        lo = torch.where(above, lo, mid + 1)
+    keep = (probs >= hi.view(torch.float32)[:, None]) | (top_p >= 1)  # [B, V]
+    return probs, keep
 
 
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """[B] tokens drawn from the top-p nucleus of softmax(logits / temperature), graph-safe: the exponential
-    race argmax(p_i / E_i), E_i ~ Exp(1) i.i.d., picks token i with probability p_i / sum(p) (no host sync, no
-    data-dependent shapes; the noise comes from the default generator: under a CUDA graph each replay draws
-    at the generator's next philox offset, so one seed gives one token stream and replays differ)."""
-    probs, order = nucleus(logits, temperature, top_p)
+    race argmax(p_i / E_i) over the nucleus, E_i ~ Exp(1) i.i.d., picks token i with probability p_i / sum(p),
+    in vocabulary order (no gather; no host sync, no data-dependent shapes; the noise comes from the default
+    generator: under a CUDA graph each replay draws at the generator's next philox offset, so one seed gives one
+    token stream and replays differ)."""
+    probs, keep = nucleus(logits, temperature, top_p)
     noise = torch.empty_like(probs).exponential_().clamp_min_(torch.finfo(probs.dtype).tiny)  # (never / 0)
-    pick = (probs / noise).argmax(-1, keepdim=True)  # [B, 1] rank in the sorted order
-    return order.gather(1, pick)[:, 0]
+    return (torch.where(keep, probs, 0.0) / noise).argmax(-1)  # [B]
 
 
 def next_token(loop: _Loop, logits: torch.Tensor) -> torch.Tensor:

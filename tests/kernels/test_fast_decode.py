@@ -485,24 +485,163 @@ def test_sampling_at_a_tiny_temperature_is_greedy(tiny):
     assert torch.equal(out.sequences, greedy) and torch.equal(greedy, cold)
 
 
-def test_nucleus_keeps_what_transformers_keeps_and_top_p_one_keeps_every_token():
-    from transformers.generation.logits_process import TopPLogitsWarper
+def warper_keeps(logits: torch.Tensor, temperature: float, top_p: torch.Tensor) -> torch.Tensor:
+    """[B, V] the tokens transformers' TemperatureLogitsWarper + TopPLogitsWarper keep, at top_p's fp32 value (the
+    loop holds top_p as an fp32 tensor; so both compare against the same 1 - top_p)."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
+    scores = TopPLogitsWarper(float(top_p))(None, TemperatureLogitsWarper(temperature)(None, logits.clone()))
+    return torch.isfinite(scores)
+
+
+def mass_at_or_below(logits: torch.Tensor, temperature: float, row: int, token: int) -> float:
+    """The float64 mass of the tokens at or below `token`'s probability in `row` (the exact side of the
+    boundary test, to tell a real disagreement from fp32 rounding)."""
+    probs = torch.softmax(logits[row].double() / temperature, -1)
+    return probs[probs <= probs[token]].sum().item()
+
+
+def test_nucleus_keeps_what_transformers_keeps_and_top_p_one_keeps_every_token():
+    """Random rows (three logit scales, one dominant token, a nearly flat row) at several vocab sizes, temperatures
+    and top-p: the kept set is TopPLogitsWarper's, but for two kinds of token. Tokens whose fp32 probability ties
+    with the last one the warper keeps stay (the flat row's tie in fp32 at V = 49152: the documented superset). And
+    a token may differ where the exact mass at or below it lies within fp32 rounding of 1 - top_p (two sums of up
+    to 49152 fp32 terms in different orders: none with this seed, ~1e-7 apart in other draws, bound 1e-6); those
+    must stay rare. Each row's threshold is the fp32 value of its boundary token, found to the last bit: with one
+    halving fewer (29) this test fails."""
     from sparsify.kernels.fast_decode import nucleus
 
     gen = torch.Generator().manual_seed(11)
-    logits = torch.randn(64, 300, generator=gen) * 3
+    rows = compared = 0
+    rounding, tied = [], 0
+    for vocab in (300, 4099, 49152):
+        logits = torch.cat([torch.randn(8, vocab, generator=gen) * s for s in (1.0, 3.0, 8.0)]
+                           + [torch.randn(1, vocab, generator=gen).index_fill_(1, torch.tensor([7]), 25.0),
+                              torch.randn(1, vocab, generator=gen) * 1e-3])  # [26, V]
+        for temperature in (0.7, 1.6):
+            for p in (0.01, 0.5, 0.95, 0.999, 1.0):
+                top_p = torch.tensor(p)
+                probs, keep = nucleus(logits, torch.tensor(temperature), top_p)
+                assert keep.dtype == torch.bool and keep.shape == probs.shape == logits.shape
+                if p == 1.0:  # (generate() adds no top-p warper at 1.0; the warper would drop zero probabilities)
+                    assert bool(keep.all()), (vocab, temperature)
+                    continue
+                ref = warper_keeps(logits, temperature, top_p)
+                rows, compared = rows + ref.shape[0], compared + 1
+                last = torch.where(ref, probs, 2.0).amin(1)  # [B] the smallest probability the warper keeps
+                for r, c in (keep != ref).nonzero().tolist():
+                    if keep[r, c] and probs[r, c] == last[r]:
+                        tied += 1
+                        continue
+                    gap = mass_at_or_below(logits, temperature, r, c) - (1 - float(top_p))
+                    assert abs(gap) < 1e-6, (vocab, temperature, p, r, c, gap, bool(keep[r, c]))
+                    rounding.append((vocab, temperature, p, r, c, gap))
+    assert compared == 24 and len(rounding) <= rows // 100, rounding
+    assert tied > 0  # (the superset case did occur)
+
+
+def test_nucleus_keeps_every_token_tied_at_the_boundary():
+    """Tied probabilities on the boundary all stay (the mass strictly above each is below top_p): a superset of
+    the subset a sort (TopPLogitsWarper) keeps; a flat row keeps every token at any top_p."""
+    from sparsify.kernels.fast_decode import nucleus
+
     one = torch.tensor(1.0)
-    for p in (0.05, 0.5, 0.9, 0.999):
-        probs, order = nucleus(logits, one, torch.tensor(p))
-        kept = torch.zeros_like(logits, dtype=torch.bool).scatter(1, order, probs > 0)
-        assert torch.equal(kept, torch.isfinite(TopPLogitsWarper(p)(None, logits.clone()))), p
-    # a long tail of tiny probabilities: the float cumsum reaches 1 before it ends, top_p 1 still keeps it all
+    logits = torch.log(torch.tensor([[0.4, 0.2, 0.2, 0.2, 0.0]])).nan_to_num(neginf=-1e4)  # [1, 5]
+    top_p = torch.tensor(0.5)  # 0.4 < 0.5 < 0.4 + 0.2: the boundary falls inside the tie
+    keep = nucleus(logits, one, top_p)[1]
+    sorted_keep = warper_keeps(logits, 1.0, top_p)
+    assert keep.tolist() == [[True, True, True, True, False]]
+    assert bool((keep | ~sorted_keep).all()) and int(sorted_keep.sum()) < 4  # the sort keeps part of the tie
+    flat = torch.zeros(2, 64)
+    for p in (0.01, 0.5, 0.99):
+        assert bool(nucleus(flat, one, torch.tensor(p))[1].all()), p
+
+
+def test_nucleus_at_top_p_near_one_resolves_a_long_tail_of_tiny_probabilities():
+    """Top-p near 1 on a long tail of tiny, distinct probabilities: the boundary lies where the mass below is
+    about 1 - top_p; as a mass above (~1) fp32 cannot tell hundreds of tail tokens apart there, as a mass below
+    it can, so the kept set is the float64 one and TopPLogitsWarper's, token for token. At top_p 1 every token
+    stays although a float cumsum of the sorted probabilities reaches 1 before the tail ends."""
+    from sparsify.kernels.fast_decode import nucleus
+
+    one = torch.tensor(1.0)
+    logits = torch.cat([torch.zeros(1, 2), torch.linspace(-22.0, -18.0, 49152)[None]], 1)  # [1, 49154]
+    top_p = torch.tensor(0.99999)
+    keep = nucleus(logits, one, top_p)[1]
+    exact = torch.softmax(logits[0].double(), -1)
+    below = exact.sort().values.cumsum(0)  # [V] ascending: mass at or below each (all distinct)
+    want = exact >= exact.sort().values[int((below <= 1 - float(top_p)).sum())]
+    assert 1000 < int((~keep).sum()) < 48000  # the boundary inside the tail: part of it kept
+    assert torch.equal(keep[0], want) and torch.equal(keep, warper_keeps(logits, 1.0, top_p))
+    boundary = int((below <= 1 - float(top_p)).sum())  # the smallest kept token's rank from the bottom
+    above = (1 - below[boundary - 300: boundary + 300]).float()  # as masses above, in fp32
+    assert above.unique().numel() < 600 // 20  # (what a fp32 "mass above < top_p" test would have to separate)
     tail = torch.cat([torch.zeros(1, 2), torch.full((1, 49152), -9.0)], 1)
-    probs, _ = nucleus(tail, one, one)
     full = torch.softmax(tail, -1).sort(descending=True).values
     assert bool((full.cumsum(-1) - full >= 1).any())  # (what a plain "mass above < top_p" test would drop)
-    assert bool((probs > 0).all())
+    assert bool(nucleus(tail, one, one)[1].all())
+
+
+def test_nucleus_with_zero_and_subnormal_probabilities():
+    """Probabilities that underflow to fp32 subnormals or to 0 (very negative logits), and a top token of
+    probability exactly 1 (the top of the bisection's range): the nucleus is still TopPLogitsWarper's; top_p 1
+    keeps every token, zeros too."""
+    from sparsify.kernels.fast_decode import nucleus
+
+    one = torch.tensor(1.0)
+    mixed = torch.cat([torch.tensor([[0.0, -0.5, -1.0, -3.0]]), torch.linspace(-100.0, -88.0, 40)[None],
+                       torch.full((1, 20), -1e4)], 1)  # [1, 64]
+    alone = torch.cat([torch.zeros(1, 1), torch.linspace(-100.0, -88.0, 40)[None], torch.full((1, 23), -1e4)], 1)
+    logits = torch.cat([mixed, alone])  # [2, 64]
+    probs = torch.softmax(logits, -1)
+    tiny = torch.finfo(torch.float32).tiny
+    assert bool(((probs > 0) & (probs < tiny)).any(1).all()) and bool((probs == 0).any(1).all())
+    assert probs[1, 0] == 1.0
+    for p in (0.01, 0.5, 0.9, 0.999999):
+        top_p = torch.tensor(p)
+        keep = nucleus(logits, one, top_p)[1]
+        assert torch.equal(keep, warper_keeps(logits, 1.0, top_p)), p
+        assert keep[1].tolist() == [True] + [False] * 63
+    assert bool(nucleus(logits, one, one)[1].all())
+
+
+def test_nucleus_rows_have_their_own_thresholds():
+    """Each row of a batch gets its own threshold: the batch's nucleus is the rows' nuclei, each alone."""
+    from sparsify.kernels.fast_decode import nucleus
+
+    gen = torch.Generator().manual_seed(13)
+    logits = torch.cat([torch.randn(1, 500, generator=gen) * s for s in (0.1, 1.0, 2.0, 4.0)]
+                       + [torch.zeros(1, 500).index_fill_(1, torch.tensor([3]), 30.0)])  # [5, 500]
+    t, top_p = torch.tensor(1.0), torch.tensor(0.9)
+    keep = nucleus(logits, t, top_p)[1]
+    assert len(set(keep.sum(1).tolist())) == 5 and keep.sum(1)[-1] == 1
+    for r in range(logits.shape[0]):
+        assert torch.equal(keep[r: r + 1], nucleus(logits[r: r + 1], t, top_p)[1]), r
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_nucleus_and_sampling_compile_in_one_graph(backend):
+    """torch.compile traces the nucleus and the draw whole (fullgraph: no graph break, no host sync) and gives
+    the same kept set, and the same tokens for the same seed."""
+    import torch._dynamo
+
+    from sparsify.kernels.fast_decode import nucleus, sample_tokens
+
+    gen = torch.Generator().manual_seed(14)
+    logits = torch.randn(6, 1000, generator=gen) * 3
+    t, top_p = torch.tensor(0.8), torch.tensor(0.9)
+    torch._dynamo.reset()
+    try:
+        keep = torch.compile(nucleus, backend=backend, fullgraph=True)(logits, t, top_p)[1]
+        assert torch.equal(keep, nucleus(logits, t, top_p)[1])
+        torch.manual_seed(3)
+        got = torch.compile(sample_tokens, backend=backend, fullgraph=True)(logits, t, top_p)
+        assert bool(keep.gather(1, got[:, None]).all())
+        if backend == "eager":  # (inductor draws its own random stream)
+            torch.manual_seed(3)
+            assert torch.equal(got, sample_tokens(logits, t, top_p))
+    finally:
+        torch._dynamo.reset()
 
 
 def test_sample_tokens_draws_in_proportion_to_the_nucleus():
