@@ -6,6 +6,7 @@ here: static-cache equivalence, input buffers, undoing the warm-up step, graph r
 """
 
 import json
+import sys
 
 import pytest
 import torch
@@ -409,6 +410,49 @@ def test_sampling_loop_same_seed_same_tokens_whether_it_captures_or_replays(tiny
     assert first.shape == (3, 21) and torch.equal(first[:, :5], ids)
     assert torch.equal(first, again) and not torch.equal(first, other)
     assert len({tuple(r) for r in first[:, 5:].tolist()}) == 3
+
+
+def test_sampling_loop_compiles_its_nucleus_step_and_falls_back_when_that_fails(tiny, caplog):
+    """With compile on, the sampling loop's nucleus step is nucleus_keep through torch.compile (made once, its
+    first call in the prefill), with the tokens of the eager step for the same seed; a compiler that fails
+    leaves a warning, the eager step and the same tokens."""
+    ids = torch.randint(3, TINY["vocab_size"], (2, 5), generator=torch.Generator().manual_seed(9))
+    fast = tiny._fast_decode
+    nucleus_keep = sys.modules[type(fast).__module__].nucleus_keep  # (the folder's own copy of fast_decode)
+    traced = []
+
+    def eager_compiler(gm, example_inputs):  # an eager "compiler" that records what it is given
+        traced.append("amax" in gm.code)  # (nucleus_keep's graph has it; the forward's has not)
+        return gm.forward
+
+    def failing(gm, example_inputs):
+        raise RuntimeError("compiler unavailable")
+
+    def draw(compiler):
+        fast.compile_options, fast._compiled, fast._keep = {"backend": compiler}, None, None
+        fast.compile, fast.compile_error, fast.keep_error = compiler is not None, None, None
+        fresh(fast)
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        return tiny.generate(ids, max_new_tokens=10, **SAMPLE)
+
+    fast.cpu_emulation = True
+    try:
+        ref = draw(None)
+        assert fast.keep_fn() is nucleus_keep
+        got = draw(eager_compiler)
+        assert fast._keep is not None and fast.keep_fn() is fast._keep and fast.keep_error is None
+        assert traced.count(True) == 1 and traced.count(False) >= 1  # the step once, the forward too
+        with caplog.at_level("WARNING", logger="sparsify"):
+            again = draw(failing)
+        assert "compiler unavailable" in fast.keep_error and "nucleus step failed" in caplog.text
+        assert fast.keep_fn() is nucleus_keep
+    finally:
+        fast.cpu_emulation, fast.compile, fast.compile_options = False, False, {}
+        fast._compiled, fast._keep, fast.compile_error, fast.keep_error = None, None, None, None
+        fresh(fast)
+        torch._dynamo.reset()
+    assert torch.equal(ref, got) and torch.equal(ref, again)
 
 
 def test_sampling_plan_serves_only_what_the_loop_draws_exactly(tiny):
