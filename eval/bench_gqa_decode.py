@@ -114,7 +114,7 @@ def step_table(shape: str, layers: int | None, batches: list[int], prompt: int, 
         tokens, warm = {}, {}
         for r in range(rounds + 1):  # round 0: compile and capture (timed apart)
             for mode in (STEP_MODES if r % 2 == 0 else tuple(reversed(STEP_MODES))):
-                fd.GQA_DECODE = mode if mode != "sdpa" else "fold"
+                fd.GQA_DECODE = mode if mode != "sdpa" else fd.GQA_DECODE  # (read at compile / capture only)
                 m = models[mode]
                 t0 = time.perf_counter()
                 with torch.inference_mode():
@@ -151,6 +151,7 @@ def _cpu_ms(graph, n: int = 3) -> float:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="folder for gqa-decode.json / .md (must not exist)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out (when the run has ended)")
     p.add_argument("--attention-shapes", default="1:9:3:512:64,1024:9:3:512:64,2048:9:3:512:64,1:32:8:1024:128,"
                    "8:32:8:1024:128,64:32:8:1024:128", help="B:Hq:Hkv:L:D list for the attention table")
     p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m", help="model shape for the step table")
@@ -174,11 +175,16 @@ def main(argv=None) -> int:
     elif not torch.cuda.is_available():
         print("bench_gqa_decode needs CUDA (the CPU tests are tests/kernels/test_decode_attention.py)", file=sys.stderr)
         return 2
-    out = Path(a.out)
-    if out.exists():
-        print(f"{out} exists; choose another --out", file=sys.stderr)
-        return 2
     import transformers
+
+    from sparsify.errors import SparsifyError
+    from sparsify.folder.atomic import atomic_dir, check_output
+
+    try:
+        check_output(a.out, a.overwrite, flag="--out")  # before the work: the results are written whole at the end
+    except SparsifyError as e:
+        print(e, file=sys.stderr)
+        return 2
 
     meta = {"gpu": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (smoke)", "torch": torch.__version__,
             "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -186,8 +192,7 @@ def main(argv=None) -> int:
     attention = attention_table([s for s in a.attention_shapes.split(",") if s])
     steps = [] if a.no_step else step_table(a.shape, a.layers, [int(b) for b in a.batch_sizes.split(",")],
                                             a.prompt, a.new_tokens, a.rounds, a.compile)
-    out.mkdir(parents=True)
-    (out / "gqa-decode.json").write_text(json.dumps({"meta": meta, "attention": attention, "steps": steps}, indent=1))
+    results = {"meta": meta, "attention": attention, "steps": steps}
     lines = [str(meta), "", "| B:Hq:Hkv:L:D | " + " | ".join(f"{m} ms" for m in MODES) + " | fold x | enable_gqa x |",
              "|---" * (len(MODES) + 3) + "|"]
     lines += [f"| {r['shape']} | " + " | ".join(f"{r[f'{m}_ms']:.4f}" for m in MODES)
@@ -199,7 +204,9 @@ def main(argv=None) -> int:
                   + " | ".join(f"{r[f'{m}_tok_s']:,.0f}" for m in STEP_MODES)
                   + f" | {r['fold_x']:.2f}x | {r['enable_gqa_x']:.2f}x | {r['fold_same_tokens']}, "
                   f"{r['enable_gqa_same_tokens']} |" for r in steps]
-    (out / "gqa-decode.md").write_text("\n".join(lines) + "\n")
+    with atomic_dir(a.out, a.overwrite, flag="--out") as out:
+        (out / "gqa-decode.json").write_text(json.dumps(results, indent=1))
+        (out / "gqa-decode.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

@@ -89,11 +89,12 @@ def grouped_decode_attention(model) -> str | None:
     """Switch a model on transformers' "sdpa" with grouped-query attention to DECODE_SDPA (registered once per
     process, with sdpa's mask); returns the implementation now in use, or None when it keeps its own (another
     implementation chosen, no KV grouping, or a transformers without the attention interface)."""
+    now = getattr(model.config, "_attn_implementation", None)
+    if now == DECODE_SDPA:
+        return DECODE_SDPA
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
-    if getattr(model.config, "_attn_implementation", None) == DECODE_SDPA:
-        return DECODE_SDPA
-    if getattr(model.config, "_attn_implementation", None) != "sdpa" or not heads or not kv or kv >= heads:
+    if now != "sdpa" or not heads or not kv or kv >= heads:
         return None
     try:
         from transformers import AttentionInterface
@@ -106,6 +107,13 @@ def grouped_decode_attention(model) -> str | None:
         logger.debug("sparsify: grouped-query decode attention not installed (%s: %s)", type(e).__name__, e)
         return None
     return DECODE_SDPA if model.config._attn_implementation == DECODE_SDPA else None
+
+
+def _compile_failed(e: Exception, what: str, then: str) -> str:
+    """The error of a failed torch.compile as one string, logged once as a warning with what happens instead."""
+    error = f"{type(e).__name__}: {e}"
+    logger.warning("sparsify: torch.compile of %s failed (%s); %s", what, error.splitlines()[0][:300], then)
+    return error
 
 
 class _Graph:
@@ -199,9 +207,7 @@ class FastDecode:
                     except torch.cuda.OutOfMemoryError:
                         raise
                     except Exception as e:  # noqa: BLE001 - dynamo/inductor failures come in many types
-                        self.keep_error = f"{type(e).__name__}: {e}"
-                        logger.warning("sparsify: torch.compile of the nucleus step failed (%s); sampling uncompiled",
-                                       self.keep_error.splitlines()[0][:300])
+                        self.keep_error = _compile_failed(e, "the nucleus step", "sampling uncompiled")
                 return nucleus_keep(probs, top_p)
 
             self._keep = keep
@@ -221,9 +227,7 @@ class FastDecode:
         except Exception as e:  # noqa: BLE001 - dynamo/inductor failures come in many types
             restore(counters)
             self.compile, self._compiled = False, None
-            self.compile_error = f"{type(e).__name__}: {e}"
-            logger.warning("sparsify: torch.compile of the decode step failed (%s); decoding uncompiled",
-                           self.compile_error.splitlines()[0][:300])
+            self.compile_error = _compile_failed(e, "the decode step", "decoding uncompiled")
             return run(self.forward)
 
     def drop_graphs(self) -> None:
@@ -314,8 +318,7 @@ def sampling_plan(model, args: tuple, kwargs: dict):
     plan = _plan(model, args, kwargs, sample=True)
     if plan is None:
         return None
-    config = kwargs.get("generation_config") or model.generation_config
-    get = lambda k, default=None: kwargs[k] if k in kwargs else getattr(config, k, default)  # noqa: E731
+    config, get = _options(model, kwargs)
     temperature, top_p, top_k = get("temperature"), get("top_p"), get("top_k")
     temperature = 1.0 if temperature is None else float(temperature)
     top_p = 1.0 if top_p is None else float(top_p)
@@ -326,6 +329,12 @@ def sampling_plan(model, args: tuple, kwargs: dict):
     return (*plan, (temperature, top_p))
 
 
+def _options(model, kwargs: dict):
+    """(generation config, get): get(name, default) reads a generate() option, the call's over the config's."""
+    config = kwargs.get("generation_config") or model.generation_config
+    return config, lambda k, default=None: kwargs[k] if k in kwargs else getattr(config, k, default)
+
+
 def _plan(model, args: tuple, kwargs: dict, sample: bool):
     """greedy_plan's checks; `sample` asks for do_sample (and allows the sampling arguments) instead."""
     if len(args) > 1 or set(kwargs) - (_SAMPLE_KWARGS if sample else _LOOP_KWARGS):
@@ -333,8 +342,7 @@ def _plan(model, args: tuple, kwargs: dict, sample: bool):
     ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype != torch.long or ids.shape[1] == 0:
         return None
-    config = kwargs.get("generation_config") or model.generation_config
-    get = lambda k, default=None: kwargs[k] if k in kwargs else getattr(config, k, default)  # noqa: E731
+    config, get = _options(model, kwargs)
     if bool(get("do_sample", False)) != sample or get("use_cache", True) is False:
         return None
     if any(getattr(config, k, None) not in ok for k, ok in _NEUTRAL.items()):
@@ -371,20 +379,13 @@ class _Loop:
         self.eos = None  # [E] long tensor the graph masks before min_new_tokens (fixed at capture)
         self.eos_ids: tuple = ()  # its values, compared on the host
         self.temperature = self.top_p = None  # sampling: [] float32 tensors; None: greedy (argmax)
-        self.keep_fn = None  # sampling: the nucleus's keep step (FastDecode.keep_fn; None: nucleus_keep eager)
+        self.keep_fn = nucleus_keep  # sampling: the nucleus's keep step (generate() sets FastDecode.keep_fn())
         if sample:
             self.temperature = torch.ones((), dtype=torch.float32, device=device)
             self.top_p = torch.ones((), dtype=torch.float32, device=device)
 
 
 _BISECT_STEPS = 30  # halvings that close [0, bits(max p)] (at most 0x3F800001 < 2**30 values: p <= 1) to one
-
-
-def nucleus(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, keep_fn=None):
-    """(probabilities, keep), both [B, V] in vocabulary order: softmax(logits / temperature) in fp32 and its top-p
-    nucleus, nucleus_keep (or `keep_fn`, the same function compiled: FastDecode.keep_fn)."""
-    probs = torch.softmax(logits.float() / temperature, dim=-1)  # [B, V]
-    return probs, (keep_fn or nucleus_keep)(probs, top_p)
 
 
 def nucleus_keep(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -416,7 +417,15 @@ def nucleus_keep(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return (probs >= hi.view(torch.float32)[:, None]) | (top_p >= 1)  # [B, V]
 
 
-def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, keep_fn=None) -> torch.Tensor:
+def nucleus(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, keep_fn=nucleus_keep):
+    """(probabilities, keep), both [B, V] in vocabulary order: softmax(logits / temperature) in fp32 and its top-p
+    nucleus, nucleus_keep (or `keep_fn`, the same function compiled: FastDecode.keep_fn)."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)  # [B, V]
+    return probs, keep_fn(probs, top_p)
+
+
+def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                  keep_fn=nucleus_keep) -> torch.Tensor:
     """[B] tokens drawn from the top-p nucleus of softmax(logits / temperature), graph-safe: the exponential
     race argmax(p_i / E_i) over the nucleus, E_i ~ Exp(1) i.i.d., picks token i with probability p_i / sum(p),
     in vocabulary order (no gather; no host sync, no data-dependent shapes; the noise comes from the default

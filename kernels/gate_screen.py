@@ -369,6 +369,22 @@ if HAS_TRITON:
         return sel, idx, want < npass
 
     @triton.jit
+    def _dot_k(a_ptrs, b_ptrs, acc, m_ok, cols_ok, D, offs_k, BK: tl.constexpr, IEEE: tl.constexpr):
+        """acc + x [BM, D] @ W_gate rows [D, C] (cols_ok: the columns read; the others' loads masked to 0),
+        BK columns of D per step, _k1_gate_pack's loop block for block (the same sums in the same order)."""
+        for k in range(0, tl.cdiv(D, BK)):
+            k_ok = offs_k < D - k * BK
+            a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & cols_ok[None, :], other=0.0)
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+            a_ptrs += BK
+            b_ptrs += BK
+        return acc
+
+    @triton.jit
     def _k1_screened(
         x_ptr, q_ptr, sc_ptr, rq_ptr, mq_ptr, er_ptr, kp_ptr, xc_ptr, wx_ptr, wg_ptr,
         cnt_ptr, col_ptr, val_ptr, th_ptr, pass_ptr, npass_ptr,
@@ -553,16 +569,7 @@ if HAS_TRITON:
             if npass > 0:
                 a_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
                 b_ptrs = wg_ptr + rows64[None, :] * stride_wf + offs_k[:, None]
-                for k in range(0, tl.cdiv(D, BK2)):
-                    k_ok = offs_k < D - k * BK2
-                    a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                    b = tl.load(b_ptrs, mask=k_ok[:, None] & (n_ok & colpass)[None, :], other=0.0)
-                    if IEEE:
-                        gate = tl.dot(a, b, gate, input_precision="ieee")
-                    else:
-                        gate = tl.dot(a, b, gate)
-                    a_ptrs += BK2
-                    b_ptrs += BK2
+                gate = _dot_k(a_ptrs, b_ptrs, gate, m_ok, n_ok & colpass, D, offs_k, BK2, IEEE)
         else:  # the passed columns CP at a time
             gate = tl.full([BLOCK_M, T], -0.0, tl.float32)
             for c in range(0, tl.cdiv(npass, CP)):
@@ -570,16 +577,7 @@ if HAS_TRITON:
                 a_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
                 b_ptrs = wg_ptr + (pid_n * T + idx).to(tl.int64)[None, :] * stride_wf + offs_k[:, None]  # [BK2, CP]
                 acc = tl.zeros([BLOCK_M, CP], dtype=tl.float32)
-                for k in range(0, tl.cdiv(D, BK2)):
-                    k_ok = offs_k < D - k * BK2
-                    a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                    b = tl.load(b_ptrs, mask=k_ok[:, None] & p_ok[None, :], other=0.0)
-                    if IEEE:
-                        acc = tl.dot(a, b, acc, input_precision="ieee")
-                    else:
-                        acc = tl.dot(a, b, acc)
-                    a_ptrs += BK2
-                    b_ptrs += BK2
+                acc = _dot_k(a_ptrs, b_ptrs, acc, m_ok, p_ok, D, offs_k, BK2, IEEE)
                 gate += tl.sum(tl.where(sel[None, :, :], acc[:, :, None], -0.0), 1)  # [BM, T]
         gate = tl.where(colpass[None, :], gate, float("-inf"))  # never active: not computed
         _k1_epilogue(gate, offs_m, offs_n, m_ok, n_ok, pid_n, cnt_ptr, col_ptr, val_ptr, th_ptr, NT, BLOCK_M, T, S,
@@ -605,8 +603,9 @@ def screen_config(m: int, sw: ScreenWeights, device_type: str) -> dict:
     grouped = sw.n_groups > 1
     if grouped and (sw.group & (sw.group - 1)):
         raise ValueError(f"group = {sw.group}: the kernel needs a power-of-two group")
-    return dict(T=DECODE_TILE, S=DECODE_SLOTS, BLOCK_M=2 if gemv else 16, BK1=sw.group if grouped else (256 if gemv else 128),
-                BK2=bk2, CP=8 if gemv else DECODE_TILE, CVT=1, GEMV=gemv, GROUPED=grouped, num_warps=4,
+    bk1 = sw.group if grouped else (256 if gemv else 128)
+    return dict(T=DECODE_TILE, S=DECODE_SLOTS, BLOCK_M=2 if gemv else 16, BK1=bk1, BK2=bk2,
+                CP=8 if gemv else DECODE_TILE, CVT=1, GEMV=gemv, GROUPED=grouped, num_warps=4,
                 num_stages=2 if device_type == "cpu" else 3)
 
 

@@ -13,10 +13,8 @@ list, which dynamo replays as a side effect). Per micro-batch and layer the hook
 
 from __future__ import annotations
 
-import dataclasses
-
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -284,7 +282,7 @@ class ThresholdControl:
         self.target = None if targets is None else torch.tensor(targets, device=device, dtype=torch.float32)
         self.start = self.target  # [L] the target at the calibration (the ramp's start; no ramp: the target)
         if self.enabled and cfg.threshold_ramp > 0 and cfg.warmup_target is not None:
-            warm = layer_targets(dataclasses.replace(cfg, target=cfg.warmup_target), len(self.mlps))
+            warm = layer_targets(replace(cfg, target=cfg.warmup_target), len(self.mlps))
             self.start = torch.minimum(torch.tensor(warm, device=device, dtype=torch.float32), self.target)
         self.log_theta = torch.full((len(self.mlps),), self.LOG_MIN, device=device)  # [L]
         self.calibrated = False
@@ -304,10 +302,9 @@ class ThresholdControl:
 
     def target_at(self, tokens: int) -> torch.Tensor:
         """[L] the zeros target theta holds after `tokens` training tokens (the ramp, or the target itself)."""
-        ramp = self.cfg.threshold_ramp
-        if self.start is self.target or ramp <= 0:
+        if self.start is self.target:  # (no ramp)
             return self.target
-        frac = min(1.0, max(0.0, (tokens - self.calibrated_at) / ramp))
+        frac = min(1.0, max(0.0, (tokens - self.calibrated_at) / self.cfg.threshold_ramp))
         return self.start + (self.target - self.start) * frac
 
     @torch.no_grad()
