@@ -19,7 +19,7 @@ def test_sampling_graph_loop_on_cuda_is_seeded_and_draws_from_the_nucleus(compil
     """Same seed, same tokens, in the call that captures the step and in one that replays it; another seed gives
     others; rows differ; every drawn token lies in the nucleus of its step, recomputed here by a plain forward of
     the whole sequence (no cache) and transformers' warpers, with a margin of top-p mass for the two forwards'
-    rounding."""
+    rounding; after a row's first end-of-sequence token, only padding."""
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     synth(tmp_path / "config.json", tmp_path / "model", zeros=0.9, dtype="fp32", progress=False)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "model", trust_remote_code=True,
@@ -38,11 +38,20 @@ def test_sampling_graph_loop_on_cuda_is_seeded_and_draws_from_the_nucleus(compil
     assert first.shape == (4, 6 + new) and torch.equal(first[:, :6], ids)
     assert torch.equal(first, again) and not torch.equal(first, other)
     assert len({tuple(r) for r in first[:, 6:].tolist()}) == 4
+    # a row that draws an end-of-sequence token is padded after it, as transformers' generate() pads it: those
+    # positions were not drawn (the first eos itself was, and is checked)
+    eos, pad = model.generation_config.eos_token_id, model.generation_config.pad_token_id
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    pad = eos[0] if pad is None and eos else pad
+    hit = torch.isin(first[:, 6:], torch.tensor(eos, device="cuda", dtype=torch.long))
+    after = (hit.long().cumsum(1) - hit.long()) > 0  # strictly after the row's first eos
+    assert bool((first[:, 6:][after] == pad).all())
+    assert int((~after).sum()) >= 2 * new  # most of the draws are checked below, not padding
     with torch.no_grad():
         logits = model(first).logits[:, 5:-1, :].float()  # [B, new, V]: the step that drew each new token
     outside = []
     for i in range(new):
         scores = TopPLogitsWarper(min(1.0, top_p + 0.02))(None, TemperatureLogitsWarper(temperature)(None, logits[:, i]))
         allowed = torch.isfinite(scores)
-        outside += [(i, r) for r, t in enumerate(first[:, 6 + i].tolist()) if not allowed[r, t]]
-    assert not outside, outside
+        outside += [(i, r, t) for r, t in enumerate(first[:, 6 + i].tolist()) if not after[r, i] and not allowed[r, t]]
+    assert not outside, outside  # (step, row, token)
