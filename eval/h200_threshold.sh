@@ -17,7 +17,7 @@
 #   bash eval/h200_long.sh wait 540; PACK=$OUT bash eval/h200_threshold.sh pack    until it ends; metrics so far
 #   PACK=$OUT bash eval/h200_threshold.sh after     cloze on every finished run, the frontier (ZEROS=...: decode speed
 #                                                   per zeros level too; SPEED_AT=... gendata's rate)
-# Knobs: ARMS ("name=override ...;..."), TOKENS (default 20M each), LEVERS / GEN_LEVERS, GEN_TOKENS / GEN_BATCH, ZEROS.
+# Knobs: ARMS ("name=override ...;...", or 2 / 3 for ARMS2 / ARMS3 below), TOKENS (default 20M each), LEVERS / GEN_LEVERS, GEN_TOKENS / GEN_BATCH, ZEROS.
 set -euo pipefail
 WORK=${WORK:-/tmp/sparsify-long}
 OUT_DIR=${RESULTS:-$WORK/results}
@@ -31,7 +31,12 @@ ARMS=${ARMS:-"thr_085=$WARM sparsity.target=0.85 sparsity.warmup_target=0.80;thr
 thr_093=$WARM sparsity.target=0.93"}
 ARMS2="thr_ramp=$WARM sparsity.threshold_ramp=6_000_000;thr_warm90=$WARM sparsity.warmup_target=0.90;\
 thr_100M=$WARM train.max_tokens=100_000_000 train.eval_every=610"
+# ARMS3: what the weight decay pulls towards, at 100M tokens side by side (lease 4: 90% zeros read 1.255x, so most of
+# the 95.5% recipe's 1.347x is the fine-tune's drift, not the zeros): the run's start (L2-SP), and no decay at all
+ARMS3="thr_start_100M=$WARM train.weight_decay_to=start train.max_tokens=100_000_000 train.eval_every=610;\
+thr_wd0_100M=$WARM train.weight_decay=0 train.max_tokens=100_000_000 train.eval_every=610"
 [ "${ARMS}" = 2 ] && ARMS=$ARMS2
+[ "${ARMS}" = 3 ] && ARMS=$ARMS3
 export TOKENS=${TOKENS:-20_000_000} EVAL_EVERY=${EVAL_EVERY:-305}
 
 case "${1:-}" in

@@ -209,6 +209,12 @@ class TrainSection:
     min_lr_ratio: float = doc(0.1, "Cosine decay ends at lr * min_lr_ratio.")
     warmup_steps: int = doc(30, "Linear warm-up steps before the cosine decay.")
     weight_decay: float = doc(0.1, "AdamW weight decay (not applied to norms and biases).")
+    weight_decay_to: Literal["zero", "start"] = doc(
+        "zero", "What the weight decay pulls the matrices towards: zero (AdamW's own), or the weights the run "
+        "started from (the converted original: each step w -= lr * weight_decay * (w - w_start), decoupled like "
+        "AdamW's), so the fine-tune stays near what the original knows. start keeps an fp32 copy of the matrices "
+        "(rebuilt from the model folder on --resume, so it is not in the checkpoint).",
+    )
     betas: list[float] = doc([0.9, 0.95], "AdamW betas.")
     clip: float = doc(1.0, "Gradient-norm clipping; 0 disables.")
     seed: int = doc(0, "Seed of torch (init of LoRA adapters, dead-neuron noise).")

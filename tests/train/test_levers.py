@@ -11,7 +11,7 @@ from sparsify.errors import SparsifyError
 from sparsify.train.config import SparsitySection
 from sparsify.train.objective import L1Control, StepStats
 from sparsify.train.preflight import load_recipe
-from tests.train.test_finetune import TRAIN_TEXT, VALID_TEXT, metrics, recipe_dict, tiny_silu  # noqa: F401 (a fixture)
+from tests.train.test_finetune import TRAIN_TEXT, VALID_TEXT, metrics, recipe_dict, tiny_silu, tokens  # noqa: F401 (fixtures)
 
 
 def test_mlp_distillation_trains_with_a_finite_logged_term_and_the_ood_headline(tiny_silu, tmp_path):
@@ -78,3 +78,61 @@ def test_a_gendata_folder_trains_beside_a_text_file_by_weight(tiny_silu, tmp_pat
     assert len(meta["sources"]) == 2
     data = TokenData(tmp_path / "run" / "data", 32, 0, [0.5, 0.5])
     assert data.n_train > 0 and (tmp_path / "run" / "model" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("towards", ["zero", "start"])
+def test_weight_decay_pulls_matrices_towards_zero_or_the_start_and_never_the_vectors(towards):
+    """With zero gradients Adam moves nothing, so one step is the decay alone: w <- w - lr * wd * (w - target), the
+    target zero (AdamW's own) or the weights when the optimizer was built (train.weight_decay_to=start); biases and
+    norms never decay."""
+    from sparsify.train.config import Recipe
+    from sparsify.train.distributed import Dist
+    from sparsify.train.model import build_optimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    recipe = Recipe()
+    recipe.train.lr, recipe.train.weight_decay, recipe.train.weight_decay_to, recipe.train.warmup_steps = \
+        0.1, 0.5, towards, 0
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    opt, _ = build_optimizer(model, recipe, total_steps=10, dist=Dist())
+    with torch.no_grad():  # moved away from the start after the optimizer exists, as training moves it
+        for p in model.parameters():
+            p.add_(1.0)
+    moved = {k: v.clone() for k, v in model.state_dict().items()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    after = model.state_dict()
+    target = start["0.weight"] if towards == "start" else torch.zeros_like(start["0.weight"])
+    torch.testing.assert_close(after["0.weight"], moved["0.weight"] - 0.1 * 0.5 * (moved["0.weight"] - target),
+                               rtol=0, atol=1e-6)
+    for name in ("0.bias", "1.weight", "1.bias"):
+        torch.testing.assert_close(after[name], moved[name], rtol=0, atol=0)
+
+
+def test_decay_to_start_trains_and_resumes_exactly(tiny_silu, tokens, tmp_path):
+    """train.weight_decay_to=start end to end: the start is the model folder's weights, rebuilt on --resume (it is
+    not in the checkpoint), so a run resumed from a middle checkpoint logs the same losses bitwise; and it is a
+    different run from the default decay towards zero."""
+    import shutil
+
+    from sparsify.train.finetune import finetune
+
+    def run(out, resume=False, to="start"):
+        finetune(load_recipe(recipe_dict(tiny_silu, out, keep=True, tokens=tokens, max_steps=8, save_every=4, log_every=2,
+                                         weight_decay=0.5), [f"train.weight_decay_to={to}"]),
+                 resume=resume, progress=False)
+        return [(m["step"], m.get("loss"), m.get("val_loss")) for m in metrics(out)]
+
+    out = tmp_path / "run"
+    ref = run(out)
+    zero = run(tmp_path / "zero", to="zero")
+    assert [s for s, *_ in zero] == [s for s, *_ in ref] and zero != ref
+    again = tmp_path / "again"
+    shutil.copytree(out, again)
+    for ckpt in (again / "checkpoints").iterdir():
+        if ckpt.name > "step-00000004":
+            shutil.rmtree(ckpt)
+    shutil.rmtree(again / "model")
+    assert run(again, resume=True) == ref
