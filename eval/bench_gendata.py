@@ -185,7 +185,8 @@ def measure(mode: str, model_arg: str, sizes: list[int], old_sizes: list[int], a
                       flush=True)
                 if device == "cuda":
                     torch.cuda.empty_cache()
-        meta = {"load_s": round(load_s, 1), "attention": fast.attention, "compile": fast.compile,
+        meta = {"load_s": round(load_s, 1), "attention": fast.attention, "loops": fast.loops,  # (this model's)
+                "captures": fast.captures, "compile": fast.compile,
                 "compile_error": fast.compile_error, "step_checks": fast.step_checks,
                 "max_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else None}
         return rows, meta

@@ -198,8 +198,9 @@ def test_bench_gendata_gqa_modes_smoke_on_cpu(tmp_path):
     for r in data["rows"]:
         assert r["tokens"] > 0 and r["served_by_graph_loop"] == (3 if r["path"] == "new" else 0), r
     assert data["meta"]["gqa_modes"] == ["fold", "enable_gqa"]
-    assert {m: g["attention"] for m, g in data["meta"]["per_gqa"].items()} == {
-        "fold": "sparsify_decode_sdpa", "enable_gqa": "sparsify_decode_sdpa"}
+    # each mode's model its own (a reused one would count the other mode's loops too): 2 sizes x 3 loop batches
+    assert {m: (g["attention"], g["loops"]) for m, g in data["meta"]["per_gqa"].items()} == {
+        "fold": ("sparsify_decode_sdpa", 6), "enable_gqa": ("sparsify_decode_sdpa", 6)}
     lines = [line for line in res.stdout.splitlines() if line.startswith(("| 2 |", "| 4 |"))]
     assert [line.split(" | ")[:2] for line in lines] == [["| 2", "fold"], ["| 2", "enable_gqa"], ["| 4", "fold"],
                                                          ["| 4", "enable_gqa"]]
