@@ -193,6 +193,8 @@ def measure(mode: str, model_arg: str, sizes: list[int], old_sizes: list[int], a
     finally:
         fd.GQA_DECODE = "fold"
         model = tok = fast = None  # freed (with its FastDecode: graphs, cache) before the next mode's model loads
+        if device == "cuda":
+            torch.compiler.reset()  # (dynamo's caches may hold the compiled step and so the model)
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
