@@ -8,7 +8,11 @@
 #   bash eval/h200_long.sh stage .carry/p1          (carry .carry/p1), then p2, p3, p4 (p4: raw text, for levers)
 #   bash eval/h200_threshold.sh gqa-bench           decode attention: transformers' repeat_kv vs the KV heads as they
 #                                                   are (eval/bench_gqa_decode.py; needs no staged input), ~2 min
-#   bash eval/h200_threshold.sh gendata-bench       gendata's tokens/s alone on the GPU (eval/bench_gendata.py), ~6 min
+#   bash eval/h200_threshold.sh gendata-bench       gendata's tokens/s alone on the GPU (eval/bench_gendata.py) per GQA
+#                                                   decode mode (GEN_BENCH_GQA, default fold,enable_gqa) and batch
+#                                                   size (GEN_BENCH_BATCHES, default 1024,2048,4096), the old path
+#                                                   only at GEN_BENCH_OLD's sizes (default none); after the sampler's
+#                                                   GPU test (up to 240 s), the bench up to GEN_BENCH_S (480 s)
 #   bash eval/h200_threshold.sh levers              detached: gendata (GEN_TOKENS) alone on the GPU, then the LEVERS
 #                                                   runs, the gendata mixture tokenised beside them, then the
 #                                                   GEN_LEVERS runs, then cloze
@@ -65,9 +69,11 @@ case "${1:-}" in
     mkdir -p "$OUT_DIR"
     PYTHONPATH=$PWD:$WORK/pydeps timeout 240 python -m pytest -q -ra -m gpu tests/kernels/test_fast_decode_gpu.py 2>&1 \
         | tee "$OUT_DIR/gpu-tests-sampling.log" | tail -4
-    PYTHONPATH=$PWD:$WORK/pydeps HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 timeout "${GEN_BENCH_S:-420}" python \
-        eval/bench_gendata.py --model "$WORK/smollm2.gguf" --batch-sizes "${GEN_BENCH_BATCHES:-256,1024,2048}" \
-        --old-batch-sizes 1024 --out "$OUT_DIR/gendata-bench" 2>&1 | tail -15
+    # GEN_BENCH_OLD: batch sizes (of GEN_BENCH_BATCHES) the old path also runs at; empty (the default): it is skipped
+    PYTHONPATH=$PWD:$WORK/pydeps HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 timeout "${GEN_BENCH_S:-480}" python \
+        eval/bench_gendata.py --model "$WORK/smollm2.gguf" --batch-sizes "${GEN_BENCH_BATCHES:-1024,2048,4096}" \
+        --gqa-modes "${GEN_BENCH_GQA:-fold,enable_gqa}" --old-batch-sizes "${GEN_BENCH_OLD-}" \
+        --out "$OUT_DIR/gendata-bench" 2>&1 | tail -22
     ;;
   gpu-tests)
     source eval/device_env.sh

@@ -181,6 +181,31 @@ def test_bench_gendata_smoke_on_cpu(tmp_path):
     assert "new / old" in res.stdout and (tmp_path / "gendata-bench.md").exists()
 
 
+def test_bench_gendata_gqa_modes_smoke_on_cpu(tmp_path):
+    """eval/bench_gendata.py --gqa-modes fold,enable_gqa on --cpu --tiny: the new path once per mode (a model of its
+    own each), the old path once (batch 2, GQA_DECODE fold), each row's `gqa` the mode kernels/fast_decode.py held
+    while it ran. tests/tiny.py's Llama is grouped-query (4 query heads, 2 KV heads), so both models decode through
+    decode_sdpa, where GQA_DECODE picks the kernel (per_gqa attention). What it covers: the flow per mode, the rows
+    and the table. Not which kernel ran: the modes agree up to summation order, and `gqa` is the constant as read
+    back after the batches; nor any speed (CPU, emulated graphs)."""
+    res = subprocess.run([sys.executable, str(ROOT / "eval" / "bench_gendata.py"), "--cpu", "--tiny", "--batches", "1",
+                          "--gqa-modes", "fold,enable_gqa", "--old-batch-sizes", "2", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    data = json.loads((tmp_path / "gendata-bench.json").read_text())
+    assert [(r["batch"], r["path"], r["gqa"]) for r in data["rows"]] == [
+        (2, "new", "fold"), (2, "old", "fold"), (4, "new", "fold"), (2, "new", "enable_gqa"), (4, "new", "enable_gqa")]
+    for r in data["rows"]:
+        assert r["tokens"] > 0 and r["served_by_graph_loop"] == (3 if r["path"] == "new" else 0), r
+    assert data["meta"]["gqa_modes"] == ["fold", "enable_gqa"]
+    # each mode's model its own (a reused one would count the other mode's loops too): 2 sizes x 3 loop batches
+    assert {m: (g["attention"], g["loops"]) for m, g in data["meta"]["per_gqa"].items()} == {
+        "fold": ("sparsify_decode_sdpa", 6), "enable_gqa": ("sparsify_decode_sdpa", 6)}
+    lines = [line for line in res.stdout.splitlines() if line.startswith(("| 2 |", "| 4 |"))]
+    assert [line.split(" | ")[:2] for line in lines] == [["| 2", "fold"], ["| 2", "enable_gqa"], ["| 4", "fold"],
+                                                         ["| 4", "enable_gqa"]]
+
+
 def test_bench_gqa_decode_smoke_on_cpu(tmp_path):
     """eval/bench_gqa_decode.py --smoke: the attention table (three modes, each equal to repeat_kv's output) and
     the step table (three models, the graph loop emulated) on a tiny GQA shape; JSON + table written."""
