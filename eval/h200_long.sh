@@ -117,6 +117,10 @@ EOF
 }
 
 case "${1:-}" in
+  inputs)  # assemble the staged parts now (GGUF, wheels, token folder, held-out text, converted model): for a
+    # mode that reads them without training first (h200_threshold.sh gendata-bench)
+    inputs
+    ;;
   stage)
     shift
     for d in "$@"; do cp -r "$d"/. "$WORK/in/"; done
@@ -284,7 +288,7 @@ case "${1:-}" in
     done
     [ -f "$WORK/gen/gendata.json" ] && cp "$WORK/gen/gendata.json" "$OUT/" || true
     ;;
-  *) echo "usage: $0 stage DIR... | train | sweep | gendata | prepare | levers | cloze | finish | detach MODE | wait [S]" >&2
+  *) echo "usage: $0 stage DIR... | inputs | train | sweep | gendata | prepare | levers | cloze | finish | detach MODE | wait [S]" >&2
      exit 2 ;;
 esac
 if [ -n "${PACK:-}" ]; then tar -cJf "$PACK/results.tar.xz" -C "$OUT" . && ls -la "$PACK"; fi

@@ -65,8 +65,10 @@ case "${1:-}" in
     ;;
   gendata-bench)  # gendata's tokens/s alone on the GPU: the graph-loop sampler against transformers' loop, after the
     # GPU test of that sampler (seeded, draws from the nucleus: tests/kernels/test_fast_decode_gpu.py)
-    source eval/device_env.sh
     mkdir -p "$OUT_DIR"
+    bash eval/h200_long.sh inputs > "$OUT_DIR/inputs.log" 2>&1 || { echo "assembling the staged parts failed (stage \
+.carry/p1..p3 first): $OUT_DIR/inputs.log" >&2; exit 2; }
+    source eval/device_env.sh
     PYTHONPATH=$PWD:$WORK/pydeps timeout 240 python -m pytest -q -ra -m gpu tests/kernels/test_fast_decode_gpu.py 2>&1 \
         | tee "$OUT_DIR/gpu-tests-sampling.log" | tail -4
     # GEN_BENCH_OLD: batch sizes (of GEN_BENCH_BATCHES) the old path also runs at; empty (the default): it is skipped
