@@ -136,3 +136,28 @@ def test_decay_to_start_trains_and_resumes_exactly(tiny_silu, tokens, tmp_path):
             shutil.rmtree(ckpt)
     shutil.rmtree(again / "model")
     assert run(again, resume=True) == ref
+
+
+@pytest.mark.slow
+def test_decay_to_start_under_fsdp2_matches_one_process(tiny_silu, tmp_path):
+    """FSDP2 shards the matrices (DTensors): the start copy is sharded with them and the pull is the same, so two
+    gloo ranks with batch 1 each log the losses of one process with batch 2 (float sums in another order)."""
+    import yaml
+
+    from tests.train.test_finetune import assert_same_run, cli, torchrun
+
+    runs = {}
+    for mode in ("one", "fsdp"):
+        out = tmp_path / mode
+        train = {"max_steps": 12, "save_every": 0, "weight_decay": 0.5, "weight_decay_to": "start"}
+        train |= {"batch_size": 1, "distributed": "fsdp"} if mode == "fsdp" else {}
+        path = tmp_path / f"{mode}.yaml"
+        path.write_text(yaml.safe_dump(recipe_dict(tiny_silu, out, **train)))
+        if mode == "fsdp":
+            torchrun(path)
+        else:
+            proc = cli(["finetune", str(path), "--no-progress"])
+            log, _ = proc.communicate(timeout=600)
+            assert proc.returncode == 0, log
+        runs[mode] = metrics(out)
+    assert_same_run(runs["one"], runs["fsdp"], rel=1e-5)
