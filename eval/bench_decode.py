@@ -24,6 +24,7 @@ bf16. Per case:
                        compacted K2 above M = 16)
        chunked         K1 (32-column decode tiles) + updown_decode_chunked (no d-length registers), M <= 16
        routed          twell_ffn_triton: what twell_ffn(backend="twell") and auto's twell path run
+       fused           twell_ffn_decode_fused (M = 1 only): K1's GEMV and K2 in one launch, not routed yet
   3. measured zeros and the union U of neurons active in some row.
 --sweep-chunked: updown_decode_chunked's E, d chunk, warps and SPLIT on six cases at 90% zeros, beside dense
 and the split K2. --no-grid runs only the sweep:
@@ -101,6 +102,8 @@ def case_fns(tt, ffn_dense, x, w_gate, w_up, w_down, w_down_t, split: bool = Tru
         fns["split"] = lambda: split_path(tt, x, w_gate, w_up, w_down_t)
     if x.shape[0] <= 16:  # decode tiles (T = S = 32) up to M = 16: the chunked K2's precondition
         fns["chunked"] = lambda: tu.updown_decode_chunked(x, tt.gate_pack(x, w_gate), w_up, w_down_t)
+    if x.shape[0] == 1:  # K1's GEMV and K2 in one launch (not routed yet): each row streams W_gate once
+        fns["fused"] = lambda: tu.twell_ffn_decode_fused(x, w_gate, w_up, w_down_t)
     return fns
 
 
@@ -337,9 +340,9 @@ def compile_report(out_dir: Path) -> list[dict]:
         k2 = tu.k2_config(1, d)
         nt = -(-f // 32)
         types = {**bf16, "cnt_ptr": "*i32", "col_ptr": "*i32", "val_ptr": "*i32", "out_ptr": "*fp32",
-                 "sj_ptr": "*i32", "sg_ptr": "*i32"}
+                 "sj_ptr": "*i32", "sg_ptr": "*i32", "th_ptr": "*fp32"}
         const = dict(T=32, S=32, NT_PAD=triton.next_power_of_2(nt), BLOCK_D=triton.next_power_of_2(d), E=k2["E"],
-                     SPLIT=k2["SPLIT"], ENT=1, COMPACT=False)
+                     SPLIT=k2["SPLIT"], ENT=1, COMPACT=False, HAS_THETA=False, RND=0)
         div = ptr16 | {n for n, v in (("D", d), ("F", f), ("NT", nt), ("stride_xm", d), ("stride_om", d)) if v % 16 == 0}
         row = {"d": d, "F": f, "kernel": "split K2 decode (_k2_updown, M <= 16)", "E": k2["E"],
                **compile_usage(tu._k2_updown, types, const, k2["num_warps"], 3, div)}
@@ -352,6 +355,17 @@ def compile_report(out_dir: Path) -> list[dict]:
         row = {"d": d, "F": f, "kernel": "chunked K2 decode (_k2_dec_chunked, M <= 16)", "E": 4,
                **compile_usage(tu._k2_dec_chunked, chunk_types, dict(T=32, S=32, NT_PAD=triton.next_power_of_2(nt),
                                BD=min(1024, triton.next_power_of_2(d)), E=4, SPLIT=128, ENT=1), 4, 3, cdiv)}
+        rows.append(row)
+        print(row, flush=True)
+        fcfg = tu.FUSED_DEFAULT
+        fused_types = {**bf16, "th_ptr": "*fp32", "out_ptr": "*fp32"}
+        fdiv = (ptr16 | {"th_ptr"}) | {n for n, v in (("D", d), ("F", f), ("stride_xm", d), ("stride_om", d))
+                                       if v % 16 == 0}
+        row = {"d": d, "F": f, "M": 1, "kernel": "fused decode FFN (_k12_decode, K1 GEMV + K2)", "E": fcfg["E"],
+               **compile_usage(tu._k12_decode, fused_types, dict(
+                   T=fcfg["T"], BLOCK_K=fcfg["BLOCK_K"], E=fcfg["E"], BD=min(fcfg["BD"], triton.next_power_of_2(d)),
+                   EVEN_K=d % fcfg["BLOCK_K"] == 0, EVEN_N=f % fcfg["T"] == 0, HAS_THETA=False, RND=0, GQ=1),
+                   fcfg["num_warps"], 3, fdiv)}
         rows.append(row)
         print(row, flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -375,7 +389,7 @@ def row_line(r: dict) -> str:
     ms, x = r.get("ms", {}), r.get("x", {})
     cells = [f"{r['d']}x{r['F']}", str(r["M"]), f"{r['zeros']:.2f}", f"{r['measured_zeros']:.3f}",
              f"{r['union_frac']:.3f}", fmt(ms.get("dense"), ".4f", ""),
-             *(f"{fmt(ms.get(k), '.4f', '')} ({fmt(x.get(k))})" for k in ("routed", "split", "chunked")),
+             *(f"{fmt(ms.get(k), '.4f', '')} ({fmt(x.get(k))})" for k in ("routed", "split", "chunked", "fused")),
              "-" if "noise" not in r else f"{r['noise'][0]:.2f}-{r['noise'][2]:.2f}",
              fmt(r.get("GBps_dense"), ".0f", ""),
              f"{r['rel_err'].get('routed', float('nan')):.1e} / {r['rel_err'].get('dense', float('nan')):.1e}"]
@@ -386,14 +400,14 @@ def row_line(r: dict) -> str:
 
 
 HEADER = ("| d x F | M | zeros | measured | union U/F | dense ms | routed ms (x) | split ms (x) | chunked ms (x) | "
-          "dense/dense | dense GB/s | rel err routed / dense bf16 |\n" + "|---" * 12 + "|")
+          "fused ms (x) | dense/dense | dense GB/s | rel err routed / dense bf16 |\n" + "|---" * 13 + "|")
 
 
 def ratio_tables(rows: list[dict]) -> list[str]:
     """dense / fn per (shape, zeros) x M, one table per function."""
     lines = []
     ms = sorted({r["M"] for r in rows})
-    for fn in ("routed", "split", "chunked"):
+    for fn in ("routed", "split", "chunked", "fused"):
         if not any(fn in r.get("x", {}) for r in rows):
             continue
         lines += [f"dense / {fn} ({rows[0].get('timing')}, skewed, {rows[0].get('dtype')}; > 1 = faster than dense)",

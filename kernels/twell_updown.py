@@ -11,6 +11,11 @@ NT = ceil(F / T), E = gathered rows per chunk, K = kept entries of a row.
 - `_k2_dec_chunked` (decode at M = 1, and at d >= DECODE_CHUNKED_MIN_D): d in chunks through an [M, K]
   scratch, so nothing of length d stays in registers (the split `_k2_updown` spills at d = 8192). Its
   tiles cannot overflow (S >= T), so a threshold is all in K1's packing.
+- `_k12_decode` (twell_ffn_decode_fused, decode rows one by one; not routed yet): K1's GEMV and K2 in one
+  launch. Program (tile, row) computes its T gate values as `_k1_gemv` does, keeps the ones K1 packs, and goes
+  straight on with them (up row dot x, then h times the W_down^T row added into the fp32 output with atomics,
+  as `_k2_dec_chunked` sums them) while the other tiles still stream W_gate: no packing round trip, no second
+  launch waiting for the slowest tile (K2's latency was 17-27% of dense's time at M = 1, kernels/NOTES.md).
 """
 
 from __future__ import annotations
@@ -18,8 +23,8 @@ from __future__ import annotations
 import torch
 
 from .twell_reference import TwellPacked
-from .twell_triton import (ENT_CODES, DEFAULT_VARIANT, HAS_TRITON, gate_pack, next_pow2, require_triton, split_variant,
-                           theta_args, tl, triton)
+from .twell_triton import (ENT_CODES, DEFAULT_VARIANT, HAS_TRITON, default_entries, gate_pack, next_pow2,
+                           require_triton, split_variant, theta_args, tl, triton)
 
 # A decode K2 (M <= K2_SPLIT_MAX_M) runs chunked at M <= DECODE_CHUNKED_MAX_M, and at every decode M from
 # d = DECODE_CHUNKED_MIN_D on, where the split _k2_updown spills (the chunked-K2 sweep, kernels/NOTES.md)
@@ -54,7 +59,7 @@ def _sm_count(device: torch.device) -> int:
 
 
 if HAS_TRITON:
-    from .twell_triton import _in_dtype, unpack_value
+    from .twell_triton import _active, _in_dtype, unpack_value
 
     @triton.jit
     def _k2_entries(col_ptr, val_ptr, row, NT, S: tl.constexpr, p, K, cum, start, tiles,
@@ -227,6 +232,70 @@ if HAS_TRITON:
                 tl.atomic_add(out_ptr + row * stride_om + d0 + offs, acc, mask=d_ok)
 
 
+    @triton.jit
+    def _k12_decode(
+        x_ptr, wg_ptr, wu_ptr, wdt_ptr, th_ptr, out_ptr, F, D, stride_xm, stride_om,
+        T: tl.constexpr, BLOCK_K: tl.constexpr, E: tl.constexpr, BD: tl.constexpr, EVEN_K: tl.constexpr,
+        EVEN_N: tl.constexpr, HAS_THETA: tl.constexpr, RND: tl.constexpr, GQ: tl.constexpr,
+    ):
+        """K1 and K2 of one row in one program per (tile, row), twell_ffn_decode_fused. The gate: _k1_gemv's
+        loop (acc [T, BLOCK_K] of fp32 products, summed once); kept: _active, as K1 decides; g as K2 reads it
+        from K1's entries (GQ: rounded to x's dtype, as the packed words hold it). Then the tile's kept neurons,
+        E at a time in rank order: u = W_up[j] . x over d in BD chunks (the chunked K2's order), h = g u, and
+        out[row] += sum_e h_e W_down^T[j_e] per BD chunk (one fp32 atomic add per chunk and E neurons). A tile
+        with nothing kept adds nothing."""
+        pid_n = tl.program_id(0)
+        row = tl.program_id(1).to(tl.int64)
+        offs_n = pid_n * T + tl.arange(0, T)  # [T]
+        n_ok = offs_n < F
+        offs_k = tl.arange(0, BLOCK_K)
+        x_row = x_ptr + row * stride_xm
+        w_ptrs = wg_ptr + offs_n.to(tl.int64)[:, None] * D + offs_k[None, :]  # [T, BK]
+        acc = tl.zeros([T, BLOCK_K], dtype=tl.float32)
+        for k in range(0, tl.cdiv(D, BLOCK_K)):
+            if EVEN_K and EVEN_N:
+                w = tl.load(w_ptrs)
+                xk = tl.load(x_row + k * BLOCK_K + offs_k)
+            else:
+                k_ok = offs_k < D - k * BLOCK_K
+                w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                xk = tl.load(x_row + k * BLOCK_K + offs_k, mask=k_ok, other=0.0)
+            acc += w.to(tl.float32) * xk.to(tl.float32)[None, :]
+            w_ptrs += BLOCK_K
+        g = tl.sum(acc, 1)  # [T]
+        offs_m = tl.arange(0, 2)
+        m_ok = offs_m < 1  # (two rows, row 1 masked: no size-1 block dimension)
+        act2 = _active(tl.where(m_ok[:, None], g[None, :], 0.0), th_ptr, offs_n, n_ok, HAS_THETA, RND) \
+            & m_ok[:, None]
+        act_i = tl.sum(act2.to(tl.int32), 0)  # [T] 0 / 1
+        active = act_i > 0
+        rank = tl.cumsum(act_i, 0) - 1  # [T] rank among the tile's kept neurons
+        n_act = tl.sum(act_i, 0)
+        gq = _in_dtype(g, GQ)  # [T] the value K2 multiplies with
+        lane = tl.arange(0, E)
+        offs_d = tl.arange(0, BD)
+        out_row = out_ptr + row * stride_om
+        for k0 in range(0, n_act, E):
+            slot = k0 + lane  # [E]
+            p_ok = slot < n_act
+            sel = (rank[None, :] == slot[:, None]) & active[None, :]  # [E, T]: one column per live slot
+            j = tl.sum(tl.where(sel, offs_n[None, :], 0), 1).to(tl.int64)  # [E]
+            gj = tl.sum(tl.where(sel, gq[None, :], 0.0), 1)  # [E]
+            u = tl.zeros([E], dtype=tl.float32)
+            for d0 in range(0, D, BD):
+                d_ok = d0 + offs_d < D
+                xc = tl.load(x_row + d0 + offs_d, mask=d_ok, other=0.0).to(tl.float32)  # [BD]
+                wu = tl.load(wu_ptr + j[:, None] * D + (d0 + offs_d)[None, :], mask=p_ok[:, None] & d_ok[None, :],
+                             other=0.0)  # [E, BD]
+                u += tl.sum(wu.to(tl.float32) * xc[None, :], 1)
+            h = gj * u  # [E] (0 on dead slots: their loads were masked)
+            for d0 in range(0, D, BD):
+                d_ok = d0 + offs_d < D
+                wd = tl.load(wdt_ptr + j[:, None] * D + (d0 + offs_d)[None, :], mask=p_ok[:, None] & d_ok[None, :],
+                             other=0.0)  # [E, BD]
+                tl.atomic_add(out_row + d0 + offs_d, tl.sum(h[:, None] * wd.to(tl.float32), 0), mask=d_ok)
+
+
 def k2_config(m: int, d: int) -> dict:
     """E rows per gather chunk (the round-1 and K2 sweeps' pick: larger E spills), warps, and decode split."""
     bd = next_pow2(d)
@@ -318,6 +387,37 @@ def updown_decode_chunked(
         ENT=ENT_CODES[packed.entries], num_warps=num_warps,
     )
     return out.to(x2d.dtype)
+
+
+FUSED_DEFAULT = dict(T=32, BLOCK_K=256, E=4, BD=1024, num_warps=4)  # T, BLOCK_K: the GEMV K1's; E, BD: K2's
+
+
+def twell_ffn_decode_fused(
+    x2d: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down_t: torch.Tensor,
+    threshold: torch.Tensor | None = None, *, fp32_out: bool = False, **overrides,
+) -> torch.Tensor:
+    """The sparse FFN of decode rows in one launch (_k12_decode): K1's gate GEMV and K2's up/down per tile, no
+    TwELL packing in between. -> [M, d] in x2d's dtype (fp32_out: the float32 sums before that cast); the same
+    kept neurons as gate_pack (with `threshold` theta [F] float32: g rounded to x2d's dtype > theta_j) and the
+    same h as K2 reads from the packing; the output sums in another fp32 order (atomics). Each row streams
+    W_gate once: meant for M = 1 (at M > 1 the rows' programs share W_gate through L2 only). overrides: T,
+    BLOCK_K, E, BD, num_warps, num_stages."""
+    require_triton()
+    m, d = x2d.shape
+    f = w_gate.shape[0]
+    for name, t in (("x2d", x2d), ("w_gate", w_gate), ("w_up", w_up), ("w_down_t", w_down_t)):
+        if t.stride(-1) != 1 or (t is not x2d and t.stride(0) != d):
+            raise ValueError(f"{name} must be contiguous [.., {d}] (strides {tuple(t.stride())})")
+    cfg = {**FUSED_DEFAULT, **overrides}
+    t, bk, bd = cfg.pop("T"), min(cfg.pop("BLOCK_K"), next_pow2(d)), min(cfg.pop("BD"), next_pow2(d))
+    out = torch.zeros(m, d, dtype=torch.float32, device=x2d.device)
+    th = theta_args(x2d, threshold)
+    _k12_decode[(-(-f // t), m)](
+        x2d, w_gate, w_up, w_down_t, th["th_ptr"], out, f, d, x2d.stride(0), out.stride(0),
+        T=t, BLOCK_K=bk, BD=bd, EVEN_K=(d % bk == 0), EVEN_N=(f % t == 0), HAS_THETA=th["HAS_THETA"],
+        RND=th["RND"], GQ=ENT_CODES[default_entries(x2d.dtype)], **cfg,
+    )
+    return out if fp32_out else out.to(x2d.dtype)
 
 
 def twell_ffn_triton(

@@ -27,9 +27,11 @@ def test_bench_decode_smoke_on_cpu(tmp_path):
     assert [r["M"] for r in rows] == [1, 20]
     for r in rows:
         assert "errors" not in r and "bad" not in r, r
-        assert set(r["ms"]) == {"dense", "dense_b", "routed", "split"} | ({"chunked"} if r["M"] <= 16 else set())
+        assert set(r["ms"]) == {"dense", "dense_b", "routed", "split"} | ({"chunked"} if r["M"] <= 16 else set()) \
+            | ({"fused"} if r["M"] == 1 else set())
         assert r["rel_err"]["routed"] < 1e-5 and 0 < r["union_frac"] < 1, r["rel_err"]
-    assert "dense / routed" in res.stdout and (tmp_path / "decode-bench.md").exists()
+    assert rows[0]["rel_err"]["fused"] < 1e-5
+    assert "dense / routed" in res.stdout and "dense / fused" in res.stdout and (tmp_path / "decode-bench.md").exists()
 
 
 def test_bench_decode_k1_sweep_smoke_on_cpu(tmp_path):

@@ -203,6 +203,28 @@ def test_decode_paths_with_theta(m):
     assert torch.equal(tu.twell_ffn_triton(x, wg, wu, wdt, threshold=zero), tu.twell_ffn_triton(x, wg, wu, wdt))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_decode_ffn_keeps_exactly_the_gates_above_theta(dtype):
+    """The fused decode FFN (K1's GEMV and K2 in one launch) with theta: exact dyadic gates, so it must keep
+    the oracle's columns, including thetas equal to a gate (cut) and, in bf16, between g and its rounding
+    (decided on the rounded value); theta = 0 gives the relu output bit for bit; a blind kernel would be far off."""
+    x, wg, wu, wd = dyadic_case(1, 48, 200, seed=10, dtype=dtype)
+    g, g_dt = gate_as(x, wg)
+    th = make_theta(g, g_dt, scale=0.3)
+    if dtype == torch.bfloat16:
+        assert midpoints(g, g_dt, th) >= 10
+    wdt = ref.transpose_down(wd)
+    sums = tu.twell_ffn_decode_fused(x, wg, wu, wdt, threshold=th, BLOCK_K=16, BD=16, fp32_out=True)
+    packed = tt.gate_pack(x, wg, variant="gemv", threshold=th)
+    expect_pack(packed, g_dt, th)  # the columns K1 keeps are the oracle's
+    want = ref.twell_updown_reference(x.float(), packed, wg.float(), wu.float(), wd.float())
+    assert_close(sums, want, what=f"fused theta {dtype}", **FP32)
+    relu = tu.twell_ffn_decode_fused(x, wg, wu, wdt, fp32_out=True, BLOCK_K=16, BD=16)
+    zero = tu.twell_ffn_decode_fused(x, wg, wu, wdt, threshold=torch.zeros(200), fp32_out=True, BLOCK_K=16, BD=16)
+    assert torch.equal(zero, relu)
+    assert (relu - want).abs().max() > 10 * (sums - want).abs().max() + 1e-3
+
+
 def test_theta_zero_is_relu_bit_for_bit_in_the_kernels():
     """theta = 0 through K1 (r5, r6) and K2 (overflowing tiles) gives exactly the relu path's packing and
     output (fp32 and fp16; no gate value here rounds to zero in fp16)."""

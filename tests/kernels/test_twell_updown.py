@@ -128,6 +128,56 @@ def test_decode_k2_routes_to_chunked_from_its_d():
         assert torch.equal(tu.updown(x, packed, wg, wu, wdt, E=4), tu.updown(x, packed, wg, wu, wdt, chunked=False, E=4))
 
 
+# ------------------------------------------------- fused decode FFN: K1's GEMV and K2 in one launch
+@pytest.mark.parametrize("m, d, f, bk, bd", [(1, 80, 200, 32, 32), (1, 64, 96, 64, 64), (3, 96, 130, 64, 32)])
+@pytest.mark.parametrize("zeros", [0.0, 0.9, 0.99, 1.0])
+def test_fused_decode_ffn_matches_the_oracle_and_k1_k2(m, d, f, bk, bd, zeros):
+    """d over several chunks (not a multiple of BD or BLOCK_K), F not a multiple of the tile (and both
+    multiples: the unmasked loop), every neuron kept (0% zeros: 32 per tile, E = 4 at a time), none kept
+    (100%), an all-zero row; fp32 against the oracle and against K1 + K2 (twell_ffn_triton)."""
+    x, wg, wu, wd = make_case(m, d, f, zeros, seed=11)
+    if m > 1:
+        x[-1] = 0.0
+    wdt = transpose_down(wd)
+    out = tu.twell_ffn_decode_fused(x, wg, wu, wdt, BLOCK_K=bk, BD=bd, E=4)
+    assert out.dtype == torch.float32 and out.shape == (m, d)
+    want = ref.ffn_reference(x, wg, wu, wd)
+    assert_close(out, want, what=f"fused m={m} d={d} f={f} zeros={zeros}", **FP32)
+    assert_close(out, tu.twell_ffn_triton(x, wg, wu, wdt), what=f"fused vs K1+K2 m={m}", **FP32)
+    if m > 1:
+        assert torch.equal(out[-1], torch.zeros(d))
+    if zeros == 1.0:
+        assert torch.equal(out, torch.zeros(m, d))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_fused_decode_ffn_16bit_uses_the_gate_k2_reads(dtype):
+    """16-bit x: h = g * u with g rounded to x's dtype, as K2 reads it from K1's packed words. The float32 sums
+    (fp32_out) equal the K2 oracle on the GEMV K1's packing to fp32 rounding, far closer than g's own 16-bit
+    rounding (which the fp32-gate oracle differs by); the 16-bit output agrees with K1 + K2
+    (twell_ffn_triton's M = 1 route) to the output's rounding."""
+    x, wg, wu, wd = (t.to(dtype) for t in make_case(1, 64, 160, 0.9, seed=12))
+    wdt = transpose_down(wd)
+    sums = tu.twell_ffn_decode_fused(x, wg, wu, wdt, BD=32, BLOCK_K=32, fp32_out=True)
+    assert sums.dtype == torch.float32
+    packed = tt.gate_pack(x, wg, variant="gemv")
+    oracle = ref.twell_updown_reference(x.float(), packed, wg.float(), wu.float(), wd.float())  # g as packed
+    fp32_gate = ref.ffn_reference(x, wg, wu, wd)  # g unrounded
+    scale = oracle.abs().max().item()
+    assert (fp32_gate - oracle).abs().max().item() > 50 * 1e-6 * scale  # the rounding of g shows at this scale
+    assert_close(sums, oracle, what=f"fused sums {dtype}", rtol=1e-5, atol=1e-6 * scale)
+    out = tu.twell_ffn_decode_fused(x, wg, wu, wdt, BD=32, BLOCK_K=32)
+    assert out.dtype == dtype and torch.equal(out, sums.to(dtype))
+    assert_close(out.float(), tu.twell_ffn_triton(x, wg, wu, wdt).float(), what=f"fused vs K1+K2 {dtype}",
+                 rtol=2.0**-7, atol=1e-3 * scale)
+
+
+def test_fused_decode_ffn_refuses_strided_weights():
+    x, wg, wu, wd = make_case(1, 40, 64, 0.9, seed=13)
+    with pytest.raises(ValueError, match="w_down_t must be contiguous"):
+        tu.twell_ffn_decode_fused(x, wg, wu, wd.t())  # W_down^T as a view, not the [F, d] copy
+
+
 def test_k2_decode_chunked_refuses_tiles_that_can_overflow():
     x, wg, wu, wd = make_case(2, 40, 300, 0.9, seed=8)
     packed = tt.gate_pack(x, wg, BLOCK_M=32, T=64, S=8)
@@ -161,3 +211,23 @@ def test_gpu_fallback_variant(m, d, f):
     x, wg, wu, wd = make_case(m, d, f, 0.99, seed=26, dtype=torch.bfloat16, device="cuda")
     got = tu.twell_ffn_triton(x, wg, wu, transpose_down(wd), variant="r5c")
     bf16_rule(got, x, wg, wu, wd, f"gpu r5c {m}x{d}x{f}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d, f", [(2048, 8192), (4096, 14336), (8192, 28672)])
+def test_gpu_fused_decode_ffn_matches_oracle(dtype, d, f):
+    """The fused decode FFN at M = 1 on the three decode shapes within the low-precision rule, at 95.7% and 0%
+    zeros (every neuron kept: the E-at-a-time loop at its longest), the default launch; also under a CUDA graph
+    (its zero-fill, kernel and cast replayed)."""
+    for zeros in (0.957, 0.0):
+        x, wg, wu, wd = make_case(1, d, f, zeros, seed=48, dtype=dtype, device="cuda")
+        wdt = transpose_down(wd)
+        got = tu.twell_ffn_decode_fused(x, wg, wu, wdt)
+        bf16_rule(got, x, wg, wu, wd, f"gpu fused {dtype} {d}x{f} zeros={zeros}")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tu.twell_ffn_decode_fused(x, wg, wu, wdt)
+    graph.replay()
+    torch.cuda.synchronize()
+    bf16_rule(out, x, wg, wu, wd, f"gpu fused graph {dtype} {d}x{f}")
