@@ -37,6 +37,9 @@ GEMV-shaped K1, variant "gemv", at M = 1), and the chunked
 K2 on a packed input; then the whole FFN with each K1 config (that K1 + the chunked K2). The table line per
 case gives every K1 config's rate as cuBLAS gate GEMV time / K1 time:
   PYTHONPATH=$PWD python eval/bench_decode.py --no-grid --sweep-k1 --out $OUT/k1dec
+--sweep-fused: twell_ffn_decode_fused (K1's GEMV and K2 in one launch) under FUSED's launch configs at M = 1 on
+the three large shapes, 95.7% zeros, beside the routed K1 + K2 and the cuBLAS gate GEMV alone:
+  PYTHONPATH=$PWD python eval/bench_decode.py --no-grid --sweep-fused --out $OUT/fused
 Writes DIR/decode-bench.json and DIR/decode-bench.md; prints the ratio tables last.
 """
 
@@ -85,6 +88,12 @@ K1_DECODE = {"k1": {}, "k1-k64": {"BLOCK_K": 64}, "k1-k256": {"BLOCK_K": 256}, "
              "k1-gemv": {"variant": "gemv"}, "k1-gemv-k128": {"variant": "gemv", "BLOCK_K": 128},
              "k1-gemv-w8": {"variant": "gemv", "num_warps": 8},
              "k1-gemv-k64s6": {"variant": "gemv", "BLOCK_K": 64, "num_stages": 6}}
+# --sweep-fused: twell_ffn_decode_fused's launch (FUSED_DEFAULT overridden) at M = 1, 95.7% zeros, beside the routed
+# K1 + K2 (what auto runs) and the cuBLAS gate GEMV alone (the rate its W_gate stream could reach)
+FUSED_CASES = [(4096, 14336, 1, 0.957), (2048, 8192, 1, 0.957), (8192, 28672, 1, 0.957)]
+FUSED = {"f-default": {}, "f-E2": {"E": 2}, "f-E8": {"E": 8}, "f-BD512": {"BD": 512}, "f-BD2048": {"BD": 2048},
+         "f-w8": {"num_warps": 8}, "f-k128": {"BLOCK_K": 128}, "f-T64k128": {"T": 64, "BLOCK_K": 128},
+         "f-T16": {"T": 16}, "f-s2": {"num_stages": 2}, "f-s4": {"num_stages": 4}, "f-T16w2": {"T": 16, "num_warps": 2}}
 PART = "part:"  # a sweep function that is a piece of the FFN: timed, not checked against the FFN's output
 
 # ----------------------------------------------------------------------------------------- functions
@@ -229,6 +238,16 @@ def k1_variants(tt, x, layer, w_down_t) -> dict:
     for name, cfg in K1_DECODE.items():
         fns[f"{PART}{name}"] = lambda cfg=cfg: tt.gate_pack(x, w_gate, **cfg)
         fns[name] = lambda cfg=cfg: tu.updown_decode_chunked(x, tt.gate_pack(x, w_gate, **cfg), w_up, w_down_t)
+    return fns
+
+
+def fused_variants(tt, x, layer, w_down_t) -> dict:
+    """--sweep-fused: the fused decode FFN under FUSED's launches, the routed K1 + K2 and the gate GEMV (a part)."""
+    w_gate, w_up = layer[0], layer[1]
+    fns = {f"{PART}gate-gemv": lambda: torch.nn.functional.linear(x, w_gate),
+           "routed": lambda: tu.twell_ffn_triton(x, w_gate, w_up, w_down_t)}
+    for name, cfg in FUSED.items():
+        fns[name] = lambda cfg=cfg: tu.twell_ffn_decode_fused(x, w_gate, w_up, w_down_t, **cfg)
     return fns
 
 
@@ -452,6 +471,8 @@ def parse_args(argv=None):
                    help="then time updown_decode_chunked configs (CHUNKED) beside K1 + K2 on 6 cases")
     p.add_argument("--sweep-k1", action="store_true",
                    help="then time the decode K1 configs (K1_DECODE) and the FFN's parts on 4 cases at 95.7%% zeros")
+    p.add_argument("--sweep-fused", action="store_true",
+                   help="the fused decode FFN's launch configs at M = 1, 95.7%% zeros, beside the routed K1 + K2")
     p.add_argument("--sweep-budget-s", type=float, default=60, help="wall time of each sweep")
     p.add_argument("--no-grid", action="store_true", help="skip the grid (run only the sweeps asked for)")
     p.add_argument("--compile-report", action="store_true", help="only: registers/spills of the sm_90 builds")
@@ -523,7 +544,8 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
     sweep = []
     sweeps = ((args.sweep_chunked, "sweep_chunked", CHUNKED_CASES, chunked_variants),
-              (args.sweep_k1, "sweep_k1", K1_CASES, k1_variants))
+              (args.sweep_k1, "sweep_k1", K1_CASES, k1_variants),
+              (args.sweep_fused, "sweep_fused", FUSED_CASES, fused_variants))
     for on, name, cases, variants in sweeps:
         if on and not cuda:  # the interpreter: one tiny case, so that the code path runs on CPU
             cases = [(32, 160, 1, 0.9)]

@@ -52,6 +52,21 @@ def test_bench_decode_k1_sweep_smoke_on_cpu(tmp_path):
     assert "K1 rate vs the cuBLAS gate GEMV" in (tmp_path / "decode-bench.md").read_text()
 
 
+def test_bench_decode_fused_sweep_smoke_on_cpu(tmp_path):
+    """--sweep-fused on its tiny CPU case: every launch config of the fused decode FFN and the routed K1 + K2 match
+    the fp32 reference; the gate GEMV is a part (timed, not checked)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    res = subprocess.run([sys.executable, str(ROOT / "eval" / "bench_decode.py"), "--smoke", "--no-grid",
+                          "--sweep-fused", "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=400)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    (row,) = json.loads((tmp_path / "decode-bench.json").read_text())["sweep"]
+    assert row["sweep"] == "sweep_fused" and not row["errors"], row["errors"]
+    configs = {k for k in row["rel_err"] if k.startswith("f-")}
+    assert len(configs) >= 10 and "f-default" in configs and set(row["rel_err"]) == configs | {"routed"}
+    assert all(e < 1e-5 for e in row["rel_err"].values()), row["rel_err"]
+    assert set(row["ms"]) == {"dense", "part:gate-gemv"} | set(row["rel_err"])
+
+
 def run_sweep_smoke(script: str, out: Path) -> dict:
     """One of the round-6 sweep scripts on its tiny CPU case; its first JSON row."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
