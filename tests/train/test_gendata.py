@@ -214,3 +214,70 @@ def test_the_fast_sampling_loop_samples_gendata_and_a_killed_run_continues_it(eo
     gd._sample(s, gd._open_work(work_dir(out), s), 0, 0, "cpu", False)
     gendata(eos_model, out, tokens=300, seq_len=40, batch_size=4, seed=5, device="cpu", progress=False)
     assert rows_of(out) == rows_of(a)
+
+
+def test_batch_size_defaults_to_8_on_the_cpu_and_an_unfinished_runs_own(model, tmp_path, capsys):
+    """No --batch-size: 8 on the CPU (recorded in gendata.json and printed), and a run continued without one takes
+    the batch size it started with (not the default: other batches would be other text)."""
+    from sparsify.cli import main as cli_main
+    from sparsify.train import gendata as gd
+
+    assert cli_main(["gendata", str(model), "-o", str(tmp_path / "d"), "--tokens", "20", "--seq-len", "4",
+                     "--device", "cpu", "-q"]) == 0
+    assert json.loads((tmp_path / "d" / "gendata.json").read_text())["settings"]["batch_size"] == gd.CPU_BATCH
+    assert "(batch size 8)" in capsys.readouterr().out
+    out = tmp_path / "more"
+    started = gd.GenSettings(str(model), 64, seq_len=8, batch_size=3)
+    gd._sample(started, gd._open_work(work_dir(out), started), 0, 0, "cpu", False)  # a run stopped early
+    gendata(model, out, tokens=50, seq_len=8, device="cpu", progress=False)  # continued without --batch-size
+    assert json.loads((out / "gendata.json").read_text())["settings"]["batch_size"] == 3
+
+
+def test_auto_batch_size_is_the_largest_power_of_two_whose_cache_fits():
+    """KV cache per row = layers x 2 x KV heads x head dim x positions x element size, + 3 fp32 vocabularies;
+    half the memory less the weights; powers of two from 1024 down to 8."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from sparsify.train.gendata import auto_batch_size
+
+    config = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2)
+    m = LlamaForCausalLM(config).to(torch.bfloat16)
+    weights = sum(p.numel() * 2 for p in m.parameters())
+    per_row = 3 * 2 * 2 * 16 * (100 + 1) * 2 + 3 * 4 * 1000  # head dim 64 / 4 = 16, seq_len 100
+    for rows in (1024, 256, 8):
+        fits = 2 * (weights + rows * per_row)
+        assert auto_batch_size(m, 100, False, total_memory=fits) == rows
+        assert auto_batch_size(m, 100, False, total_memory=fits - 2) == max(8, rows // 2)
+    assert auto_batch_size(m, 100, False, total_memory=10**15) == 1024  # never above MAX_AUTO_BATCH
+    assert auto_batch_size(m, 100, False, total_memory=weights) == 8  # never below 8
+    per_prompted = 3 * 2 * 2 * 16 * (100 + 1 + 512) * 2 + 3 * 4 * 1000
+    assert auto_batch_size(m, 100, True, total_memory=2 * (weights + 64 * per_prompted)) == 64
+
+
+def test_on_cuda_without_a_batch_size_the_model_is_loaded_once_and_sized(model, tmp_path, monkeypatch):
+    """The CUDA branch's glue, on the CPU: the model is loaded before the work folder exists, auto_batch_size sizes
+    the batch from it, and the same loaded model samples (not loaded a second time)."""
+    import sparsify.evaluation.loading as loading
+    from sparsify.train import gendata as gd
+
+    real_load, loads, sized = gd._load, [], []
+    monkeypatch.setattr(loading, "pick_device", lambda device: "cuda:0")
+
+    def load(s, device, progress):
+        loads.append(device)
+        return real_load(s, "cpu", progress)
+
+    def auto(m, seq_len, prompted):
+        sized.append((type(m).__name__, seq_len, prompted))
+        return 3
+
+    monkeypatch.setattr(gd, "_load", load)
+    monkeypatch.setattr(gd, "auto_batch_size", auto)
+    real_sample = gd._sample
+    monkeypatch.setattr(gd, "_sample", lambda s, work, start, have, device, progress, loaded=None:
+                        real_sample(s, work, start, have, "cpu", progress, loaded))
+    out = gendata(model, tmp_path / "g", tokens=30, seq_len=6, progress=False)
+    assert loads == ["cuda:0"] and sized and sized[0][1:] == (6, False)
+    assert json.loads((out / "gendata.json").read_text())["settings"]["batch_size"] == 3
