@@ -146,16 +146,10 @@ if HAS_TRITON:
                      ENT, HAS_THETA, RND)
 
     @triton.jit
-    def _k1_gemv(
-        x_ptr, wg_ptr, cnt_ptr, col_ptr, val_ptr, th_ptr, F, D, NT, stride_wf,
-        T: tl.constexpr, BLOCK_K: tl.constexpr, S: tl.constexpr, ENT: tl.constexpr,
-        EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, HAS_THETA: tl.constexpr, RND: tl.constexpr,
-    ):
-        """K1 at M = 1: one program per column tile; acc [T, BLOCK_K] of fp32 products, summed over BLOCK_K
-        once at the end, then _k1_epilogue on two rows (row 1 masked out: no size-1 block dimension)."""
-        pid_n = tl.program_id(0)
-        offs_n = pid_n * T + tl.arange(0, T)  # [T]
-        n_ok = offs_n < F
+    def _gemv_gate(x_ptr, wg_ptr, offs_n, n_ok, D, stride_wf, T: tl.constexpr, BLOCK_K: tl.constexpr,
+                   EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+        """[T] fp32 gate values x . W_gate[offs_n] of one row x (x_ptr: its start): acc [T, BLOCK_K] of fp32
+        products, summed over BLOCK_K once at the end (the GEMV K1's loop, also the fused decode FFN's)."""
         offs_k = tl.arange(0, BLOCK_K)
         w_ptrs = wg_ptr + offs_n.to(tl.int64)[:, None] * stride_wf + offs_k[None, :]  # [T, BK]
         acc = tl.zeros([T, BLOCK_K], dtype=tl.float32)
@@ -169,7 +163,20 @@ if HAS_TRITON:
                 xk = tl.load(x_ptr + k * BLOCK_K + offs_k, mask=k_ok, other=0.0)
             acc += w.to(tl.float32) * xk.to(tl.float32)[None, :]
             w_ptrs += BLOCK_K
-        g = tl.sum(acc, 1)  # [T]
+        return tl.sum(acc, 1)
+
+    @triton.jit
+    def _k1_gemv(
+        x_ptr, wg_ptr, cnt_ptr, col_ptr, val_ptr, th_ptr, F, D, NT, stride_wf,
+        T: tl.constexpr, BLOCK_K: tl.constexpr, S: tl.constexpr, ENT: tl.constexpr,
+        EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, HAS_THETA: tl.constexpr, RND: tl.constexpr,
+    ):
+        """K1 at M = 1: one program per column tile; acc [T, BLOCK_K] of fp32 products, summed over BLOCK_K
+        once at the end, then _k1_epilogue on two rows (row 1 masked out: no size-1 block dimension)."""
+        pid_n = tl.program_id(0)
+        offs_n = pid_n * T + tl.arange(0, T)  # [T]
+        n_ok = offs_n < F
+        g = _gemv_gate(x_ptr, wg_ptr, offs_n, n_ok, D, stride_wf, T, BLOCK_K, EVEN_K, EVEN_N)  # [T]
         offs_m = tl.arange(0, 2)
         m_ok = offs_m < 1
         acc2 = tl.where(m_ok[:, None], g[None, :], 0.0)  # [2, T]

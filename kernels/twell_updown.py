@@ -59,7 +59,7 @@ def _sm_count(device: torch.device) -> int:
 
 
 if HAS_TRITON:
-    from .twell_triton import _active, _in_dtype, unpack_value
+    from .twell_triton import _active, _gemv_gate, _in_dtype, unpack_value
 
     @triton.jit
     def _k2_entries(col_ptr, val_ptr, row, NT, S: tl.constexpr, p, K, cum, start, tiles,
@@ -238,8 +238,8 @@ if HAS_TRITON:
         T: tl.constexpr, BLOCK_K: tl.constexpr, E: tl.constexpr, BD: tl.constexpr, EVEN_K: tl.constexpr,
         EVEN_N: tl.constexpr, HAS_THETA: tl.constexpr, RND: tl.constexpr, GQ: tl.constexpr,
     ):
-        """K1 and K2 of one row in one program per (tile, row), twell_ffn_decode_fused. The gate: _k1_gemv's
-        loop (acc [T, BLOCK_K] of fp32 products, summed once); kept: _active, as K1 decides; g as K2 reads it
+        """K1 and K2 of one row in one program per (tile, row), twell_ffn_decode_fused. The gate: _gemv_gate
+        (_k1_gemv's loop); kept: _active, as K1 decides; g as K2 reads it
         from K1's entries (GQ: rounded to x's dtype, as the packed words hold it). Then the tile's kept neurons,
         E at a time in rank order: u = W_up[j] . x over d in BD chunks (the chunked K2's order), h = g u, and
         out[row] += sum_e h_e W_down^T[j_e] per BD chunk (one fp32 atomic add per chunk and E neurons). A tile
@@ -248,21 +248,8 @@ if HAS_TRITON:
         row = tl.program_id(1).to(tl.int64)
         offs_n = pid_n * T + tl.arange(0, T)  # [T]
         n_ok = offs_n < F
-        offs_k = tl.arange(0, BLOCK_K)
         x_row = x_ptr + row * stride_xm
-        w_ptrs = wg_ptr + offs_n.to(tl.int64)[:, None] * D + offs_k[None, :]  # [T, BK]
-        acc = tl.zeros([T, BLOCK_K], dtype=tl.float32)
-        for k in range(0, tl.cdiv(D, BLOCK_K)):
-            if EVEN_K and EVEN_N:
-                w = tl.load(w_ptrs)
-                xk = tl.load(x_row + k * BLOCK_K + offs_k)
-            else:
-                k_ok = offs_k < D - k * BLOCK_K
-                w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                xk = tl.load(x_row + k * BLOCK_K + offs_k, mask=k_ok, other=0.0)
-            acc += w.to(tl.float32) * xk.to(tl.float32)[None, :]
-            w_ptrs += BLOCK_K
-        g = tl.sum(acc, 1)  # [T]
+        g = _gemv_gate(x_row, wg_ptr, offs_n, n_ok, D, D, T, BLOCK_K, EVEN_K, EVEN_N)  # [T]
         offs_m = tl.arange(0, 2)
         m_ok = offs_m < 1  # (two rows, row 1 masked: no size-1 block dimension)
         act2 = _active(tl.where(m_ok[:, None], g[None, :], 0.0), th_ptr, offs_n, n_ok, HAS_THETA, RND) \
