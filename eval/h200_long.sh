@@ -15,8 +15,9 @@
 #   bash eval/h200_long.sh sweep         short experiment runs side by side (SLOTS at a time) from the same inputs:
 #                                        SWEEP="name=OVERRIDE OVERRIDE;name2=..." (each run gets TOKENS, default
 #                                        40_000_000, and the recipe's other keys); a run cut at LEG_S checkpoints
-#                                        and the next sweep call resumes it; then frontier.md/.png over the runs'
-#                                        last evaluations in sweep/
+#                                        and the next sweep call resumes it; each finished run's cloze into
+#                                        cloze-NAME/ (SWEEP_CLOZE=0: none); then frontier.md/.png over the runs'
+#                                        last evaluations in sweep/, with their cloze
 #   bash eval/h200_long.sh gendata       text sampled from the original model into $WORK/gen (GEN_TOKENS, default 6M)
 #   bash eval/h200_long.sh prepare       a token folder from the carried raw text (text.tar.xz of data/) and EXTRA
 #                                        overrides (e.g. a gendata share) into $WORK/prep-$NAME/data; the train and
@@ -169,11 +170,18 @@ case "${1:-}" in
                      || echo "$name: exit $rc (see sweep-$name.log)"; }
             mkdir -p "$OUT/sweep/$name" && cp "$dir"/metrics.jsonl "$dir"/recipe.yaml "$OUT/sweep/$name/" 2>/dev/null || true
             cp "$dir"/model/sparsity.json "$dir"/sparsity.png "$dir"/ood.png "$OUT/sweep/$name/" 2>/dev/null || true
+            # cloze as soon as the run has its folder, in its slot (SWEEP_CLOZE=0: not): lease 5's runs ended with
+            # 2 minutes of device time left and a separate cloze call did not fit in them
+            if [ "${SWEEP_CLOZE:-1}" = 1 ] && [ -f "$dir/model/config.json" ] && [ ! -f "$OUT/cloze-$name/cloze.json" ]; then
+                CUDA_VISIBLE_DEVICES=$((s % GPUS)) python eval/cloze.py -q original="$WORK/smollm2.gguf" "$name=$dir/model" \
+                    --out "$OUT/cloze-$name" >> "$OUT/sweep-$name.log" 2>&1 || echo "$name: cloze failed (see sweep-$name.log)"
+            fi
         done) &
     done
     wait
-    cloze=""; [ -f "$OUT/cloze/cloze.json" ] && cloze="--cloze $OUT/cloze/cloze.json"
-    python eval/frontier.py "$OUT"/sweep/*/ --out "$OUT/sweep" $cloze || true  # the table: run, zeros, ratios
+    cloze=()
+    for f in "$OUT"/cloze/cloze.json "$OUT"/cloze-*/cloze.json; do [ -f "$f" ] && cloze+=(--cloze "$f"); done
+    python eval/frontier.py "$OUT"/sweep/*/ --out "$OUT/sweep" "${cloze[@]}" || true  # the table: run, zeros, ratios
     ;;
   gendata)  # text sampled from the original model (a data.train entry): GEN_TOKENS (default 6M) into $WORK/gen
     inputs

@@ -5,7 +5,7 @@
 #
 # From the repository root on the GPU machine, one call each (a call sends at most 64 MiB: the inputs in 4 parts,
 # made on the CPU machine by `bash eval/make_carry.sh`):
-#   bash eval/h200_long.sh stage .carry/p1          (carry .carry/p1), then p2, p3, p4 (p4: raw text, for levers)
+#   bash eval/h200_long.sh stage .carry/p1          (carry .carry/p1), then p2, p3, p4, p5 (p5: raw text, for levers)
 #   bash eval/h200_threshold.sh gqa-bench           decode attention: transformers' repeat_kv vs the KV heads as they
 #                                                   are (eval/bench_gqa_decode.py; needs no staged input), ~2 min
 #   bash eval/h200_threshold.sh gendata-bench       gendata's tokens/s alone on the GPU (eval/bench_gendata.py) per GQA
