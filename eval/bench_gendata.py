@@ -235,26 +235,32 @@ def main() -> int:
     plan = [(m, sizes, old_sizes if m == "fold" else []) for m in a.gqa_modes]
     if old_sizes and "fold" not in a.gqa_modes:
         plan.append(("fold", [], old_sizes))
+
+    def save() -> None:  # after every GQA mode: a run cut by its caller's timeout keeps the modes it finished
+        first = next(iter(per_gqa.values()))
+        meta = {"model": "tiny" if a.tiny else a.model,
+                "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
+                "seq_len": seq_len, "temperature": a.temperature, "top_p": a.top_p,
+                "batches": a.batches, "gqa_modes": a.gqa_modes,
+                # load_s: the first model's (per_gqa: each one's); compile / errors / step checks: over all models
+                "load_s": first["load_s"], "compile": all(m["compile"] for m in per_gqa.values()),
+                "compile_error": next(
+                    (f"{k}: {m['compile_error']}" for k, m in per_gqa.items() if m["compile_error"]), None),
+                "step_checks": [{"gqa": k, **c} for k, m in per_gqa.items() for c in m["step_checks"]],
+                "max_memory_gib": max((m["max_memory_gib"] for m in per_gqa.values()), default=None)
+                if device == "cuda" else None, "per_gqa": per_gqa}
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "gendata-bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+        md = (f"# gendata sampling: new (graph sampling loop) vs old (transformers' loop)\n\n{json.dumps(meta)}\n\n"
+              f"{table(rows)}")
+        (out / "gendata-bench.md").write_text(md)
+
     for mode, new_sizes, old_here in plan:
         got, meta_mode = measure(mode, model_arg, new_sizes, old_here, a, seq_len, device)
         rows += got
         per_gqa[mode if new_sizes else f"{mode} (old path only)"] = meta_mode
-    first = next(iter(per_gqa.values()))
-    meta = {"model": "tiny" if a.tiny else a.model, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-            "torch": torch.__version__, "seq_len": seq_len, "temperature": a.temperature, "top_p": a.top_p,
-            "batches": a.batches, "gqa_modes": a.gqa_modes,
-            # load_s: the first model's (per_gqa: each one's); compile / errors / step checks: over all models
-            "load_s": first["load_s"], "compile": all(m["compile"] for m in per_gqa.values()),
-            "compile_error": next((f"{k}: {m['compile_error']}" for k, m in per_gqa.items() if m["compile_error"]),
-                                  None),
-            "step_checks": [{"gqa": k, **c} for k, m in per_gqa.items() for c in m["step_checks"]],
-            "max_memory_gib": max((m["max_memory_gib"] for m in per_gqa.values()), default=None)
-            if device == "cuda" else None, "per_gqa": per_gqa}
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gendata-bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    md = f"# gendata sampling: new (graph sampling loop) vs old (transformers' loop)\n\n{json.dumps(meta)}\n\n{table(rows)}"
-    (out / "gendata-bench.md").write_text(md)
+        save()
     print(table(rows))
     bad = [r for r in rows if r["path"] == "new" and (not r.get("same_seed_same_tokens", True)
                                                       or not r.get("rows_differ", True) or not r["served_by_graph_loop"])]

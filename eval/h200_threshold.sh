@@ -18,6 +18,9 @@
 #                                                   GEN_LEVERS runs, then cloze
 #   bash eval/h200_threshold.sh sweep               or: the ARMS below side by side, detached
 #   bash eval/h200_threshold.sh gpu-tests           the GPU tests of the thresholded kernel paths (beside a run)
+#   RESULTS=$OUT bash eval/h200_threshold.sh speed2  two GPUs, after the sweep: gendata-bench and the real model's
+#                                                   bench on one, the fused decode sweep and e2e synth decode on the
+#                                                   other (~9 min)
 #   bash eval/h200_long.sh wait 540; PACK=$OUT bash eval/h200_threshold.sh pack    until it ends; metrics so far
 #   PACK=$OUT bash eval/h200_threshold.sh after     cloze on every finished run, the frontier (ZEROS=...: decode speed
 #                                                   per zeros level too; SPEED_AT=... gendata's rate)
@@ -75,13 +78,40 @@ case "${1:-}" in
     bash eval/h200_long.sh inputs > "$OUT_DIR/inputs.log" 2>&1 || { echo "assembling the staged parts failed (stage \
 .carry/p1..p3 first): $OUT_DIR/inputs.log" >&2; exit 2; }
     source eval/device_env.sh
-    PYTHONPATH=$PWD:$WORK/pydeps timeout 240 python -m pytest -q -ra -m gpu tests/kernels/test_fast_decode_gpu.py 2>&1 \
-        | tee "$OUT_DIR/gpu-tests-sampling.log" | tail -4
+    if [ "${GEN_BENCH_TEST:-1}" = 1 ]; then  # (GEN_BENCH_TEST=0: not again; it passed in lease 5)
+        PYTHONPATH=$PWD:$WORK/pydeps timeout 240 python -m pytest -q -ra -m gpu tests/kernels/test_fast_decode_gpu.py \
+            2>&1 | tee "$OUT_DIR/gpu-tests-sampling.log" | tail -4
+    fi
     # GEN_BENCH_OLD: batch sizes (of GEN_BENCH_BATCHES) the old path also runs at; empty (the default): it is skipped
     PYTHONPATH=$PWD:$WORK/pydeps HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 timeout "${GEN_BENCH_S:-480}" python \
         eval/bench_gendata.py --model "$WORK/smollm2.gguf" --batch-sizes "${GEN_BENCH_BATCHES:-1024,2048,4096}" \
         --gqa-modes "${GEN_BENCH_GQA:-fold,enable_gqa}" --old-batch-sizes "${GEN_BENCH_OLD-}" \
         --out "$OUT_DIR/gendata-bench" 2>&1 | tail -22
+    ;;
+  speed2)  # after the sweep, on two GPUs at once (one call, < 10 min; results into $OUT_DIR, RESULTS=$OUT for the
+    # device's folder). GPU 0: gendata-bench (GEN_BENCH_BATCHES, here 1024,2048 by default; GEN_BENCH_S 330; no GPU test), then
+    # `sparsify bench` on the real fine-tuned folder (SPEED_MODEL, default the sweep's rec_100M: issue 31's real model,
+    # batch 1 and 8, held-out prompts). GPU 1: the fused decode FFN's sweep (M = 1, eval/bench_decode.py --sweep-fused)
+    # and end-to-end decode of synthetic 1B and 8B folders at 95.7% zeros (eval/h200_generate.sh recipe-zeros, ~300 s)
+    mkdir -p "$OUT_DIR"
+    export PYTHONPATH=$PWD:$WORK/pydeps HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+    model=${SPEED_MODEL:-rec_100M=$WORK/sweep/rec_100M/model}
+    (export CUDA_VISIBLE_DEVICES=0
+     GEN_BENCH_BATCHES=${GEN_BENCH_BATCHES:-1024,2048} GEN_BENCH_S=${GEN_BENCH_S:-330} GEN_BENCH_TEST=0 RESULTS=$OUT_DIR \
+         bash "$0" gendata-bench > "$OUT_DIR/gendata-bench.log" 2>&1
+     if [ -f "${model#*=}/config.json" ]; then
+         timeout 220 python -m sparsify bench "$model" --batch 1,8 --prompt 512 --regimes compiled --new-tokens 256 \
+             --text "$WORK/heldout/general.txt" --out "$OUT_DIR/bench-real" --overwrite -q > "$OUT_DIR/bench-real.log" 2>&1
+     else echo "no folder ${model#*=}: the real model's bench skipped" > "$OUT_DIR/bench-real.log"; fi) &
+    (export CUDA_VISIBLE_DEVICES=1
+     source eval/device_env.sh
+     timeout 100 python eval/bench_decode.py --no-grid --sweep-fused --sweep-budget-s 60 --out "$OUT_DIR/fused2" \
+         > "$OUT_DIR/fused2.log" 2>&1
+     RESULTS=$OUT_DIR/generate timeout 440 bash eval/h200_generate.sh recipe-zeros > "$OUT_DIR/recipe-zeros.log" 2>&1) &
+    wait
+    grep "^sweep" "$OUT_DIR/fused2.log" | cut -c1-400
+    tail -8 "$OUT_DIR/gendata-bench.log"; tail -12 "$OUT_DIR/bench-real.log"; grep -h "x " "$OUT_DIR"/generate/bench-*/report.md \
+        2>/dev/null | tail -12
     ;;
   gpu-tests)
     source eval/device_env.sh
