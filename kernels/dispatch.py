@@ -31,7 +31,7 @@ from torch.utils.weak import WeakIdRef
 
 from .twell_reference import ffn_dense, threshold_act, transpose_down
 from .twell_triton import DEFAULT_VARIANT, gate_pack, split_variant
-from .twell_updown import k2_spills, updown
+from .twell_updown import k2_spills, twell_ffn_triton, updown
 
 log = logging.getLogger("sparsify.kernels")
 K1_VARIANT, COMPACT = split_variant(DEFAULT_VARIANT)  # auto runs K1 and K2 itself (the refresh counts K1's output)
@@ -142,7 +142,8 @@ class _Ready:
 
 
 class TwellPath:
-    """auto's sparse path: K1 then K2, = twell_ffn_triton(variant=DEFAULT_VARIANT), with K1's counts."""
+    """auto's sparse path: twell_ffn_triton (K1 then K2, or the fused decode FFN at M = 1 on its FUSED_ROUTE
+    shapes); a call that asks for the count (on_count: a density refresh) runs K1 then K2, whose K1 counts."""
 
     @staticmethod
     def count(x2d: torch.Tensor, w_gate: torch.Tensor, threshold: torch.Tensor | None = None) -> torch.Tensor:
@@ -151,6 +152,8 @@ class TwellPath:
 
     @staticmethod
     def __call__(x2d, w_gate, w_up, w_down_t, on_count=None, threshold=None) -> torch.Tensor:
+        if on_count is None:
+            return twell_ffn_triton(x2d, w_gate, w_up, w_down_t, threshold=threshold)
         packed = gate_pack(x2d, w_gate, variant=K1_VARIANT, threshold=threshold)
         if on_count is not None:  # int32 sums to int64 in the reduction itself (no cast kernel)
             on_count(packed.cnt.sum())

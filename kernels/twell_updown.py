@@ -11,7 +11,8 @@ NT = ceil(F / T), E = gathered rows per chunk, K = kept entries of a row.
 - `_k2_dec_chunked` (decode at M = 1, and at d >= DECODE_CHUNKED_MIN_D): d in chunks through an [M, K]
   scratch, so nothing of length d stays in registers (the split `_k2_updown` spills at d = 8192). Its
   tiles cannot overflow (S >= T), so a threshold is all in K1's packing.
-- `_k12_decode` (twell_ffn_decode_fused, decode rows one by one; not routed yet): K1's GEMV and K2 in one
+- `_k12_decode` (twell_ffn_decode_fused, decode rows one by one; routed at M = 1 on the FUSED_ROUTE shapes only,
+  where it beat K1 + K2 on an H200): K1's GEMV and K2 in one
   launch. Program (tile, row) computes its T gate values as `_k1_gemv` does, keeps the ones K1 packs, and goes
   straight on with them (up row dot x, then h times the W_down^T row added into the fp32 output with atomics,
   as `_k2_dec_chunked` sums them) while the other tiles still stream W_gate: no packing round trip, no second
@@ -19,6 +20,8 @@ NT = ceil(F / T), E = gathered rows per chunk, K = kept entries of a row.
 """
 
 from __future__ import annotations
+
+from types import MappingProxyType
 
 import torch
 
@@ -377,6 +380,11 @@ def updown_decode_chunked(
 
 
 FUSED_DEFAULT = dict(T=32, BLOCK_K=256, E=4, BD=1024, num_warps=4)  # T, BLOCK_K: the GEMV K1's; E, BD: K2's
+# (d, F) -> the fused launch that twell_ffn_triton runs at M = 1 in place of K1 + K2: only shapes where it won, side by
+# side under CUDA graphs on an H200 at 95.7% zeros (eval/results/decode-fused-h200/, lease 5: 2048x8192 with E = 8
+# 2.51x of dense against K1 + K2's 2.21x; the default launch 2.16x against 2.08x in the grid). At 4096x14336 and
+# 8192x28672 every launch lost (best 1.91x against 2.00x, 2.10x against 2.35x): those stay K1 + K2.
+FUSED_ROUTE = MappingProxyType({(2048, 8192): MappingProxyType(dict(E=8))})
 
 
 def twell_ffn_decode_fused(
@@ -412,7 +420,13 @@ def twell_ffn_triton(
     variant: str = DEFAULT_VARIANT, threshold: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The whole sparse FFN on [M, d]: K1 (gate + pack) then K2 (fused up/down). variant: "r6c" or "r5c".
-    threshold: theta [F] float32 (h = g [g > theta] * up), or None (relu)."""
+    threshold: theta [F] float32 (h = g [g > theta] * up), or None (relu). At M = 1 on a FUSED_ROUTE shape (with
+    the default variant and contiguous weights) the fused decode FFN instead: the same kept neurons and h, one
+    launch."""
+    if x2d.shape[0] == 1 and variant == DEFAULT_VARIANT:
+        launch = FUSED_ROUTE.get((x2d.shape[1], w_gate.shape[0]))
+        if launch is not None and all(t.is_contiguous() for t in (x2d, w_gate, w_up, w_down_t)):
+            return twell_ffn_decode_fused(x2d, w_gate, w_up, w_down_t, threshold, **launch)
     k1, compact = split_variant(variant)
     packed = gate_pack(x2d, w_gate, variant=k1, threshold=threshold)
     return updown(x2d, packed, w_gate, w_up, w_down_t, compact=compact, threshold=threshold)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from sparsify.kernels import twell_reference as ref, twell_triton as tt, twell_updown as tu
+from sparsify.kernels.dispatch import TwellPath
 from sparsify.kernels.twell_ops import transpose_down
 
 from tests.kernels.helpers import FP32, ZEROS, assert_close, bf16_rule, check_packed, make_case, r6_case
@@ -176,6 +177,43 @@ def test_fused_decode_ffn_refuses_strided_weights():
     x, wg, wu, wd = make_case(1, 40, 64, 0.9, seed=13)
     with pytest.raises(ValueError, match="w_down_t must be contiguous"):
         tu.twell_ffn_decode_fused(x, wg, wu, wd.t())  # W_down^T as a view, not the [F, d] copy
+
+
+def test_twell_ffn_routes_m1_on_fused_route_shapes_only(monkeypatch):
+    """twell_ffn_triton runs the fused decode FFN with the table's launch at M = 1 on a FUSED_ROUTE shape (theta
+    passed on), and K1 + K2 everywhere else: M > 1, another shape, a variant asked for, a strided x."""
+    d, f = 64, 160
+    monkeypatch.setattr(tu, "FUSED_ROUTE", {(d, f): {"E": 8, "BD": 32, "BLOCK_K": 32}})
+    calls = []
+    fused = tu.twell_ffn_decode_fused
+    monkeypatch.setattr(tu, "twell_ffn_decode_fused", lambda *a, **k: calls.append(k) or fused(*a, **k))
+    x, wg, wu, wd = make_case(2, d, f, 0.9, seed=14)
+    wdt = transpose_down(wd)
+    th = torch.full((f,), 0.05)
+    for theta in (None, th):
+        calls.clear()
+        got = tu.twell_ffn_triton(x[:1], wg, wu, wdt, threshold=theta)
+        assert calls == [{"E": 8, "BD": 32, "BLOCK_K": 32}]
+        assert torch.equal(got, fused(x[:1], wg, wu, wdt, theta, E=8, BD=32, BLOCK_K=32))
+        k1k2 = tu.twell_ffn_triton(x[:1], wg, wu, wdt, variant="r5c", threshold=theta)  # a variant asked for
+        assert_close(got, k1k2, what=f"routed fused vs K1+K2 theta={theta is not None}", **FP32)
+        assert_close(got, ref.ffn_reference(x[:1], wg, wu, wd, theta), what="routed fused vs oracle", **FP32)
+    calls.clear()
+    tu.twell_ffn_triton(x, wg, wu, wdt)  # M = 2
+    wide = torch.zeros(1, 2 * d)
+    wide[:, ::2] = x[:1]
+    tu.twell_ffn_triton(wide[:, ::2], wg, wu, wdt)  # strided x: K1 + K2, no error
+    xo, wgo, wuo, wdo = make_case(1, d, f + 32, 0.9, seed=15)
+    tu.twell_ffn_triton(xo, wgo, wuo, transpose_down(wdo))  # a shape not in the table
+    assert calls == []
+    # auto's sparse path follows the route, except on a call that asks for K1's count (a density refresh)
+    got = TwellPath()(x[:1], wg, wu, wdt)
+    assert calls == [{"E": 8, "BD": 32, "BLOCK_K": 32}] and torch.equal(got, fused(x[:1], wg, wu, wdt, E=8, BD=32,
+                                                                                   BLOCK_K=32))
+    counts = []
+    counted = TwellPath()(x[:1], wg, wu, wdt, on_count=counts.append)
+    assert len(calls) == 1 and counts[0].item() == int((x[:1] @ wg.t() > 0).sum())
+    assert_close(counted, got, what="TwellPath with count (K1 + K2) vs routed", **FP32)
 
 
 def test_k2_decode_chunked_refuses_tiles_that_can_overflow():
