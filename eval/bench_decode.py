@@ -94,7 +94,7 @@ FUSED_CASES = [(4096, 14336, 1, 0.957), (2048, 8192, 1, 0.957), (8192, 28672, 1,
 # Round 1 (lease 5, eval/results/decode-fused-h200/): fewer, larger atomic adds won every time (E2 < E4 < E8,
 # BD512 < BD1024 < BD2048), 8 warps, BLOCK_K 128 alone, E2 and BD512 lost everywhere; best per shape E8 (2048x8192,
 # 2.51x vs routed 2.21x), BD2048 (4096x14336, 1.91x vs 2.00x), T64k128 (8192x28672, 2.10x vs 2.35x). Round 2
-# combines the winners ([E, BD] tiles of 16k fp32 at most; 8 warps for those).
+# combines the winners ([E, BD] tiles of 16k fp32 at most, at 4 warps and for two of them at 8 too).
 FUSED = {"f-default": {}, "f-E8": {"E": 8}, "f-BD2048": {"BD": 2048}, "f-T64k128": {"T": 64, "BLOCK_K": 128},
          "f-E8BD2048": {"E": 8, "BD": 2048}, "f-E8BD2048w8": {"E": 8, "BD": 2048, "num_warps": 8},
          "f-E16": {"E": 16}, "f-E16w8": {"E": 16, "num_warps": 8}, "f-T16E8BD2048": {"T": 16, "E": 8, "BD": 2048},

@@ -74,6 +74,9 @@ inputs() {  # the carried inputs, assembled once: GGUF, wheels, token folder, he
     if [ ! -e "$WORK/pydeps/.done" ] && ls "$WORK"/in/*.whl >/dev/null 2>&1; then
         python -m pip install -q --no-deps --no-index --target "$WORK/pydeps" "$WORK"/in/*.whl && touch "$WORK/pydeps/.done"
     fi
+    if ls "$WORK"/in/text.tar.xz.part.* >/dev/null 2>&1 && [ ! -f "$WORK/in/text.tar.xz" ]; then  # staged in parts
+        cat "$WORK"/in/text.tar.xz.part.* > "$WORK/in/text.tar.xz.tmp" && mv "$WORK/in/text.tar.xz.tmp" "$WORK/in/text.tar.xz"
+    fi
     if [ -f "$WORK/in/text.tar.xz" ] && [ ! -d "$WORK/text" ]; then  # the recipe's raw text (data/...), for prepare
         mkdir -p "$WORK/text.part" && tar -xJf "$WORK/in/text.tar.xz" -C "$WORK/text.part" && mv "$WORK/text.part" "$WORK/text"
     fi
@@ -151,11 +154,19 @@ case "${1:-}" in
     end=$(( T0 + ${LEG_S:-530} ))  # this call's deadline from its start, for all its runs together
     read -ra extra <<< "${EXTRA:-}"  # words, never file patterns: train.freeze=['*.self_attn.*']
     read -ra held <<< "$(heldout_args)"
+    sweep_cloze() {  # the finished run's cloze in its slot, unless scored (SWEEP_CLOZE=0: never; up to CLOZE_S,
+        # 240 s): lease 5's runs ended with 2 minutes of device time left and a separate cloze call did not fit
+        if [ "${SWEEP_CLOZE:-1}" = 1 ] && [ -f "$dir/model/config.json" ] && [ ! -f "$OUT/cloze-$name/cloze.json" ]; then
+            CUDA_VISIBLE_DEVICES=$((s % GPUS)) timeout "${CLOZE_S:-240}" python eval/cloze.py -q \
+                original="$WORK/smollm2.gguf" "$name=$dir/model" --out "$OUT/cloze-$name" >> "$OUT/sweep-$name.log" 2>&1 \
+                || echo "$name: cloze failed or cut (see sweep-$name.log)"
+        fi
+    }
     for ((s = 0; s < slots; s++)); do
         (for ((i = s; i < ${#runs[@]}; i += slots)); do
             name=${runs[i]%%=*}; read -ra overrides <<< "${runs[i]#*=}"
             dir=$WORK/sweep/$name
-            [ -f "$dir/model/config.json" ] && continue  # finished in an earlier call
+            if [ -f "$dir/model/config.json" ]; then sweep_cloze; continue; fi  # finished in an earlier call
             again=""
             ls "$dir"/checkpoints/step-*/state.pt >/dev/null 2>&1 && again="--resume"
             left=$(( end - $(date +%s) ))
@@ -170,12 +181,7 @@ case "${1:-}" in
                      || echo "$name: exit $rc (see sweep-$name.log)"; }
             mkdir -p "$OUT/sweep/$name" && cp "$dir"/metrics.jsonl "$dir"/recipe.yaml "$OUT/sweep/$name/" 2>/dev/null || true
             cp "$dir"/model/sparsity.json "$dir"/sparsity.png "$dir"/ood.png "$OUT/sweep/$name/" 2>/dev/null || true
-            # cloze as soon as the run has its folder, in its slot (SWEEP_CLOZE=0: not): lease 5's runs ended with
-            # 2 minutes of device time left and a separate cloze call did not fit in them
-            if [ "${SWEEP_CLOZE:-1}" = 1 ] && [ -f "$dir/model/config.json" ] && [ ! -f "$OUT/cloze-$name/cloze.json" ]; then
-                CUDA_VISIBLE_DEVICES=$((s % GPUS)) python eval/cloze.py -q original="$WORK/smollm2.gguf" "$name=$dir/model" \
-                    --out "$OUT/cloze-$name" >> "$OUT/sweep-$name.log" 2>&1 || echo "$name: cloze failed (see sweep-$name.log)"
-            fi
+            sweep_cloze
         done) &
     done
     wait

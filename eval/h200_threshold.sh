@@ -3,9 +3,9 @@
 # wait, cloze): threshold runs of recipes/smollm2-135m.yaml (its default method now), then what the zeros buy in decode
 # speed, gendata's rate, the cloze task, and one frontier table over these runs and the recorded L1 ones.
 #
-# From the repository root on the GPU machine, one call each (a call sends at most 64 MiB: the inputs in 5 parts,
+# From the repository root on the GPU machine, one call each (a call sends at most 64 MiB: the inputs in 6 parts,
 # made on the CPU machine by `bash eval/make_carry.sh`):
-#   bash eval/h200_long.sh stage .carry/p1          (carry .carry/p1), then p2, p3, p4, p5 (p5: raw text, for levers)
+#   bash eval/h200_long.sh stage .carry/p1          (carry .carry/p1), then p2, p3, p4 (p5, p6: raw text, for levers)
 #   bash eval/h200_threshold.sh gqa-bench           decode attention: transformers' repeat_kv vs the KV heads as they
 #                                                   are (eval/bench_gqa_decode.py; needs no staged input), ~2 min
 #   bash eval/h200_threshold.sh gendata-bench       gendata's tokens/s alone on the GPU (eval/bench_gendata.py) per GQA
@@ -76,7 +76,7 @@ case "${1:-}" in
     # GPU test of that sampler (seeded, draws from the nucleus: tests/kernels/test_fast_decode_gpu.py)
     mkdir -p "$OUT_DIR"
     bash eval/h200_long.sh inputs > "$OUT_DIR/inputs.log" 2>&1 || { echo "assembling the staged parts failed (stage \
-.carry/p1..p3 first): $OUT_DIR/inputs.log" >&2; exit 2; }
+.carry/p1..p4 first): $OUT_DIR/inputs.log" >&2; exit 2; }
     source eval/device_env.sh
     if [ "${GEN_BENCH_TEST:-1}" = 1 ]; then  # (GEN_BENCH_TEST=0: not again; it passed in lease 5)
         PYTHONPATH=$PWD:$WORK/pydeps timeout 240 python -m pytest -q -ra -m gpu tests/kernels/test_fast_decode_gpu.py \
@@ -98,20 +98,21 @@ case "${1:-}" in
     model=${SPEED_MODEL:-rec_100M=$WORK/sweep/rec_100M/model}
     (export CUDA_VISIBLE_DEVICES=0
      GEN_BENCH_BATCHES=${GEN_BENCH_BATCHES:-1024,2048} GEN_BENCH_S=${GEN_BENCH_S:-330} GEN_BENCH_TEST=0 RESULTS=$OUT_DIR \
-         bash "$0" gendata-bench > "$OUT_DIR/gendata-bench.log" 2>&1
+         bash "$0" gendata-bench > "$OUT_DIR/gendata-bench.log" 2>&1 || echo "gendata-bench rc $?"
      if [ -f "${model#*=}/config.json" ]; then
          timeout 220 python -m sparsify bench "$model" --batch 1,8 --prompt 512 --regimes compiled --new-tokens 256 \
-             --text "$WORK/heldout/general.txt" --out "$OUT_DIR/bench-real" --overwrite -q > "$OUT_DIR/bench-real.log" 2>&1
+             --text "$WORK/heldout/general.txt" --out "$OUT_DIR/bench-real" --overwrite -q > "$OUT_DIR/bench-real.log" \
+             2>&1 || echo "real model's bench rc $?"
      else echo "no folder ${model#*=}: the real model's bench skipped" > "$OUT_DIR/bench-real.log"; fi) &
     (export CUDA_VISIBLE_DEVICES=1
      source eval/device_env.sh
      timeout 100 python eval/bench_decode.py --no-grid --sweep-fused --sweep-budget-s 60 --out "$OUT_DIR/fused2" \
-         > "$OUT_DIR/fused2.log" 2>&1
-     RESULTS=$OUT_DIR/generate timeout 440 bash eval/h200_generate.sh recipe-zeros > "$OUT_DIR/recipe-zeros.log" 2>&1) &
+         > "$OUT_DIR/fused2.log" 2>&1 || echo "fused sweep rc $?"
+     RESULTS=$OUT_DIR/generate timeout 440 bash eval/h200_generate.sh recipe-zeros > "$OUT_DIR/recipe-zeros.log" 2>&1 \
+         || echo "recipe-zeros rc $?") &
     wait
-    grep "^sweep" "$OUT_DIR/fused2.log" | cut -c1-400
-    tail -8 "$OUT_DIR/gendata-bench.log"; tail -12 "$OUT_DIR/bench-real.log"; grep -h "x " "$OUT_DIR"/generate/bench-*/report.md \
-        2>/dev/null | tail -12
+    { grep "^sweep" "$OUT_DIR/fused2.log" | cut -c1-400; tail -8 "$OUT_DIR/gendata-bench.log"; tail -12 "$OUT_DIR/bench-real.log"
+      grep -h "x " "$OUT_DIR"/generate/bench-*/report.md | tail -12; } 2>/dev/null || true
     ;;
   gpu-tests)
     source eval/device_env.sh
@@ -143,5 +144,5 @@ case "${1:-}" in
     (cd "$WORK" && find sweep results -maxdepth 3 \( -name metrics.jsonl -o -name recipe.yaml -o -name '*.log' \) -print0 \
         | tar -cJf "${PACK:?set PACK=DIR}/partial.tar.xz" --null -T -) && ls -la "$PACK"
     ;;
-  *) echo "usage: $0 sweep | levers | gqa-bench | gendata-bench | gpu-tests | after | pack" >&2; exit 2 ;;
+  *) echo "usage: $0 sweep | levers | gqa-bench | gendata-bench | speed2 | gpu-tests | after | pack" >&2; exit 2 ;;
 esac

