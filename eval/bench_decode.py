@@ -248,10 +248,12 @@ def k1_variants(tt, x, layer, w_down_t) -> dict:
 
 
 def fused_variants(tt, x, layer, w_down_t) -> dict:
-    """--sweep-fused: the fused decode FFN under FUSED's launches, the routed K1 + K2 and the gate GEMV (a part)."""
+    """--sweep-fused: the fused decode FFN under FUSED's launches, the routed path (twell_ffn_triton: K1 + K2, or
+    the fused FFN on a FUSED_ROUTE shape), K1 + K2 itself and the cuBLAS gate GEMV (a part)."""
     w_gate, w_up = layer[0], layer[1]
     fns = {f"{PART}gate-gemv": lambda: torch.nn.functional.linear(x, w_gate),
-           "routed": lambda: tu.twell_ffn_triton(x, w_gate, w_up, w_down_t)}
+           "routed": lambda: tu.twell_ffn_triton(x, w_gate, w_up, w_down_t),
+           "k1+k2": lambda: tu.updown(x, tt.gate_pack(x, w_gate, variant="r6"), w_gate, w_up, w_down_t, compact=True)}
     for name, cfg in FUSED.items():
         fns[name] = lambda cfg=cfg: tu.twell_ffn_decode_fused(x, w_gate, w_up, w_down_t, **cfg)
     return fns
