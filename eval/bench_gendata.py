@@ -5,7 +5,8 @@ grouped-query decode-attention mode (kernels/fast_decode.py GQA_DECODE).
   (kernels/fast_decode.py: the whole step, forward + temperature + top-p + draw, replayed from one CUDA graph);
   rows go on past EOS and are split into documents there, so every sampled token counts. Measured once per
   --gqa-modes entry ("fold": the query heads folded onto the KV heads, gendata's default; "enable_gqa": SDPA's own
-  grouped-query kernel), each on a freshly loaded model with GQA_DECODE set to that mode before the model is loaded,
+  grouped-query kernel; "crop": kernels/decode_attention.py, which reads only the cache blocks the mask keeps),
+  each on a freshly loaded model with GQA_DECODE set to that mode before the model is loaded,
   compiled or captured (the constant is read at compile and capture time; torch.compile's caches are reset between
   modes, so no mode replays or reuses another mode's graph or compiled step); GQA_DECODE is "fold" again after.
 - old: what gendata ran before: transformers' generate() loop (logits processors, top-p sort, multinomial in
@@ -46,7 +47,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-GQA_MODES = ("fold", "enable_gqa")  # kernels/fast_decode.py GQA_DECODE values
+GQA_MODES = ("fold", "enable_gqa", "crop")  # kernels/fast_decode.py GQA_DECODE values
 
 
 def sync(device: str) -> None:
@@ -210,7 +211,7 @@ def main() -> int:
                         "the slow one)")
     p.add_argument("--gqa-modes", type=modes_arg, default=["fold"],
                    help="comma-separated GQA_DECODE modes the new path runs in, each on a model of its own: fold, "
-                        "enable_gqa (default fold, what gendata uses)")
+                        "enable_gqa, crop (default fold, what gendata uses)")
     p.add_argument("--seq-len", type=int, default=None, help="new tokens per row (default 512; --tiny: 12)")
     p.add_argument("--batches", type=int, default=2, help="timed batches per path and batch size (default 2)")
     p.add_argument("--temperature", type=float, default=0.8)

@@ -9,7 +9,7 @@
 #   bash eval/h200_threshold.sh gqa-bench           decode attention: transformers' repeat_kv vs the KV heads as they
 #                                                   are (eval/bench_gqa_decode.py; needs no staged input), ~2 min
 #   bash eval/h200_threshold.sh gendata-bench       gendata's tokens/s alone on the GPU (eval/bench_gendata.py) per GQA
-#                                                   decode mode (GEN_BENCH_GQA, default fold,enable_gqa) and batch
+#                                                   decode mode (GEN_BENCH_GQA, default fold,enable_gqa; or crop) and batch
 #                                                   size (GEN_BENCH_BATCHES, default 1024,2048,4096), the old path
 #                                                   only at GEN_BENCH_OLD's sizes (default none); after the sampler's
 #                                                   GPU test (up to 240 s), the bench up to GEN_BENCH_S (480 s)
@@ -89,18 +89,23 @@ case "${1:-}" in
         --out "$OUT_DIR/gendata-bench" 2>&1 | tail -22
     ;;
   speed2)  # after the sweep, on two GPUs at once (one call, < 10 min; results into $OUT_DIR, RESULTS=$OUT for the
-    # device's folder). GPU 0: gendata-bench (GEN_BENCH_BATCHES, here 1024,2048 by default; GEN_BENCH_S 330; no GPU test), then
-    # `sparsify bench` on the real fine-tuned folder (SPEED_MODEL, default the sweep's rec_100M: issue 31's real model,
+    # device's folder). GPU 0: the crop attention's GPU test (90 s at most), gendata-bench (here GEN_BENCH_GQA
+    # crop,enable_gqa,fold, GEN_BENCH_BATCHES 1024,2048, GEN_BENCH_S 340, not the sampler's test; it writes after each
+    # mode, so a cut keeps the first ones), then `sparsify bench` on the real fine-tuned folder (SPEED_MODEL, default the sweep's rec_100M: issue 31's real model,
     # batch 1 and 8, held-out prompts). GPU 1: the fused decode FFN's sweep (M = 1, eval/bench_decode.py --sweep-fused)
     # and end-to-end decode of synthetic 1B and 8B folders at 95.7% zeros (eval/h200_generate.sh recipe-zeros, ~300 s)
     mkdir -p "$OUT_DIR"
     export PYTHONPATH=$PWD:$WORK/pydeps HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
     model=${SPEED_MODEL:-rec_100M=$WORK/sweep/rec_100M/model}
     (export CUDA_VISIBLE_DEVICES=0
-     GEN_BENCH_BATCHES=${GEN_BENCH_BATCHES:-1024,2048} GEN_BENCH_S=${GEN_BENCH_S:-330} GEN_BENCH_TEST=0 RESULTS=$OUT_DIR \
+     source eval/device_env.sh  # the crop attention's GPU test first: its speed counts only if its numbers are right
+     timeout 90 python -m pytest -q -m gpu tests/kernels/test_decode_attention.py > "$OUT_DIR/gpu-tests-crop.log" 2>&1 \
+         || echo "crop attention GPU test rc $?"
+     GEN_BENCH_GQA=${GEN_BENCH_GQA:-crop,enable_gqa,fold} GEN_BENCH_BATCHES=${GEN_BENCH_BATCHES:-1024,2048} \
+         GEN_BENCH_S=${GEN_BENCH_S:-340} GEN_BENCH_TEST=0 RESULTS=$OUT_DIR \
          bash "$0" gendata-bench > "$OUT_DIR/gendata-bench.log" 2>&1 || echo "gendata-bench rc $?"
      if [ -f "${model#*=}/config.json" ]; then
-         timeout 220 python -m sparsify bench "$model" --batch 1,8 --prompt 512 --regimes compiled --new-tokens 256 \
+         timeout 150 python -m sparsify bench "$model" --batch 1,8 --prompt 512 --regimes compiled --new-tokens 256 \
              --text "$WORK/heldout/general.txt" --out "$OUT_DIR/bench-real" --overwrite -q > "$OUT_DIR/bench-real.log" \
              2>&1 || echo "real model's bench rc $?"
      else echo "no folder ${model#*=}: the real model's bench skipped" > "$OUT_DIR/bench-real.log"; fi) &
@@ -111,7 +116,8 @@ case "${1:-}" in
      RESULTS=$OUT_DIR/generate timeout 440 bash eval/h200_generate.sh recipe-zeros > "$OUT_DIR/recipe-zeros.log" 2>&1 \
          || echo "recipe-zeros rc $?") &
     wait
-    { grep "^sweep" "$OUT_DIR/fused2.log" | cut -c1-400; tail -8 "$OUT_DIR/gendata-bench.log"; tail -12 "$OUT_DIR/bench-real.log"
+    { tail -1 "$OUT_DIR/gpu-tests-crop.log"; grep "^sweep" "$OUT_DIR/fused2.log" | cut -c1-400
+      tail -8 "$OUT_DIR/gendata-bench.log"; tail -12 "$OUT_DIR/bench-real.log"
       grep -h "x " "$OUT_DIR"/generate/bench-*/report.md | tail -12; } 2>/dev/null || true
     ;;
   gpu-tests)

@@ -20,6 +20,7 @@ from types import MappingProxyType
 
 import torch
 
+from .decode_attention import decode_attention_crop
 from .decode_capture import (EagerReplay, cache_counters, capture_call, clone_inputs, copy_inputs, ffn_state,
                              restore, signature, static_layers_only, step_check, time_graphs, twell_in_step)
 
@@ -53,7 +54,8 @@ _SAMPLE_NEUTRAL = MappingProxyType({  # sampling warpers the sampling loop serve
 # an H200 (SmolLM2-135M shape, batch 1024, 512 cached positions): repeat_kv + SDPA 1.63 ms per layer, the folded
 # query 0.22 ms, SDPA's enable_gqa 0.12 ms; the copies were 76% of the step (eval/bench_gqa_decode.py).
 DECODE_SDPA = "sparsify_decode_sdpa"
-GQA_DECODE = "fold"  # "fold": queries [B, Hq, 1, D] as [B, Hkv, Hq/Hkv, D] (any SDPA kernel); "enable_gqa": SDPA's own
+GQA_DECODE = "fold"  # "fold": queries [B, Hq, 1, D] as [B, Hkv, Hq/Hkv, D] (any SDPA kernel); "enable_gqa": SDPA's own;
+# "crop": decode_attention.py's kernel, which reads only the cache blocks the mask keeps (else enable_gqa)
 
 
 def decode_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
@@ -74,10 +76,11 @@ def decode_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0,
     if mask is not None and mask.dim() == 4:
         mask = mask[:, :, :, : key.shape[2]]
     batch, heads = query.shape[:2]
-    if GQA_DECODE == "enable_gqa":
+    out = decode_attention_crop(query, key, value, mask, scaling) if GQA_DECODE == "crop" and not dropout else None
+    if out is None and GQA_DECODE in ("enable_gqa", "crop"):
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout,
                                                                scale=scaling, enable_gqa=True)
-    else:  # the group's query heads become that KV head's queries; a per-head mask is folded the same way
+    elif out is None:  # the group's query heads become that KV head's queries; a per-head mask is folded the same way
         if mask is not None and mask.dim() == 4 and mask.shape[1] != 1:
             mask = mask.reshape(mask.shape[0], key.shape[1], groups, mask.shape[-1])
         out = torch.nn.functional.scaled_dot_product_attention(query.reshape(batch, key.shape[1], groups, -1), key,
