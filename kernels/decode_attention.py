@@ -67,7 +67,7 @@ if HAS_TRITON:
                 acc = acc * alpha[:, None] + pv
                 l_i = l_i * alpha + tl.sum(p, 1)
                 m_i = m_new
-        out = acc / l_i[:, None]  # a row with nothing to attend: 0 / 0, as SDPA's NaN
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a row with nothing to attend: 0, as SDPA (torch >= 2.5)
         tl.store(o_ptr + b * s_ob + heads[:, None] * s_oh + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
                  mask=g_ok[:, None])
 

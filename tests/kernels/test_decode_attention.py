@@ -89,6 +89,9 @@ def test_fast_decode_switches_gqa_models_and_generates_the_same_tokens(tmp_path,
     graph loop, emulated on CPU) are transformers' own sdpa ones; the saved config does not name it (a fresh
     process loads the folder on plain sdpa)."""
     monkeypatch.setattr(fd, "GQA_DECODE", mode)
+    served = []
+    crop = fd.decode_attention_crop
+    monkeypatch.setattr(fd, "decode_attention_crop", lambda *a: served.append(crop(*a) is not None) or crop(*a))
     ref, model = _tiny(), _tiny()
     fast = fd.enable_fast_decode(model)
     fast.cpu_emulation = True
@@ -100,6 +103,7 @@ def test_fast_decode_switches_gqa_models_and_generates_the_same_tokens(tmp_path,
     got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False, pad_token_id=0)
     assert fast.loops == 1 and fast.replays > 0
     assert torch.equal(want, got)
+    assert (mode == "crop") == bool(served) and all(served)  # crop: the kernel served every decode step
     model.save_pretrained(tmp_path)
     assert "sparsify" not in json.dumps(json.loads((tmp_path / "config.json").read_text()))
 
@@ -133,6 +137,7 @@ def test_crop_kernel_equals_sdpa_and_never_uses_masked_blocks(G, L, D):
     mask[1, ..., 5:] = True  # left padding
     mask[2, ..., 0] = True
     mask[3] = True
+    mask[3, ..., -1] = False
     if L > 2 * CROP_BLOCK_N:
         mask[3, ..., CROP_BLOCK_N:2 * CROP_BLOCK_N] = False  # a whole block in the middle
     want = torch.nn.functional.scaled_dot_product_attention(q, repeat_kv(k, G), repeat_kv(v, G), attn_mask=mask,
@@ -144,6 +149,10 @@ def test_crop_kernel_equals_sdpa_and_never_uses_masked_blocks(G, L, D):
     got = decode_attention_crop(q, dirty_k, dirty_v, mask, 0.2)
     assert got is not None and got.shape == q.shape and got.dtype == q.dtype
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    empty = torch.zeros(B, 1, 1, L, dtype=torch.bool)  # nothing to attend: 0, as SDPA
+    torch.testing.assert_close(decode_attention_crop(q, k, v, empty), torch.zeros_like(q))
+    torch.testing.assert_close(torch.nn.functional.scaled_dot_product_attention(q, repeat_kv(k, G), repeat_kv(v, G),
+                                                                              attn_mask=empty), torch.zeros_like(q))
     shared = torch.ones(1, 1, 1, L, dtype=torch.bool)
     shared[..., : L // 3] = False
     want = torch.nn.functional.scaled_dot_product_attention(q, repeat_kv(k, G), repeat_kv(v, G), attn_mask=shared)
@@ -202,3 +211,24 @@ def test_gpu_crop_kernel_equals_sdpa_at_gendata_shapes_under_a_graph():
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out.float(), want(), rtol=2.0**-7, atol=1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_crop_decode_sdpa_under_torch_compile():
+    """decode_sdpa in crop mode through torch.compile (how decode steps run) equals SDPA on the repeated heads."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    torch.manual_seed(1)
+    B, KV, G, L, D = 64, 3, 3, 768, 64
+    q = torch.randn(B, KV * G, 1, D, device="cuda").bfloat16()
+    k, v = (torch.randn(B, KV, L, D, device="cuda").bfloat16() for _ in range(2))
+    mask = (torch.arange(L, device="cuda") < torch.randint(1, L + 1, (B, 1), device="cuda"))[:, None, None, :]
+    old, fd.GQA_DECODE = fd.GQA_DECODE, "crop"
+    try:
+        step = torch.compile(lambda q, k, v, m: fd.decode_sdpa(_Module(G), q, k, v, m, scaling=0.125)[0])
+        got = step(q, k, v, mask)
+    finally:
+        fd.GQA_DECODE = old
+    want = torch.nn.functional.scaled_dot_product_attention(q.float(), repeat_kv(k.float(), G), repeat_kv(v.float(), G),
+                                                            attn_mask=mask, scale=0.125).transpose(1, 2)
+    torch.testing.assert_close(got.float(), want, rtol=2.0**-7, atol=1e-2)
