@@ -31,10 +31,10 @@ from torch.utils.weak import WeakIdRef
 
 from .twell_reference import ffn_dense, threshold_act, transpose_down
 from .twell_triton import DEFAULT_VARIANT, gate_pack, split_variant
-from .twell_updown import k2_spills, twell_ffn_triton, updown
+from .twell_updown import k2_spills, twell_ffn_k1k2, twell_ffn_triton
 
 log = logging.getLogger("sparsify.kernels")
-K1_VARIANT, COMPACT = split_variant(DEFAULT_VARIANT)  # auto runs K1 and K2 itself (the refresh counts K1's output)
+K1_VARIANT = split_variant(DEFAULT_VARIANT)[0]  # the K1 that count() runs, as auto's sparse path does
 
 
 @dataclass(frozen=True)
@@ -154,10 +154,7 @@ class TwellPath:
     def __call__(x2d, w_gate, w_up, w_down_t, on_count=None, threshold=None) -> torch.Tensor:
         if on_count is None:
             return twell_ffn_triton(x2d, w_gate, w_up, w_down_t, threshold=threshold)
-        packed = gate_pack(x2d, w_gate, variant=K1_VARIANT, threshold=threshold)
-        if on_count is not None:  # int32 sums to int64 in the reduction itself (no cast kernel)
-            on_count(packed.cnt.sum())
-        return updown(x2d, packed, w_gate, w_up, w_down_t, compact=COMPACT, threshold=threshold)
+        return twell_ffn_k1k2(x2d, w_gate, w_up, w_down_t, threshold=threshold, on_count=on_count)
 
     spills = staticmethod(k2_spills)
 

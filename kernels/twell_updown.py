@@ -427,6 +427,17 @@ def twell_ffn_triton(
         launch = FUSED_ROUTE.get((x2d.shape[1], w_gate.shape[0]))
         if launch is not None and all(t.is_contiguous() for t in (x2d, w_gate, w_up, w_down_t)):
             return twell_ffn_decode_fused(x2d, w_gate, w_up, w_down_t, threshold, **launch)
+    return twell_ffn_k1k2(x2d, w_gate, w_up, w_down_t, variant, threshold)
+
+
+def twell_ffn_k1k2(
+    x2d: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down_t: torch.Tensor,
+    variant: str = DEFAULT_VARIANT, threshold: torch.Tensor | None = None, on_count=None,
+) -> torch.Tensor:
+    """K1 (gate + pack) then K2 at every M, never the fused route (twell_ffn_triton's path off FUSED_ROUTE).
+    on_count: called with K1's count of kept gate values (int64 scalar tensor), for auto's density refresh."""
     k1, compact = split_variant(variant)
     packed = gate_pack(x2d, w_gate, variant=k1, threshold=threshold)
+    if on_count is not None:  # int32 sums to int64 in the reduction itself (no cast kernel)
+        on_count(packed.cnt.sum())
     return updown(x2d, packed, w_gate, w_up, w_down_t, compact=compact, threshold=threshold)
