@@ -24,7 +24,7 @@
 #   bash eval/h200_long.sh wait 540; PACK=$OUT bash eval/h200_threshold.sh pack    until it ends; metrics so far
 #   PACK=$OUT bash eval/h200_threshold.sh after     cloze on every finished run, the frontier (ZEROS=...: decode speed
 #                                                   per zeros level too; SPEED_AT=... gendata's rate)
-# Knobs: ARMS ("name=override ...;...", or 2 / 3 / 4 for ARMS2 / ARMS3 / ARMS4 below), TOKENS (default 20M each), LEVERS / GEN_LEVERS, GEN_TOKENS / GEN_BATCH, ZEROS.
+# Knobs: ARMS ("name=override ...;...", or 2 / 3 / 4 / 5 for ARMS2 .. ARMS5 below), TOKENS (default 20M each), LEVERS / GEN_LEVERS, GEN_TOKENS / GEN_BATCH, ZEROS.
 set -euo pipefail
 WORK=${WORK:-/tmp/sparsify-long}
 OUT_DIR=${RESULTS:-$WORK/results}
@@ -47,9 +47,16 @@ thr_wd0_100M=$WARM train.weight_decay=0 train.max_tokens=100_000_000 train.eval_
 # decay towards zero); cloze in each run's slot (h200_long.sh sweep)
 ARMS4="rec_100M=$WARM train.max_tokens=100_000_000 train.eval_every=610;\
 rec090_100M=$WARM sparsity.target=0.90 train.max_tokens=100_000_000 train.eval_every=610"
+# ARMS5: ARMS4 and the decay's strength beside it (lease 5: towards the start at 0.1 beat none by 0.03x and towards zero
+# by 0.05x; 0.3 pulls the undriven weights 3x harder, lr x wd summed over the run 1.5 against 0.5), at 95.5% and 90%:
+# four 100M runs, for a lease of four GPUs (each alone on its own, ~14 min) or two (two side by side per GPU, ~23 min)
+ARMS5="$ARMS4;\
+wd3_100M=$WARM train.weight_decay=0.3 train.max_tokens=100_000_000 train.eval_every=610;\
+wd3090_100M=$WARM train.weight_decay=0.3 sparsity.target=0.90 train.max_tokens=100_000_000 train.eval_every=610"
 [ "${ARMS}" = 2 ] && ARMS=$ARMS2
 [ "${ARMS}" = 3 ] && ARMS=$ARMS3
 [ "${ARMS}" = 4 ] && ARMS=$ARMS4
+[ "${ARMS}" = 5 ] && ARMS=$ARMS5
 export TOKENS=${TOKENS:-20_000_000} EVAL_EVERY=${EVAL_EVERY:-305}
 
 case "${1:-}" in
