@@ -394,7 +394,7 @@ def bench(models: list[str], *, batches=(1, 8, 32), prompts=(128, 512, 2048), ne
     from sparsify.folder.atomic import atomic_dir, check_output
 
     if out is not None:
-        check_output(out, overwrite)
+        check_output(out, overwrite, "--out", kind="bench")
     if not torch.cuda.is_available():
         raise SparsifyError(GPU_ONLY)
     if new_tokens < 2:
@@ -431,7 +431,7 @@ def bench(models: list[str], *, batches=(1, 8, 32), prompts=(128, 512, 2048), ne
         gc.collect()
         torch.cuda.empty_cache()
     if out is not None:
-        with atomic_dir(out, overwrite) as tmp:
+        with atomic_dir(out, overwrite, "--out", kind="bench") as tmp:
             (tmp / "bench.json").write_text(json.dumps(report, indent=1) + "\n")
             (tmp / "report.md").write_text(markdown(report) + "\n")
             plot(report, tmp / "decode.png")

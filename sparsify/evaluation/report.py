@@ -23,7 +23,7 @@ def check_report_output(out: str | Path, overwrite: bool = False) -> None:
     """Refuses an existing `out` unless `overwrite`, and even then one holding anything but a report (--overwrite
     replaces the whole folder: a model folder or other files in it would be deleted). Call it before long work."""
     out = Path(out).absolute()
-    check_output(out, overwrite, "--out")
+    check_output(out, overwrite, "--out", kind="report")
     others = sorted(p.name for p in out.iterdir() if p.name not in REPORT_FILES) if out.is_dir() else []
     if others:
         raise SparsifyError(f"--out {out} holds files that are not part of a report ({', '.join(others[:5])}"
@@ -37,7 +37,7 @@ def write_report(report: dict, out: str | Path, overwrite: bool = False) -> Path
     replaces it whole, and only when it holds nothing but a report (check_report_output)."""
     out = Path(out)
     check_report_output(out, overwrite)
-    with atomic_dir(out, overwrite, "--out") as tmp:
+    with atomic_dir(out, overwrite, "--out", kind="report") as tmp:
         report["plots"] = _write_plots(report, tmp)
         (tmp / "report.md").write_text(render_markdown(report), encoding="utf-8")
         (tmp / "report.json").write_text(json.dumps(report, indent=2, default=str), encoding="utf-8")

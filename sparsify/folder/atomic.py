@@ -14,26 +14,65 @@ from pathlib import Path
 from sparsify.errors import SparsifyError
 
 
-def check_output(out: str | os.PathLike, overwrite: bool = False, flag: str = "-o/--output") -> None:
+# What an existing OUT must look like for --overwrite to replace it (the whole folder goes): the kind of folder the
+# stage itself writes, or an empty one. None: the toolkit's own internal paths (token folders, checkpoints), no check.
+KINDS = {
+    "model": ("a model folder sparsify wrote (config.json with a 'sparsify' section)", lambda d: _sparsify_config(d)),
+    "bench": ("a bench folder (bench.json)", lambda d: (d / "bench.json").is_file()),
+    "report": ("an eval report", lambda d: True),  # report.check_report_output checks its files itself
+}
+
+
+def _sparsify_config(folder: Path) -> bool:
+    import json
+    try:
+        return isinstance(json.loads((folder / "config.json").read_text()).get("sparsify"), dict)
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def check_output(out: str | os.PathLike, overwrite: bool = False, flag: str = "-o/--output",
+                 kind: str | None = "model") -> None:
     """Refuses an output path that exists (unless `overwrite`) or is not a folder: call it before long work.
-    `flag` is the option that named it, for the message."""
+    `flag` is the option that named it, for the message. With `overwrite`, an existing folder is replaced only
+    when it is empty or of `kind` (KINDS: what this stage writes), and never when it is the current folder, one
+    above it or the home folder: --overwrite replaces the whole folder, so anything else in it would be lost."""
     out = Path(out).absolute()
     if out.exists() and not overwrite:
         raise SparsifyError(f"output folder {out} already exists; pass --overwrite to replace it, "
                             f"or choose another {flag}.")
     if out.exists() and not out.is_dir():
         raise SparsifyError(f"output path {out} exists and is not a folder; choose another {flag}.")
+    if not out.exists():
+        return
+    real, cwd = out.resolve(), Path.cwd().resolve()
+    if real == cwd or real in cwd.parents or real == Path.home().resolve():
+        where = "the current folder" if real == cwd else "the home folder" if real == Path.home().resolve() \
+            else "a folder above the current one"
+        raise SparsifyError(f"{flag} {out} is {where}: --overwrite would replace it whole. Choose a folder of its "
+                            f"own, e.g. {out / 'out'}.")
+    if kind is None or not any(out.iterdir()):
+        return
+    what, ours = KINDS[kind]
+    if not ours(out):
+        entries = sorted(p.name for p in out.iterdir())
+        listed = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+        raise SparsifyError(f"{flag} {out} is not {what} (it holds {listed}): --overwrite replaces the whole "
+                            f"folder, so it would delete them. Choose another {flag}, or remove the folder "
+                            "yourself if it can go.")
 
 
 @contextlib.contextmanager
-def atomic_dir(out: str | os.PathLike, overwrite: bool = False, flag: str = "-o/--output") -> Iterator[Path]:
+def atomic_dir(out: str | os.PathLike, overwrite: bool = False, flag: str = "-o/--output",
+               kind: str | None = "model") -> Iterator[Path]:
     """Yield a fresh temporary folder beside `out`; on success it replaces `out`, on any failure
-    (exception, Ctrl-C) it is removed and `out` is left as it was.
+    (exception, Ctrl-C) it is removed and `out` is left as it was. An existing `out` is refused unless
+    `overwrite`, and then unless it is empty or of `kind` (check_output).
 
     Leftovers of a run killed with SIGKILL (`.NAME.tmp-*`, `.NAME.old-*` beside `out`) are removed on entry.
     """
     out = Path(out).absolute()
-    check_output(out, overwrite, flag)
+    check_output(out, overwrite, flag, kind)
     out.parent.mkdir(parents=True, exist_ok=True)
     for stale in [*out.parent.glob(f".{out.name}.tmp-*"), *out.parent.glob(f".{out.name}.old-*")]:
         if _is_dead_leftover(stale):

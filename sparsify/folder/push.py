@@ -114,9 +114,14 @@ def find_report(folder: Path, report: str | Path | None = None) -> tuple[Path | 
         if data is None:
             raise SparsifyError(f"--report {path} is not a report.json written by `sparsify eval` (not JSON or no "
                                 "models). Pass the report.json of an eval run that included this folder.")
-        row = pick_model_row(data, folder)
+        # the row whose path is this folder; the only row only when it names no path (a report that describes
+        # another folder must never put that model's numbers on this one's card)
+        row = pick_model_row(data, folder, only_row=False)
+        rows = [r for r in data.get("models", []) if isinstance(r, dict)]
+        if row is None and len(rows) == 1 and not rows[0].get("path"):
+            row = rows[0]
         if row is None:
-            names = ", ".join(f"{r.get('name')} ({r.get('source')})" for r in data.get("models", []))
+            names = ", ".join(f"{r.get('name')} ({r.get('path') or r.get('source')})" for r in rows)
             raise SparsifyError(f"--report {path} has no row for {folder} (its models: {names}). Pass the report of "
                                 f"a `sparsify eval` run that included this folder, e.g. `sparsify eval NAME={folder} "
                                 "--out DIR`.")

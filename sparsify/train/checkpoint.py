@@ -64,7 +64,7 @@ def save_checkpoint(run: Run, out: Path) -> Path:
                 "threshold_control": run.threshold.state_dict(),
                 "train_kernels": run.ffn.state_dict(), "recipe": dump_recipe(run.recipe), "world": run.dist.world,
                 "version": __version__, "rng": rng_meta}
-        with atomic_dir(folder, overwrite=True) as tmp:
+        with atomic_dir(folder, overwrite=True, kind=None) as tmp:
             torch.save({"model": model_sd, "optimizer": optim_sd, "rng": rng_tensors}, tmp / "state.pt")
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
         for old in checkpoints(out)[: -run.recipe.train.keep_checkpoints]:

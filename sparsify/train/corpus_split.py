@@ -70,7 +70,7 @@ def split_corpus(src: str | os.PathLike, out: str | os.PathLike, fraction: float
         return {k: tuple(v) for k, v in previous["chars"].items()}
     from sparsify.folder.format import atomic_dir  # tmp folder beside OUT, renamed over it on success, removed on failure
 
-    with atomic_dir(out, overwrite=True) as tmp:
+    with atomic_dir(out, overwrite=True, kind=None) as tmp:
         (tmp / "train").mkdir()
         (tmp / "heldout").mkdir()
         chars = {}

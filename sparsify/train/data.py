@@ -301,7 +301,7 @@ def prepare_data(cfg: DataSection, tokenizer: Any, out: str | os.PathLike, *, pr
     from sparsify.folder.format import atomic_dir  # atomic: a killed run never leaves a half-written token file behind
 
     dtype = np.uint16 if len(tokenizer) <= 2**16 else np.uint32
-    with atomic_dir(out, overwrite=True) as tmp:
+    with atomic_dir(out, overwrite=True, kind=None) as tmp:
         ends = np.cumsum(_write_stream(train_sources, cfg, tokenizer, tmp / "train.bin", dtype, progress)).tolist()
         spans = list(zip([0, *ends[:-1]], ends))  # [(start, end)] per data.train entry
         if val_sources:

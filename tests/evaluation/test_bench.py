@@ -1,10 +1,13 @@
 """sparsify bench (CUDA-only timings): its refusals and its report arithmetic, on CPU."""
 
+import json
+
 import pytest
 import torch
 
 from sparsify.evaluation.bench import markdown, speedups
 from sparsify.cli import main as cli
+from sparsify.errors import SparsifyError
 
 
 def _row(variant, batch, tok_s, ttft, regime="graphs"):
@@ -61,7 +64,8 @@ def test_bench_refuses_without_a_gpu(capsys, tmp_path):
 
 def test_bench_refuses_an_existing_out_before_any_work_and_writes_it_whole(tmp_path, monkeypatch, capsys):
     """Like every stage: an existing --out is refused first (nothing in it changes), --overwrite replaces it whole
-    at the end (here with the GPU work faked out: the report of no model)."""
+    at the end (here with the GPU work faked out: the report of no model), and only when it is a bench folder:
+    a folder of other files is refused even with --overwrite, before any work."""
     from sparsify.evaluation import bench as bench_mod
 
     out = tmp_path / "bench"
@@ -74,8 +78,15 @@ def test_bench_refuses_an_existing_out_before_any_work_and_writes_it_whole(tmp_p
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake")
     monkeypatch.setattr(bench_mod, "gpu_provenance", lambda: {})
     monkeypatch.setattr(bench_mod, "plot", lambda report, path: path.write_text("png"))
-    bench_mod.bench([], out=out, overwrite=True, progress=False)
+    with pytest.raises(SparsifyError, match="is not a bench folder .*mine.txt.*would delete them"):
+        bench_mod.bench([], out=out, overwrite=True, progress=False)
+    assert [p.name for p in out.iterdir()] == ["mine.txt"]
+    (out / "mine.txt").unlink()
+    bench_mod.bench([], out=out, overwrite=True, progress=False)  # an empty folder: replaced
     assert sorted(p.name for p in out.iterdir()) == ["bench.json", "decode.png", "report.md"]
+    (out / "bench.json").write_text("{}")
+    bench_mod.bench([], out=out, overwrite=True, progress=False)  # a bench folder: replaced whole
+    assert json.loads((out / "bench.json").read_text())["models"] == {}
 
 
 def test_paired_prefill_warms_each_variant_and_flips_the_order(monkeypatch):

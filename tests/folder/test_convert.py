@@ -49,6 +49,36 @@ def test_cli_converts_and_refuses_existing_output(llama_dir, tmp_path):
     assert run_cli("convert", llama_dir, "-o", tmp_path / "out", "-q", "--overwrite").returncode == 0
 
 
+def test_overwrite_replaces_only_a_model_folder_never_other_files_or_the_current_folder(llama_dir, tmp_path,
+                                                                                          monkeypatch):
+    """--overwrite replaces OUT whole: only an empty folder or one sparsify wrote (config.json with a 'sparsify'
+    section) may go; a folder of other files, the source checkpoint's kind of folder (config.json without the
+    section), the current folder and one above it are refused before any work, and keep every file."""
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "thesis.tex").write_text("keep")
+    proc = run_cli("convert", llama_dir, "-o", notes, "-q", "--overwrite")
+    assert_clean_error(proc, "is not a model folder sparsify wrote", "thesis.tex", "would delete them")
+    plain = tmp_path / "plain"
+    shutil.copytree(llama_dir, plain)  # a stock checkpoint: config.json, no 'sparsify' section
+    with pytest.raises(SparsifyError, match="is not a model folder sparsify wrote"):
+        convert(llama_dir, plain, overwrite=True, progress=False)
+    work = tmp_path / "work"
+    (work / "sub").mkdir(parents=True)
+    (work / "mine.txt").write_text("keep")
+    monkeypatch.chdir(work / "sub")
+    for out, where in ((work / "sub", "the current folder"), (work, "a folder above the current one")):
+        with pytest.raises(SparsifyError, match=where):
+            convert(llama_dir, out, overwrite=True, progress=False)
+    assert (notes / "thesis.tex").read_text() == "keep" and (work / "mine.txt").read_text() == "keep"
+    assert sorted(p.name for p in plain.iterdir()) == sorted(p.name for p in llama_dir.iterdir())
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    convert(llama_dir, empty, overwrite=True, progress=False)  # an empty folder, then sparsify's own: replaced
+    assert convert(llama_dir, empty, overwrite=True, progress=False) == empty
+    assert json.loads((empty / "config.json").read_text())["sparsify"]["activation"] == "relu"
+
+
 def test_cli_non_gated_model_names_supported_families(tmp_path):
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64)).save_pretrained(tmp_path / "gpt2")
     proc = run_cli("convert", tmp_path / "gpt2", "-o", tmp_path / "out")
@@ -219,7 +249,7 @@ def test_atomic_dir_failure_leaves_previous_output(tmp_path):
     out.mkdir()
     (out / "keep").write_text("old")
     with pytest.raises(RuntimeError):
-        with atomic_dir(out, overwrite=True) as tmp:
+        with atomic_dir(out, overwrite=True, kind=None) as tmp:
             (tmp / "half").write_text("new")
             raise RuntimeError("crash mid-write")
     assert (out / "keep").read_text() == "old" and not (out / "half").exists()
@@ -287,7 +317,7 @@ def test_killed_run_leftovers_are_cleaned_and_failed_swap_restores_output(tmp_pa
 
     monkeypatch.setattr(os, "rename", rename)
     with pytest.raises(OSError, match="disk went away"):
-        with atomic_dir(out, overwrite=True) as tmp:
+        with atomic_dir(out, overwrite=True, kind=None) as tmp:
             (tmp / "new").write_text("new")
     assert (out / "keep").read_text() == "old" and not (out / "new").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == [".out.tmp-notours", "out"]

@@ -205,6 +205,14 @@ def test_explicit_report_must_describe_the_folder(tmp_path, capsys):
     assert cli.main(["push", str(folder), "--repo-id", "me/x", "--dry-run", "--report", str(report)]) == 2
     err = capsys.readouterr().err
     assert f"has no row for {folder}" in err and "orig (" in err and "sparsify eval NAME=" in err
+    # a one-model report of another folder (its only row names that folder's path): refused, never that
+    # model's numbers on this card; the only row without a path is taken (nothing says it is another model's)
+    report.write_text(json.dumps({**data, "models": [data["models"][0]]}))
+    with pytest.raises(SparsifyError, match=f"has no row for {folder}.*orig \\({tmp_path}"):
+        push_mod.plan(folder, "me/x", report=report)
+    pathless = {k: v for k, v in data["models"][1].items() if k != "path"}
+    report.write_text(json.dumps({**data, "models": [pathless]}))
+    assert "41.2 non-zeros per token" in push_mod.plan(folder, "me/x", report=report).card
     report.write_text("{not json")
     with pytest.raises(SparsifyError, match="not a report.json written by `sparsify eval`"):
         push_mod.plan(folder, "me/x", report=report)
