@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         return getattr(e, "exit_code", 2)
     except (KeyboardInterrupt, Terminated) as e:
         how = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
-        print(f"sparsify {args.command}: {how}; nothing was left half-written.", file=sys.stderr)
+        note = getattr(e, "note", None) or "nothing was left half-written."  # a command's own word on what it kept
+        print(f"sparsify {args.command}: {how}; {note}", file=sys.stderr)
         return 128 + (signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT)
     finally:
         if installed:

@@ -112,7 +112,13 @@ def gendata(model: str, out: str | os.PathLike, *, tokens: int, seq_len: int = 5
             settings.batch_size = auto_batch_size(loaded[0], seq_len, prompts is not None)
     work = _open_work(work_dir(out), settings)
     batches, have = _done_batches(work)
-    tok = _sample(settings, work, batches, have, device, progress, loaded) if have < tokens else None
+    try:
+        tok = _sample(settings, work, batches, have, device, progress, loaded) if have < tokens else None
+    except BaseException as e:
+        if not isinstance(e, Exception):  # Ctrl-C, SIGTERM: the CLI says this instead of "nothing half-written"
+            e.note = (f"the batches finished so far are kept in {work} (OUT is not written yet); run the same "
+                      "command again to continue, or delete that folder to start over.")
+        raise
     _finish(work, out, settings, tok, device, progress)
     return out
 
@@ -149,9 +155,10 @@ def auto_batch_size(model: Any, seq_len: int, prompted: bool, total_memory: int 
 
 
 def _open_work(work: Path, settings: GenSettings) -> Path:
-    """The work folder, new or from an unfinished run with the same settings."""
+    """The work folder, new or from an unfinished run with the same settings. One that holds no finished batch
+    (a start that failed, say on a mistyped model) has nothing to keep: it takes the new settings."""
     path = work / "settings.json"
-    if path.exists():
+    if path.exists() and _done_batches(work)[0] > 0:
         saved, now = json.loads(path.read_text()), _identity(settings)
         if saved != now:
             diff = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}

@@ -112,8 +112,32 @@ def test_a_continued_run_must_keep_its_settings(model, tmp_path):
     out = tmp_path / "out"
     work_dir(out).mkdir()
     (work_dir(out) / "settings.json").write_text(json.dumps({"model": str(model), "seed": 9}))
+    (work_dir(out) / "batch-000000.jsonl").write_text(json.dumps({"tokens": 8, "text": "x"}) + "\n")
     with pytest.raises(SparsifyError, match="other settings"):
         gendata(model, out, tokens=10, seq_len=8, device="cpu", progress=False)
+
+
+def test_a_start_that_finished_no_batch_does_not_block_the_corrected_command(model, tmp_path, monkeypatch, capsys):
+    """A mistyped model fails after the work folder exists: the fixed command starts over (nothing was sampled),
+    and Ctrl-C during sampling says where the finished batches are kept and how to continue."""
+    from sparsify.cli import main as cli
+    from sparsify.train import gendata as gd
+
+    out = tmp_path / "out"
+    assert cli(["gendata", str(tmp_path / "no-such-model"), "-o", str(out), "--tokens", "10", "--device", "cpu",
+                "-q"]) == 2
+    capsys.readouterr()
+    assert (work_dir(out) / "settings.json").exists() and not out.exists()
+    gendata(model, out, tokens=10, seq_len=8, batch_size=2, device="cpu", progress=False)
+    assert (out / "gendata.json").exists() and not work_dir(out).exists()
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(gd, "_sample", interrupted)
+    assert cli(["gendata", str(model), "-o", str(tmp_path / "b"), "--tokens", "10", "--device", "cpu", "-q"]) == 130
+    err = capsys.readouterr().err
+    assert f"interrupted; the batches finished so far are kept in {work_dir(tmp_path / 'b')}" in err
+    assert "run the same command again to continue" in err and "nothing was left half-written" not in err
 
 
 @pytest.fixture(scope="module")
