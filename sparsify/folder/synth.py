@@ -236,6 +236,7 @@ def synth(config: str | Path, out: str | Path, *, zeros: float = 0.9, layers: in
 
         hf_logging.disable_progress_bar()
     raw, folder, name = load_config(config)
+    _check_size(raw, layers, dev)  # before building: a 70B config on a CPU would be killed, or fill the disk
     source_act = activation_of(raw)
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
@@ -295,11 +296,9 @@ def _check_arguments(zeros: float, dtype: str, layers: int | None, device: str) 
     return dev
 
 
-def _random_model(raw: dict[str, Any], layers: int | None, dev: Any, progress: bool) -> Any:
-    """A float32 random-weight ReLU model of config `raw` (cut to `layers`), residual channel CHANNEL held
-    constant."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _model_config(raw: dict[str, Any], layers: int | None) -> Any:
+    """The transformers config of the ReLU model synth builds from config `raw`, cut to `layers`."""
+    from transformers import AutoConfig
 
     family = family_for(raw)
     raw = {k: v for k, v in raw.items() if k not in ("auto_map", "sparsify", "quantization_config")}
@@ -309,10 +308,63 @@ def _random_model(raw: dict[str, Any], layers: int | None, dev: Any, progress: b
         if isinstance(raw.get("layer_types"), list):
             raw["layer_types"] = raw["layer_types"][:layers]
     raw["architectures"] = [family.causal_lm]
+    return AutoConfig.for_model(**raw)
+
+
+BUILD_BYTES = 5  # peak bytes per parameter of synth on the CPU
+
+
+def _check_size(raw: dict[str, Any], layers: int | None, dev: Any) -> None:
+    """Refuses --layers above the config's count, and on the CPU a model whose build does not fit the memory
+    available now: BUILD_BYTES per parameter (float32 weights, the saved dtype's copy made from them; measured:
+    the Llama-3.2-1B config, 1.24B parameters, peaked at 6.3 GB)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    have = raw.get("num_hidden_layers") or (raw.get("text_config") or {}).get("num_hidden_layers")
+    if layers is not None and have and layers > have:
+        raise SparsifyError(f"--layers {layers}: the config has {have} decoder layers; pass at most {have} "
+                            "(or leave --layers out for all of them).")
+    if dev.type != "cpu":
+        return
+    def count(n: int | None) -> int:
+        with torch.device("meta"):
+            return sum(p.numel() for p in AutoModelForCausalLM.from_config(_model_config(raw, n)).parameters())
+
+    params, free = count(layers), _available_memory()
+    if free is None or BUILD_BYTES * params <= free:
+        return
+    one = count(1)
+    per_layer = (params - one) / ((layers or have or 1) - 1) if (layers or have or 1) > 1 else one
+    fit = int((free / BUILD_BYTES - (one - per_layer)) // per_layer) if per_layer > 0 else 0
+    fix = f"pass --layers {fit} or fewer (a few layers measure a layer's speed), or" if fit >= 1 else "the " \
+        "embeddings alone do not fit here:"
+    raise SparsifyError(f"a random model of this config ({params / 1e9:.2f}B parameters) needs "
+                        f"~{BUILD_BYTES * params / 2**30:.0f} GiB of memory to build on the CPU, and "
+                        f"{free / 2**30:.0f} GiB are available now: {fix} build it on a GPU (--device cuda).")
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory available to a new allocation now (Linux: MemAvailable), None where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _random_model(raw: dict[str, Any], layers: int | None, dev: Any, progress: bool) -> Any:
+    """A float32 random-weight ReLU model of config `raw` (cut to `layers`), residual channel CHANNEL held
+    constant."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     if progress:
-        print(f"synth: building a random {family.name} model on {dev} ...")
+        print(f"synth: building a random {family_for(raw).name} model on {dev} ...")
     with dev:
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**raw), dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_config(_model_config(raw, layers), dtype=torch.float32).eval()
     with torch.no_grad():
         _hold_channel_constant(model, CHANNEL)
     return model

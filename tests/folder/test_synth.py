@@ -87,4 +87,17 @@ def test_synth_refuses_before_building(tmp_path, monkeypatch):
     if not torch.cuda.is_available():
         with pytest.raises(SparsifyError, match="no CUDA GPU"):
             synth(tmp_path, tmp_path / "bad", device="cuda", progress=False)
+    with pytest.raises(SparsifyError, match="--layers 4: the config has 3 decoder layers; pass at most 3"):
+        synth(tmp_path, tmp_path / "bad", layers=4, device="cpu", progress=False)  # (999 built 999 layers)
+    # more than the memory available now (a 70B config on a 24 GB machine grew to 16 GB before it was stopped):
+    # refused with the number of layers that fits, counted from the config's own parameter count
+    params = {n: sum(p.numel() for p in synth_module._random_model(TINY, n, torch.device("meta"), False)
+                     .parameters()) for n in (1, 2, 3)}
+    per_layer, base = params[2] - params[1], 2 * params[1] - params[2]
+    monkeypatch.setattr(synth_module, "_available_memory", lambda: synth_module.BUILD_BYTES * (base + 2 * per_layer))
+    with pytest.raises(SparsifyError, match=r"needs ~0 GiB .* pass --layers 2 or fewer"):
+        synth(tmp_path, tmp_path / "bad", device="cpu", progress=False)
+    monkeypatch.setattr(synth_module, "_available_memory", lambda: synth_module.BUILD_BYTES * base)
+    with pytest.raises(SparsifyError, match="the embeddings alone do not fit here"):
+        synth(tmp_path, tmp_path / "bad", layers=1, device="cpu", progress=False)
     assert not (tmp_path / "bad").exists()
