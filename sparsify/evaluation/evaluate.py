@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import functools
 import gc
+import json
 import sys
 import tempfile
 import time
@@ -149,6 +150,8 @@ def evaluate(models: list[str | Path], *, tasks: list[str] | None = None, texts:
     text_paths = check_texts(settings.texts + settings.ood_texts)
     with tempfile.TemporaryDirectory(prefix="sparsify-tasks-") as tmp, quiet_bars(not settings.progress):
         task_spec = resolve_tasks(tasks, Path(tmp))
+        if task_spec.names:
+            _refuse_synthetic(specs)
         check_tasks(task_spec)  # builds each task's dataset: the datasets library's bars, hidden by -q too
         if bundled:  # said once every input is known good: an error is never preceded by it
             print(f"sparsify eval: no --text given, so perplexity and the sparsity profile are measured on the "
@@ -204,6 +207,23 @@ def quiet_bars(quiet: bool) -> Iterator[None]:
         yield
     finally:
         std.tqdm.__init__ = saved
+
+
+def _refuse_synthetic(specs: list[ModelSpec]) -> None:
+    """Accuracy of a `sparsify synth` folder: random weights and a placeholder tokenizer without BOS / EOS, which
+    lm-eval needs (it failed deep inside lm-eval): refused before any model loads."""
+    synthetic = []
+    for spec in specs:
+        try:
+            info = json.loads((Path(spec.source) / "config.json").read_text()).get("sparsify") or {}
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(info, dict) and info.get("synthetic"):
+            synthetic.append(f"{spec.name} ({spec.source})")
+    if synthetic:
+        raise SparsifyError(f"{', '.join(synthetic)}: a `sparsify synth` folder (random weights, a placeholder "
+                            "tokenizer) has no accuracy to measure, and lm-eval cannot run on it; pass --tasks none "
+                            "(perplexity and the sparsity profile still run), or leave it out of this eval.")
 
 
 def _run_all(specs: list[ModelSpec], task_spec: TaskSpec, texts: list[Path], settings: EvalSettings,

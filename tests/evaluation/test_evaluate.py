@@ -279,3 +279,14 @@ def test_run_without_lm_eval_or_matplotlib_then_merge_with_accuracy(tiny_folders
     assert [m["sections"] for m in merged["merged_from"]] == [{"m": ["accuracy"]}, {"m": ["perplexity", "sparsity"]}]
     assert set(merged["plots"]) == {"sparsity_per_layer.png", "accuracy.png"}
     assert "From `" in (tmp_path / "merged" / "report.md").read_text()
+
+
+def test_accuracy_of_a_synth_folder_is_refused_before_any_model_loads(tmp_path, monkeypatch):
+    """A synth folder (random weights, a placeholder tokenizer with no BOS / EOS) made lm-eval fail with a
+    traceback from deep inside it: refused up front, naming the folder and --tasks none."""
+    folder = tmp_path / "synth"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "sparsify": {"synthetic": {"seed": 0}}}))
+    monkeypatch.setattr(ev, "load_model", lambda *a, **k: pytest.fail("loaded a model before refusing"))
+    with pytest.raises(SparsifyError, match=r"s \(.*synth\): a `sparsify synth` folder .* pass --tasks none"):
+        ev.evaluate([f"s={folder}"], tasks=[str(TASKS)], texts=[], device="cpu", progress=False)
