@@ -20,7 +20,7 @@ from sparsify.errors import SparsifyError
 COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("sparsify.folder.convert", "turn a SiLU-gated checkpoint (Hub id, folder, .gguf) into a ReLU model folder"),
     "gendata": ("sparsify.train.gendata", "sample training text from the original model (teacher data for finetune)"),
-    "finetune": ("sparsify.train.finetune", "continued pretraining with an L1 penalty until sparsity stabilises"),
+    "finetune": ("sparsify.train.finetune", "continued pretraining of the ReLU model (L1 penalty or thresholded gate) to a zeros target"),
     "eval": ("sparsify.evaluation.evaluate", "accuracy, perplexity, sparsity and speed reports for one or more models"),
     "synth": ("sparsify.folder.synth", "a random-weight model folder of any config at a chosen sparsity (speed, not quality)"),
     "bench": ("sparsify.evaluation.bench", "(CUDA GPU only) end-to-end generation speed (time to first token, decode "
@@ -57,7 +57,12 @@ def parse(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace]
         return parser, parser.parse_args(argv)  # no command, or argparse's "invalid choice" with the list
     at = argv.index(chosen)
     parser.parse_args(argv[:at])  # --version, --help
-    args = commands[chosen].parse_intermixed_args(argv[at + 1:])
+    rest = argv[at + 1:]
+    if chosen == "finetune" and all(a.startswith("-") for a in rest) and not {"-h", "--help"} & set(rest):
+        # (argparse's intermixed parsing would call the optional overrides required too)
+        commands[chosen].error("the following argument is required: recipe (a recipe YAML file, e.g. "
+                               "recipes/smollm2-135m.yaml; SECTION.KEY=VALUE overrides after it are optional)")
+    args = commands[chosen].parse_intermixed_args(rest)
     args.command = chosen
     return parser, args
 

@@ -453,11 +453,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma list of compiled (greedy graph loop with the step through torch.compile: "
                              "what folders do by default; a compile per variant and shape), graphs (the same "
                              "uncompiled), hf-graphs (transformers' loop, forward from a graph), eager "
-                             "(dynamic cache)")
-    parser.add_argument("--dtype", default="bf16", help="bf16 (default), fp16 or fp32")
+                             "(dynamic cache). Default: compiled only")
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="default bf16")
     parser.add_argument("--text", default=None, help="prompt text file (default: random token ids)")
     parser.add_argument("--budget-s", type=float, default=None, help="skip remaining cases after this many seconds")
-    parser.add_argument("--out", default=None, help="folder for bench.json, report.md, decode.png")
+    parser.add_argument("-o", "--out", "--output", dest="out", default=None,
+                        help="folder for bench.json, report.md, decode.png (default: none, the tables are printed "
+                             "only)")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow other folders' own modeling code")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
     parser.add_argument("-q", "--quiet", action="store_true", help="no per-case lines")

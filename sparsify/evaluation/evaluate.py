@@ -147,7 +147,7 @@ def evaluate(models: list[str | Path], *, tasks: list[str] | None = None, texts:
     if settings.speed and not device.startswith("cuda"):
         raise SparsifyError(GPU_ONLY.format(device=device))
     specs = parse_models(list(models))
-    text_paths = check_texts(settings.texts + settings.ood_texts)
+    text_paths = check_texts(settings.texts, settings.ood_texts)
     with tempfile.TemporaryDirectory(prefix="sparsify-tasks-") as tmp, quiet_bars(not settings.progress):
         task_spec = resolve_tasks(tasks, Path(tmp))
         if task_spec.names:
@@ -292,7 +292,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="at most N examples per task, for quick runs (default: all)")
     parser.add_argument("--speed", action="store_true",
                         help="time prefill/decode, TwELL vs dense (CUDA GPU only: refused elsewhere, like bench)")
-    parser.add_argument("--out", default="eval-report",
+    parser.add_argument("-o", "--out", "--output", dest="out", default="eval-report",
                         help="output folder for report.json, report.md and the plots; it must not exist, unless "
                              "--overwrite (default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true",

@@ -53,8 +53,10 @@ def parse_models(models: list[str | Path]) -> list[ModelSpec]:
             gguf, source = path.name, str(path.parent)
         elif path.exists():
             if not (path / "config.json").is_file():
+                run = f" It is a fine-tune run's folder: its model is {path / 'model'}." \
+                    if (path / "model" / "config.json").is_file() else ""
                 raise SparsifyError(
-                    f"model {raw!r}: {path} has no config.json, so it is not a model folder. Pass a folder "
+                    f"model {raw!r}: {path} has no config.json, so it is not a model folder.{run} Pass a folder "
                     "written by `sparsify convert`/`finetune` (or any Hugging Face model folder), a .gguf "
                     "file, or a Hub id like user/name."
                 )
@@ -64,6 +66,8 @@ def parse_models(models: list[str | Path]) -> list[ModelSpec]:
                 f"folder, a .gguf file, a Hub id or the alias {SMOLLM2_ALIAS}, optionally labelled as NAME=PATH."
             )
         default = path.stem if gguf else (path.name or source)
+        if not gguf and default in ("model", "converted") and path.parent.name:  # runs/X/model: the run's name
+            default = path.parent.name
         specs.append(ModelSpec(name=name or default, source=source, gguf_file=gguf, alias=alias))
     _dedupe_names(specs)
     return specs

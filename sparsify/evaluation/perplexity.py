@@ -19,18 +19,20 @@ from sparsify.evaluation.loading import ffn_backend
 HELDOUT_TEXT = Path(__file__).parents[1] / "corpus" / "python-howto-heldout.txt"
 
 
-def check_texts(texts: list[str | Path]) -> list[Path]:
-    """Text files must exist and hold some text; collects every problem into one error."""
+def check_texts(texts: list[str | Path], ood_texts: list[str | Path] = ()) -> list[Path]:
+    """Text files (--text, then --ood-text) must exist and hold some text; collects every problem into one error,
+    each under the option that named it."""
     paths, problems = [], []
-    for t in texts:
-        p = Path(t).expanduser()
-        if not p.is_file():
-            problems.append(f"{t}: no such file")
-        elif not p.read_text(encoding="utf-8", errors="replace").strip():
-            problems.append(f"{t}: empty")
-        paths.append(p)
+    for flag, group in (("--text", texts), ("--ood-text", ood_texts)):
+        for t in group:
+            p = Path(t).expanduser()
+            if not p.is_file():
+                problems.append(f"{flag} {t}: no such file")
+            elif not p.read_text(encoding="utf-8", errors="replace").strip():
+                problems.append(f"{flag} {t}: empty")
+            paths.append(p)
     if problems:
-        raise SparsifyError("--text: " + "; ".join(problems) + ". Pass UTF-8 text files (plain prose or docs).")
+        raise SparsifyError("; ".join(problems) + ". Pass UTF-8 text files (plain prose or docs).")
     return paths
 
 

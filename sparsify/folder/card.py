@@ -54,7 +54,8 @@ def _about(config: dict, prov: dict) -> str:
     act = config.get("hidden_act") or config.get("hidden_activation") or "?"
     if thresholded(config):
         act = f"ReLU with a learned threshold per {prov['threshold'].get('mode') or 'neuron'} (g kept where g > theta)"
-    how = "ReLU swap + L1 continued pretraining" if prov.get("finetuned") else "ReLU swap, no continued pretraining"
+    how = ("ReLU swap + continued pretraining with a thresholded gate" if thresholded(config) else
+           "ReLU swap + L1 continued pretraining") if prov.get("finetuned") else "ReLU swap, no continued pretraining"
     lines = [f"A `{family}` model whose gated MLP uses `{act}`, so many FFN hidden activations are exactly zero; "
              f"made with sparsify ({how}) and shipped with TwELL sparse GPU kernels ([paper]({PAPER}))."]
     if prov:

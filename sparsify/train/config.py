@@ -265,7 +265,8 @@ class LoraSection:
 @dataclass
 class OutputSection:
     dir: str = doc("runs/sparsify", "Output folder: checkpoints/, metrics.jsonl, plots, tensorboard/, data/, model/.")
-    overwrite: bool = doc(False, "Allow starting a fresh run in a non-empty output folder (deletes its checkpoints).")
+    overwrite: bool = doc(False, "Start a fresh run in a folder holding an earlier run's checkpoints or model/ "
+                                 "(deletes its checkpoints, metrics.jsonl and tensorboard/; other files stay).")
     tensorboard: bool = doc(True, "Write TensorBoard logs to OUTPUT/tensorboard when tensorboard is installed.")
     plots: bool = doc(True, "Write loss.png and sparsity.png at the end (needs matplotlib).")
     keep_checkpoints_when_done: bool = doc(
@@ -499,7 +500,9 @@ def dump_recipe(recipe: Recipe) -> str:
 
 def format_help() -> str:
     """Every recipe key with its type, default and help text: the epilog of `sparsify finetune --help`."""
-    lines = ["recipe keys (YAML sections, or section.key=value on the command line):"]
+    lines = ["recipe keys (YAML sections, or section.key=value on the command line); each default is the value",
+             "when a recipe leaves the key out: the recipes in recipes/ set most of them (--print-recipe shows a",
+             "recipe's resolved values):"]
     for name, cls in SECTIONS.items():
         lines.append(f"\n  {name}:")
         for key, (tp, f) in _fields(cls).items():

@@ -1,4 +1,6 @@
-"""finetune: continued pretraining of a ReLU model with an L1 penalty on h until its sparsity stabilises.
+"""finetune: continued pretraining of a ReLU model until every layer holds its zeros target: an L1 penalty on h
+(sparsity.method=l1), or an L1 warm-up and then a thresholded gate held at the target (threshold, the default
+recipe's); the run ends at its step / token budget, or where sparsity plateaus.
 
     sparsify finetune recipes/smollm2-135m.yaml train.max_tokens=20_000_000 sparsity.l1=2e-2
     torchrun --nproc_per_node 8 -m sparsify finetune recipes/mistral-7b-fsdp.yaml

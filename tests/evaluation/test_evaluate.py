@@ -31,7 +31,9 @@ def test_unknown_task_and_bad_inputs_are_clear_errors(tmp_path, tiny_folders, ca
     err = capsys.readouterr().err
     assert "not a Hub id" in err and "no --text given" not in err  # the notice comes only once inputs are good
     assert cli.main(["eval", str(tiny_folders[0]), "--tasks", "none", "--text", str(tmp_path / "x.txt")]) == 2
-    assert "no such file" in capsys.readouterr().err
+    assert f"--text {tmp_path / 'x.txt'}: no such file" in capsys.readouterr().err
+    assert cli.main(["eval", str(tiny_folders[0]), "--tasks", "none", "--ood-text", str(tmp_path / "o.txt")]) == 2
+    assert f"--ood-text {tmp_path / 'o.txt'}: no such file" in capsys.readouterr().err  # (was named --text)
     assert cli.main(["eval", str(tiny_folders[0]), "--tasks", "no_such_task_xyz"]) == 2
     err = capsys.readouterr().err
     assert "neither an lm-eval task" in err and "no --text given" not in err
