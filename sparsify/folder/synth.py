@@ -331,7 +331,7 @@ def _check_size(raw: dict[str, Any], layers: int | None, dev: Any) -> None:
         with torch.device("meta"):
             return sum(p.numel() for p in AutoModelForCausalLM.from_config(_model_config(raw, n)).parameters())
 
-    params, free = count(layers), _available_memory()
+    params, free = count(layers), available_memory()
     if free is None or BUILD_BYTES * params <= free:
         return
     one = count(1)
@@ -344,7 +344,7 @@ def _check_size(raw: dict[str, Any], layers: int | None, dev: Any) -> None:
                         f"{free / 2**30:.0f} GiB are available now: {fix} build it on a GPU (--device cuda).")
 
 
-def _available_memory() -> int | None:
+def available_memory() -> int | None:
     """Bytes of memory available to a new allocation now (Linux: MemAvailable), None where unknown."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():

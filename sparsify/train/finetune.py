@@ -96,6 +96,8 @@ def finetune(recipe: Recipe, *, resume: bool = False, progress: bool = True, ver
         if not progress:  # transformers' own bars too (converting, loading and writing weights)
             quiet.enter_context(no_transformers_bars())
         model_dir = prepare_model(recipe, out, dist, progress)
+        if not data_only and dist.device.type == "cpu":
+            check_cpu_memory(recipe, model_dir)  # before tokenising: a GPU-sized recipe on a CPU was OOM-killed
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         data = _data(recipe, tokenizer, out, dist, progress, verbose)
         if data_only:
@@ -136,6 +138,36 @@ def prepare_model(recipe: Recipe, out: Path, dist: Dist, progress: bool = True) 
         convert(source, target, revision=recipe.model.revision, overwrite=True, progress=progress)
     dist.barrier()
     return target
+
+
+def check_cpu_memory(recipe: Recipe, model_dir: Path, available: int | None = None) -> None:
+    """Refuses a run on the CPU whose training state and logits alone exceed the memory available now (a lower
+    bound: float32 weights, gradients and AdamW's two moments, 16 bytes per parameter; + 4 for the decay's start
+    copy and 4 for the teacher; the micro-batch's logits and their gradient, twice that with KD). The default
+    recipe, sized for a GPU (16 x 2048 tokens, a 49k vocabulary, a teacher), needs ~29 GiB this way and was killed
+    by the kernel with no message on a 24 GB machine."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from sparsify.folder.synth import available_memory
+
+    free = available_memory() if available is None else available
+    if free is None:
+        return
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    teacher = recipe.distill.kd > 0 or recipe.distill.mlp > 0
+    vocab = getattr(config.get_text_config(), "vocab_size", 0)
+    t = recipe.train
+    logits = t.batch_size * t.seq_len * vocab * 4 * (2 + 2 * (recipe.distill.kd > 0))
+    need = params * (16 + 4 * (t.weight_decay_to == "start") + 4 * teacher) + logits
+    if need > free:
+        raise SparsifyError(
+            f"this run needs at least ~{need / 2**30:.0f} GiB of memory on the CPU and {free / 2**30:.0f} GiB are "
+            f"available now ({params / 1e6:.0f}M parameters with their gradients and optimizer state; "
+            f"train.batch_size {t.batch_size} x train.seq_len {t.seq_len} tokens of {vocab:,}-way logits"
+            f"{', with the teacher' if teacher else ''}): the recipe is sized for a GPU. For a CPU smoke run use "
+            "train.seq_len=128 train.batch_size=4 distill.kd=0 (the README's CPU example), or run it on a GPU.")
 
 
 def _refuse_unsupported(recipe: Recipe, dist: Dist) -> None:

@@ -390,6 +390,28 @@ def test_checkpoints_are_plain_tensors_and_a_pickled_object_is_refused(tiny_silu
         finetune(longer, resume=True, progress=False)
 
 
+def test_a_run_that_cannot_fit_the_cpus_memory_is_refused_before_tokenising(tiny_silu, tmp_path, monkeypatch):
+    """The default recipe's GPU sizing on a CPU (16 x 2048 tokens, 49k-way logits, a teacher) was killed by the
+    kernel with no message: the run is refused after the conversion, before tokenising, naming the sizes and the
+    CPU smoke settings; a bound that fits runs on."""
+    from sparsify.errors import SparsifyError
+    from sparsify.train import finetune as ft
+    from sparsify.train.preflight import load_recipe
+
+    recipe = load_recipe(recipe_dict(tiny_silu, tmp_path / "run"), ["train.batch_size=16", "train.seq_len=2048",
+                                                                    "distill.kd=1"])
+    monkeypatch.setattr(ft, "_data", lambda *a, **k: pytest.fail("tokenised before refusing"))
+    monkeypatch.setattr("sparsify.folder.synth.available_memory", lambda: 2**30)
+    logits = 16 * 2048 * 49152 * 4 * 4  # micro-batch logits and their gradient, the teacher's twice more
+    with pytest.raises(SparsifyError, match=r"needs at least ~\d+ GiB .* 1 GiB are available now .*train.batch_size "
+                       r"16 x train.seq_len 2048 tokens of 49,152-way logits, with the teacher.* train.seq_len=128"):
+        ft.finetune(recipe, progress=False, verbose=False)
+    small = load_recipe(recipe_dict(tiny_silu, tmp_path / "run2"), ["train.batch_size=4", "train.seq_len=128"])
+    ft.check_cpu_memory(small, tmp_path / "run" / "converted", available=2**30)  # fits: no error
+    with pytest.raises(SparsifyError):
+        ft.check_cpu_memory(recipe, tmp_path / "run" / "converted", available=logits)  # the logits alone fill it
+
+
 def test_recipe_problems_stop_finetune_before_anything_is_written(tiny_silu, tmp_path):
     """A Recipe built in Python (not through load_recipe) is checked too: a missing data file is reported before
     the SiLU source is converted or the output folder made."""
