@@ -22,9 +22,12 @@ from sparsify.sources import hub_unreachable
 
 # The paper's accuracy suite (mean of these seven); needs the Hub.
 PAPER_TASKS = ("arc_easy", "arc_challenge", "hellaswag", "piqa", "winogrande", "openbookqa", "commonsense_qa")
-LOCAL_TASKS_HINT = "eval/tasks/ (in the sparsify repository)"
+_CHECKOUT_TASKS = Path(__file__).resolve().parents[2] / "eval" / "tasks"  # in a source checkout only
+# the tasks shipped with the repository, by a path that works from any folder where this is a checkout
+LOCAL_TASKS = f"{_CHECKOUT_TASKS}/" if _CHECKOUT_TASKS.is_dir() else "eval/tasks/"
+LOCAL_TASKS_HINT = LOCAL_TASKS if _CHECKOUT_TASKS.is_dir() else "eval/tasks/ (in the sparsify repository)"
 OFFLINE_HINT = (
-    "Offline, evaluate local tasks instead: `--tasks eval/tasks/` runs the multiple-choice and perplexity "
+    f"Offline, evaluate local tasks instead: `--tasks {LOCAL_TASKS}` runs the multiple-choice and perplexity "
     "tasks shipped in the sparsify repository (or point --tasks at your own task YAML with "
     "`dataset_path: json` and a jsonl file), or `--tasks none` to skip accuracy."
 )

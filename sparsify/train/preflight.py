@@ -336,8 +336,25 @@ def _fetch_message(fetched: list[tuple[str, str]], fetch: str) -> str:
     verb = "matches" if len(fetched) == 1 else f"{len(fetched)} entries match"
     command = "\n".join("      " + line for line in fetch.strip().splitlines())
     return (f"{listing}: {verb} no file yet{relative_note(Path(fetched[0][1]))}. This recipe's data.fetch gets "
-            f"{'it' if len(fetched) == 1 else 'all of them'}: run it once from {Path.cwd()}, then run this command "
-            f"again:\n{command}")
+            f"{'it' if len(fetched) == 1 else 'all of them'}: {_fetch_where(fetch)}:\n{command}")
+
+
+def _fetch_where(fetch: str) -> str:
+    """Where to run data.fetch: here, unless it calls scripts by relative paths (bash eval/corpus/get-corpus.sh)
+    that are not here; then from the source checkout that has them (this command too: the recipe's data paths are
+    relative), or, installed from a wheel, from a clone of the repository (the scripts are not in the package)."""
+    scripts = sorted(set(re.findall(r"(?<![\w./-])((?:[\w.-]+/)+[\w.-]+\.(?:sh|py))\b", fetch)))
+    missing = [s for s in scripts if not Path(s).is_file()]
+    if not missing:
+        return f"run it once from {Path.cwd()}, then run this command again"
+    from sparsify.folder.push import source_checkout
+
+    checkout = source_checkout()
+    if checkout is not None and all((checkout / s).is_file() for s in missing):
+        return (f"it calls {', '.join(missing)}, which are in the sparsify checkout, not here: run it once from "
+                f"{checkout}, then run this command from there (the recipe's data paths are relative)")
+    return (f"it calls {', '.join(missing)}, which come with the sparsify repository, not the installed package: "
+            "run it once from the root of a clone of the repository, then run this command from there")
 
 
 def recipe_notes(r: Recipe) -> list[str]:

@@ -50,7 +50,10 @@ def test_missing_data_that_the_fetch_gets_is_one_problem_with_the_command(tmp_pa
                           "'data/ood/text/fiction_austen.txt'; data.heldout.news 'data/ood/text/news_reports.txt'; "
                           "data.heldout.dialogue 'data/ood/text/dialogue_wesnoth.txt'; data.heldout.postgres_docs "
                           "'data/ood/text/docs_postgresql.txt': 8 entries match no file yet"), msg
-    assert f"This recipe's data.fetch gets all of them: run it once from {tmp_path}, then run this command again" in msg
+    # run from elsewhere: the fetch's scripts are the checkout's (it said "run it once from" here, where they are not)
+    assert ("This recipe's data.fetch gets all of them: it calls eval/corpus/get-corpus.sh, eval/corpus/get-ood.sh, "
+            f"which are in the sparsify checkout, not here: run it once from {REPO}, then run this command from "
+            "there") in msg
     assert "\n      mkdir -p data/debian" in msg and msg.count("data.fetch") == 1
     assert "give existing files" not in msg and "hub:NAME" not in msg
     with pytest.raises(SparsifyError) as e:
@@ -77,3 +80,21 @@ def test_overlap_and_heldout_problems_found_without_reading_text(tmp_path, monke
                                   f"{tmp_path}/t/a.txt, {tmp_path}/t/b.txt.")  # the link resolves to b.txt
     assert "python -m sparsify.train.corpus_split" in problems[1]
     assert problems[2].startswith("data.heldout.val: 1 file(s) are also validation files (data.validation")
+
+
+def test_where_to_run_the_fetch_follows_its_scripts(tmp_path, monkeypatch):
+    """data.fetch calls scripts by relative paths: here when they are here; else the checkout that has them; else
+    (installed from a wheel, no checkout) a clone of the repository."""
+    from sparsify.train.preflight import _fetch_where
+
+    monkeypatch.chdir(tmp_path)
+    fetch = "ROOT=$PWD/data bash eval/corpus/get-corpus.sh && python -m sparsify.train.corpus_split a b"
+    assert _fetch_where(fetch).startswith(f"it calls eval/corpus/get-corpus.sh, which are in the sparsify checkout, "
+                                          f"not here: run it once from {REPO}")
+    monkeypatch.setattr("sparsify.folder.push.source_checkout", lambda: None)
+    assert "come with the sparsify repository, not the installed package" in _fetch_where(fetch)
+    (tmp_path / "eval" / "corpus").mkdir(parents=True)
+    (tmp_path / "eval" / "corpus" / "get-corpus.sh").write_text("true\n")
+    assert _fetch_where(fetch) == f"run it once from {tmp_path}, then run this command again"
+    assert _fetch_where("mkdir gone && echo hi > gone/a.txt") == f"run it once from {tmp_path}, then run this " \
+        "command again"  # no script: here
