@@ -66,7 +66,7 @@ def parse_models(models: list[str | Path]) -> list[ModelSpec]:
                 f"folder, a .gguf file, a Hub id or the alias {SMOLLM2_ALIAS}, optionally labelled as NAME=PATH."
             )
         default = path.stem if gguf else (path.name or source)
-        if not gguf and default in ("model", "converted") and path.parent.name:  # runs/X/model: the run's name
+        if not gguf and default in ("model", "converted") and path.exists() and path.parent.name:  # runs/X/model
             default = path.parent.name
         specs.append(ModelSpec(name=name or default, source=source, gguf_file=gguf, alias=alias))
     _dedupe_names(specs)
@@ -201,21 +201,28 @@ def load_model(spec: ModelSpec, device: str, dtype: str, trust_remote_code: bool
             tok = AutoTokenizer.from_pretrained(spec.source, trust_remote_code=remote, **cached)
             model = AutoModelForCausalLM.from_pretrained(spec.source, trust_remote_code=remote, dtype=dt, **cached)
     except SparsifyError as e:
-        raise SparsifyError(f"model {spec.name} ({where}) could not be loaded: {e}") from None
+        raise SparsifyError(f"model {_label(spec, where)} could not be loaded: {e}") from None
     except Exception as e:  # corrupt .gguf (struct.error), config without tokenizer (ValueError), no Hub (OSError)...
         if (broken := import_failure(e)) is not None:
-            raise SparsifyError(f"model {spec.name} ({where}) could not be loaded: {broken}") from None
-        msg = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+            raise SparsifyError(f"model {_label(spec, where)} could not be loaded: {broken}") from None
+        msg = (str(e).splitlines()[0][:300] if str(e) else type(e).__name__).rstrip(".")
+        if not spec.gguf_file and not Path(spec.source).exists():  # a Hub id, or a local path mistyped
+            msg += f" (and there is no local folder {Path(spec.source).absolute()})"
         hint = ("The .gguf file may be truncated or corrupt (download it again), or its architecture is not one "
                 "transformers can read; `sparsify convert` on it says which." if spec.gguf_file else
                 "Check that the folder holds config.json, tokenizer files and weights (as `sparsify convert` "
                 "writes them), or for a Hub id that the Hub is reachable (HF_HUB_OFFLINE unset). A model that "
                 "needs its own modeling code loads only with --trust-remote-code.")
-        raise SparsifyError(f"model {spec.name} ({where}) could not be loaded: {msg}. {hint}") from None
+        raise SparsifyError(f"model {_label(spec, where)} could not be loaded: {msg}. {hint}") from None
     model.to(device=device, dtype=dt).eval()
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return model, tok
+
+
+def _label(spec: ModelSpec, where: str) -> str:
+    """'NAME (SOURCE)', or SOURCE alone when the name is only its last part ('model model (nosuch/model)')."""
+    return where if Path(where).name == spec.name or where == spec.name else f"{spec.name} ({where})"
 
 
 def ffn_backend_of(model: Any) -> str | None:

@@ -80,6 +80,10 @@ def locate(src: str | os.PathLike, revision: str | None) -> tuple[str, Path]:
     if problem:
         raise SparsifyError(problem)
     path = Path(str(resolve_source(src))).expanduser()
+    if revision is not None and (path.is_file() or path.is_dir()):
+        raise SparsifyError(f"--revision {revision}: {src} is a local {'file' if path.is_file() else 'folder'}, "
+                            "and a revision names a Hub commit, branch or tag: leave --revision out (or pass the "
+                            "Hub id).")
     if path.is_file():
         return "gguf", path  # source_problem let through only .gguf files
     if path.is_dir():

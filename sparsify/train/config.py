@@ -472,7 +472,8 @@ def _read_raw(source: str | Path | dict | None) -> tuple[str, dict]:
     where = f"recipe {source}"
     path = Path(source)
     if not path.is_file():
-        raise SparsifyError(f"{where}: no such file; pass a YAML recipe such as recipes/smollm2-135m.yaml")
+        what = "a folder, not a recipe file" if path.is_dir() else "no such file"
+        raise SparsifyError(f"{where}: {what}; pass a YAML recipe such as recipes/smollm2-135m.yaml")
     try:
         loader = yaml.SafeLoader(path.read_text(encoding="utf-8"))
         loader.name = str(path)  # YAML's messages name the file (not "<unicode string>") and keep the snippet

@@ -79,6 +79,13 @@ def test_overwrite_replaces_only_a_model_folder_never_other_files_or_the_current
     assert json.loads((empty / "config.json").read_text())["sparsify"]["activation"] == "relu"
 
 
+def test_a_revision_with_a_local_source_is_refused(llama_dir, tmp_path):
+    """--revision names a Hub commit: with a local folder it was ignored without a word."""
+    with pytest.raises(SparsifyError, match=f"--revision v1: {llama_dir} is a local folder.*leave --revision out"):
+        convert(llama_dir, tmp_path / "out", revision="v1", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
 def test_cli_non_gated_model_names_supported_families(tmp_path):
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64)).save_pretrained(tmp_path / "gpt2")
     proc = run_cli("convert", tmp_path / "gpt2", "-o", tmp_path / "out")

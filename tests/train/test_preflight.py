@@ -98,3 +98,8 @@ def test_where_to_run_the_fetch_follows_its_scripts(tmp_path, monkeypatch):
     assert _fetch_where(fetch) == f"run it once from {tmp_path}, then run this command again"
     assert _fetch_where("mkdir gone && echo hi > gone/a.txt") == f"run it once from {tmp_path}, then run this " \
         "command again"  # no script: here
+
+
+def test_a_folder_given_as_the_recipe_is_called_a_folder(tmp_path):
+    with pytest.raises(SparsifyError, match=f"recipe {tmp_path}: a folder, not a recipe file; pass a YAML recipe"):
+        load_recipe(tmp_path)
