@@ -461,7 +461,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="folder for bench.json, report.md, decode.png (default: none, the tables are printed "
                              "only)")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow other folders' own modeling code")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out folder (only an empty one or an earlier "
+                        "bench's)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no per-case lines")
 
 

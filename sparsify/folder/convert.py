@@ -291,7 +291,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
                    help="weight dtype: auto keeps the source's (GGUF: fp32, dequantised)")
     p.add_argument("--revision", help="Hub branch, tag or commit to convert (Hub ids only)")
-    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists (only an empty folder or a model folder "
+                   "sparsify wrote: anything else is refused, as are the current folder and those above it)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
 
 

@@ -384,7 +384,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skew", type=float, default=1.0,
                         help="spread of per-neuron firing rates (log-normal sigma; 0 = uniform; default 1.0)")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights, rates and tokens (default 0)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder (only an empty one or a model "
+                        "folder sparsify wrote)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress output")
 
 
