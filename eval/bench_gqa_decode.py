@@ -27,6 +27,9 @@ from pathlib import Path
 
 import torch
 
+# what --overwrite may replace: this script's own results folder (or an empty one)
+RESULTS = ("this script's results folder (gqa-decode.json)", lambda d: (d / "gqa-decode.json").is_file())
+
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {  # config fields of the models whose decode steps are timed (random weights)
     "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -181,7 +184,7 @@ def main(argv=None) -> int:
     from sparsify.folder.atomic import atomic_dir, check_output
 
     try:
-        check_output(a.out, a.overwrite, flag="--out")  # before the work: the results are written whole at the end
+        check_output(a.out, a.overwrite, flag="--out", kind=RESULTS)  # before the work: the results are written whole at the end
     except SparsifyError as e:
         print(e, file=sys.stderr)
         return 2
@@ -204,7 +207,7 @@ def main(argv=None) -> int:
                   + " | ".join(f"{r[f'{m}_tok_s']:,.0f}" for m in STEP_MODES)
                   + f" | {r['fold_x']:.2f}x | {r['enable_gqa_x']:.2f}x | {r['fold_same_tokens']}, "
                   f"{r['enable_gqa_same_tokens']} |" for r in steps]
-    with atomic_dir(a.out, a.overwrite, flag="--out") as out:
+    with atomic_dir(a.out, a.overwrite, flag="--out", kind=RESULTS) as out:
         (out / "gqa-decode.json").write_text(json.dumps(results, indent=1))
         (out / "gqa-decode.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

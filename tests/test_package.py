@@ -203,7 +203,7 @@ def test_sigterm_cleans_up_like_ctrl_c_and_exits_143(tmp_path, monkeypatch, caps
     from sparsify.folder.format import atomic_dir
 
     def writing(args):
-        with atomic_dir(tmp_path / "out") as tmp:
+        with atomic_dir(tmp_path / "out", kind=None) as tmp:
             (tmp / "half.bin").write_bytes(b"x")
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(10)  # the handler raises in here

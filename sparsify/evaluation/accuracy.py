@@ -11,6 +11,7 @@ import contextlib
 import logging
 import math
 import os
+import shlex
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from sparsify.sources import hub_unreachable
 PAPER_TASKS = ("arc_easy", "arc_challenge", "hellaswag", "piqa", "winogrande", "openbookqa", "commonsense_qa")
 _CHECKOUT_TASKS = Path(__file__).resolve().parents[2] / "eval" / "tasks"  # in a source checkout only
 # the tasks shipped with the repository, by a path that works from any folder where this is a checkout
-LOCAL_TASKS = f"{_CHECKOUT_TASKS}/" if _CHECKOUT_TASKS.is_dir() else "eval/tasks/"
+LOCAL_TASKS = shlex.quote(f"{_CHECKOUT_TASKS}/") if _CHECKOUT_TASKS.is_dir() else "eval/tasks/"
 LOCAL_TASKS_HINT = LOCAL_TASKS if _CHECKOUT_TASKS.is_dir() else "eval/tasks/ (in the sparsify repository)"
 OFFLINE_HINT = (
     f"Offline, evaluate local tasks instead: `--tasks {LOCAL_TASKS}` runs the multiple-choice and perplexity "

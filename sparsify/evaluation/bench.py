@@ -386,7 +386,8 @@ def bench(models: list[str], *, batches=(1, 8, 32), prompts=(128, 512, 2048), ne
           out: str | Path | None = None, trust_remote_code: bool = False, budget_s: float | None = None,
           progress: bool = True, overwrite: bool = False) -> dict:
     """Benchmark each model (`[NAME=]PATH`); writes OUT/bench.json, report.md and decode.png if `out` (an existing
-    `out` is refused before any work unless `overwrite`, and replaced whole at the end)."""
+    `out` is refused before any work unless `overwrite`, and unless it is empty or an earlier bench's; it is
+    replaced whole at the end)."""
     import gc
 
     import torch

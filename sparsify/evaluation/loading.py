@@ -66,8 +66,9 @@ def parse_models(models: list[str | Path]) -> list[ModelSpec]:
                 f"folder, a .gguf file, a Hub id or the alias {SMOLLM2_ALIAS}, optionally labelled as NAME=PATH."
             )
         default = path.stem if gguf else (path.name or source)
-        if not gguf and default in ("model", "converted") and path.exists() and path.parent.name:  # runs/X/model
-            default = path.parent.name
+        run = path.absolute().parent.name
+        if not gguf and default in ("model", "converted") and path.exists() and run:  # RUN/model: its run's name
+            default = run if default == "model" else f"{run}-converted"
         specs.append(ModelSpec(name=name or default, source=source, gguf_file=gguf, alias=alias))
     _dedupe_names(specs)
     return specs

@@ -1,6 +1,8 @@
 """Atomic folder output, for every stage: a folder is built beside OUT and renamed to OUT only when complete, and
-an existing OUT is refused unless the caller asks to replace it. sparsify.folder.format re-exports both (this module
-imports nothing of the toolkit but its errors, so the report writer can use it too)."""
+an existing OUT is refused unless the caller asks to replace it, and even then unless it is empty or of the kind
+the caller writes (`kind`, required of every caller: KINDS, a (description, test) pair, or None for the toolkit's own
+internal paths); the current folder, one above it and the home folder are never replaced. sparsify.folder.format
+re-exports both (this module imports nothing of the toolkit but its errors, so the report writer can use it too)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from sparsify.errors import SparsifyError
@@ -20,6 +22,7 @@ KINDS = {
     "model": ("a model folder sparsify wrote (config.json with a 'sparsify' section)", lambda d: _sparsify_config(d)),
     "bench": ("a bench folder (bench.json)", lambda d: (d / "bench.json").is_file()),
     "report": ("an eval report", lambda d: True),  # report.check_report_output checks its files itself
+    "split": ("a corpus split (split.json)", lambda d: (d / "split.json").is_file()),
 }
 
 
@@ -31,8 +34,10 @@ def _sparsify_config(folder: Path) -> bool:
         return False
 
 
-def check_output(out: str | os.PathLike, overwrite: bool = False, flag: str = "-o/--output",
-                 kind: str | None = "model") -> None:
+Kind = str | tuple[str, Callable[[Path], bool]] | None
+
+
+def check_output(out: str | os.PathLike, overwrite: bool = False, flag: str = "-o/--output", *, kind: Kind) -> None:
     """Refuses an output path that exists (unless `overwrite`) or is not a folder: call it before long work.
     `flag` is the option that named it, for the message. With `overwrite`, an existing folder is replaced only
     when it is empty or of `kind` (KINDS: what this stage writes), and never when it is the current folder, one
@@ -45,26 +50,33 @@ def check_output(out: str | os.PathLike, overwrite: bool = False, flag: str = "-
         raise SparsifyError(f"output path {out} exists and is not a folder; choose another {flag}.")
     if not out.exists():
         return
-    real, cwd = out.resolve(), Path.cwd().resolve()
-    if real == cwd or real in cwd.parents or real == Path.home().resolve():
-        where = "the current folder" if real == cwd else "the home folder" if real == Path.home().resolve() \
+    real, cwd, home = out.resolve(), Path.cwd().resolve(), _home()
+    if real == cwd or real in cwd.parents or real == home:
+        where = "the current folder" if real == cwd else "the home folder" if real == home \
             else "a folder above the current one"
-        raise SparsifyError(f"{flag} {out} is {where}: --overwrite would replace it whole. Choose a folder of its "
-                            f"own, e.g. {out / 'out'}.")
+        raise SparsifyError(f"{flag} {out} is {where}: it would be replaced whole. Choose a folder of its own, "
+                            f"e.g. {out / 'out'}.")
     if kind is None or not any(out.iterdir()):
         return
-    what, ours = KINDS[kind]
+    what, ours = KINDS[kind] if isinstance(kind, str) else kind
     if not ours(out):
         entries = sorted(p.name for p in out.iterdir())
         listed = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
-        raise SparsifyError(f"{flag} {out} is not {what} (it holds {listed}): --overwrite replaces the whole "
-                            f"folder, so it would delete them. Choose another {flag}, or remove the folder "
-                            "yourself if it can go.")
+        raise SparsifyError(f"{flag} {out} holds {listed}, and is not {what}: it would be replaced whole, "
+                            f"deleting them. Choose another {flag}, or remove the folder yourself if it can go.")
+
+
+def _home() -> Path | None:
+    """The home folder, None where there is none (HOME unset and no passwd entry, as in a container run --user N)."""
+    try:
+        return Path.home().resolve()
+    except (RuntimeError, KeyError, OSError):
+        return None
 
 
 @contextlib.contextmanager
-def atomic_dir(out: str | os.PathLike, overwrite: bool = False, flag: str = "-o/--output",
-               kind: str | None = "model") -> Iterator[Path]:
+def atomic_dir(out: str | os.PathLike, overwrite: bool = False, flag: str = "-o/--output", *,
+               kind: Kind) -> Iterator[Path]:
     """Yield a fresh temporary folder beside `out`; on success it replaces `out`, on any failure
     (exception, Ctrl-C) it is removed and `out` is left as it was. An existing `out` is refused unless
     `overwrite`, and then unless it is empty or of `kind` (check_output).
@@ -72,7 +84,7 @@ def atomic_dir(out: str | os.PathLike, overwrite: bool = False, flag: str = "-o/
     Leftovers of a run killed with SIGKILL (`.NAME.tmp-*`, `.NAME.old-*` beside `out`) are removed on entry.
     """
     out = Path(out).absolute()
-    check_output(out, overwrite, flag, kind)
+    check_output(out, overwrite, flag, kind=kind)
     out.parent.mkdir(parents=True, exist_ok=True)
     for stale in [*out.parent.glob(f".{out.name}.tmp-*"), *out.parent.glob(f".{out.name}.old-*")]:
         if _is_dead_leftover(stale):

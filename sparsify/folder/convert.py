@@ -21,7 +21,7 @@ from typing import Any
 from sparsify.version import __version__
 from sparsify.families import FAMILIES, activation_of, family_for, thresholded
 from sparsify.errors import SparsifyError
-from sparsify.folder.format import DTYPES, atomic_dir, finalize_folder
+from sparsify.folder.format import DTYPES, atomic_dir, check_output, finalize_folder
 from sparsify.folder.gguf import load_gguf, no_transformers_bars
 from sparsify.sources import hub_unreachable, resolve_source, source_problem
 
@@ -35,7 +35,8 @@ ST_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "
 
 
 def convert(src: str | os.PathLike, out: str | os.PathLike, *, activation: str = "relu", dtype: str = "auto",
-            revision: str | None = None, overwrite: bool = False, progress: bool = True) -> Path:
+            revision: str | None = None, overwrite: bool = False, progress: bool = True,
+            flag: str = "-o/--output") -> Path:
     """Convert a SiLU/GELU-gated checkpoint into a ReLU sparsify model folder.
 
     Args:
@@ -45,8 +46,9 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, *, activation: str =
         activation: the new gate activation (only "relu").
         dtype: "auto" keeps the source's dtype (GGUF: float32, dequantised); or bf16, fp16, fp32.
         revision: Hub branch, tag or commit (Hub ids only).
-        overwrite: replace an existing `out`.
+        overwrite: replace an existing `out`: only an empty folder or a model folder sparsify wrote (atomic.py).
         progress: show progress bars.
+        flag: the option that named `out`, for messages (finetune: output.dir).
 
     Returns:
         The path of the new folder.
@@ -55,6 +57,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, *, activation: str =
         raise SparsifyError(f"--activation {activation!r} is not supported; choose one of {list(ACTIVATIONS)}.")
     if dtype not in DTYPES:
         raise SparsifyError(f"--dtype {dtype!r} is not supported; choose one of auto, bf16, fp16, fp32.")
+    check_output(out, overwrite, flag, kind="model")  # before a download of gigabytes
     kind, path = locate(src, revision)
     out = Path(out)
     src_real, out_real = path.resolve(), out.resolve()
@@ -63,7 +66,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, *, activation: str =
                             "the output would destroy the source; choose an -o/--output outside the source.")
     provenance = {"source": str(src), "revision": revision or _snapshot_revision(path), "activation": activation,
                   "converted_by": f"sparsify {__version__}"}
-    with atomic_dir(out, overwrite) as tmp:
+    with atomic_dir(out, overwrite, flag, kind="model") as tmp:
         if kind == "gguf":
             config = _convert_gguf(path, tmp, DTYPES[dtype], progress)
         else:

@@ -73,12 +73,15 @@ def finalize_folder(folder: Path, provenance: dict[str, Any], name: str) -> dict
 
 
 def save_model_folder(model: Any, tokenizer: Any, out: str | os.PathLike, *, provenance: dict[str, Any],
-                      overwrite: bool = False, extra_files: dict[str, bytes | str] | None = None) -> Path:
+                      overwrite: bool = False, extra_files: dict[str, bytes | str] | None = None,
+                      flag: str = "-o/--output") -> Path:
     """Write a loaded model (stock or remote-code class) and its tokenizer as a sparsify model folder,
-    atomically. `extra_files` (name -> content) are written beside the weights (recipe, stats, ...)."""
+    atomically. `extra_files` (name -> content) are written beside the weights (recipe, stats, ...). An existing
+    `out` is replaced only with `overwrite`, and only when empty or a model folder sparsify wrote (atomic.py);
+    `flag` names the option that gave `out`, for that message."""
     out = Path(out)
     family_for(model.config)  # refuse early, before writing gigabytes
-    with atomic_dir(out, overwrite) as tmp:
+    with atomic_dir(out, overwrite, flag, kind="model") as tmp:
         model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)

@@ -114,12 +114,14 @@ def find_report(folder: Path, report: str | Path | None = None) -> tuple[Path | 
         if data is None:
             raise SparsifyError(f"--report {path} is not a report.json written by `sparsify eval` (not JSON or no "
                                 "models). Pass the report.json of an eval run that included this folder.")
-        # the row whose path is this folder; the only row only when it names no path (a report that describes
-        # another folder must never put that model's numbers on this one's card)
+        # the row whose path is this folder, or (a folder copied or moved since its eval) whose recorded sparsify
+        # section is this folder's own: a report that describes another model must never put its numbers on this
+        # one's card (a Hub id's row has no path at all)
         row = pick_model_row(data, folder, only_row=False)
         rows = [r for r in data.get("models", []) if isinstance(r, dict)]
-        if row is None and len(rows) == 1 and not rows[0].get("path"):
-            row = rows[0]
+        own = _sparsify_section(folder)
+        if row is None and own:
+            row = next((r for r in rows if r.get("sparsify") == own), None)
         if row is None:
             names = ", ".join(f"{r.get('name')} ({r.get('path') or r.get('source')})" for r in rows)
             raise SparsifyError(f"--report {path} has no row for {folder} (its models: {names}). Pass the report of "
@@ -133,6 +135,15 @@ def find_report(folder: Path, report: str | Path | None = None) -> tuple[Path | 
         if row is not None:
             return path, data, row
     return None, None, None
+
+
+def _sparsify_section(folder: Path) -> dict | None:
+    """config.json's `sparsify` section (provenance: source, steps, tokens, sparsity), as eval records it per row."""
+    try:
+        section = json.loads((folder / "config.json").read_text()).get("sparsify")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return section if isinstance(section, dict) and section else None
 
 
 def _read_report(path: Path) -> dict | None:

@@ -230,7 +230,7 @@ def synth(config: str | Path, out: str | Path, *, zeros: float = 0.9, layers: in
     from sparsify.folder.format import DTYPES, check_output, save_model_folder
 
     dev = _check_arguments(zeros, dtype, layers, device)
-    check_output(out, overwrite)  # before building and calibrating
+    check_output(out, overwrite, kind="model")  # before building and calibrating
     if not progress:
         from transformers.utils import logging as hf_logging
 
@@ -327,6 +327,7 @@ def _check_size(raw: dict[str, Any], layers: int | None, dev: Any) -> None:
                             "(or leave --layers out for all of them).")
     if dev.type != "cpu":
         return
+
     def count(n: int | None) -> int:
         with torch.device("meta"):
             return sum(p.numel() for p in AutoModelForCausalLM.from_config(_model_config(raw, n)).parameters())
@@ -335,13 +336,13 @@ def _check_size(raw: dict[str, Any], layers: int | None, dev: Any) -> None:
     if free is None or BUILD_BYTES * params <= free:
         return
     one = count(1)
-    per_layer = (params - one) / ((layers or have or 1) - 1) if (layers or have or 1) > 1 else one
+    per_layer = count(2) - one  # a decoder layer's parameters; the rest (embeddings, head, norm) is one - per_layer
     fit = int((free / BUILD_BYTES - (one - per_layer)) // per_layer) if per_layer > 0 else 0
-    fix = f"pass --layers {fit} or fewer (a few layers measure a layer's speed), or" if fit >= 1 else "the " \
-        "embeddings alone do not fit here:"
+    fix = f"pass --layers {min(fit, have or fit)} or fewer (a few layers measure a layer's speed), or" if fit >= 1 \
+        else f"not even one layer fits (the embeddings and one layer need ~{BUILD_BYTES * one / 2**30:.1f} GiB):"
     raise SparsifyError(f"a random model of this config ({params / 1e9:.2f}B parameters) needs "
-                        f"~{BUILD_BYTES * params / 2**30:.0f} GiB of memory to build on the CPU, and "
-                        f"{free / 2**30:.0f} GiB are available now: {fix} build it on a GPU (--device cuda).")
+                        f"~{BUILD_BYTES * params / 2**30:.1f} GiB of memory to build on the CPU, and "
+                        f"{free / 2**30:.1f} GiB are available now: {fix} build it on a GPU (--device cuda).")
 
 
 def available_memory() -> int | None:

@@ -186,7 +186,12 @@ def check_resume_recipe(saved_yaml: str, saved_world: int, recipe: Recipe, world
 
 
 def check_output(out: Path, recipe: Recipe, resume: bool, dist: Dist) -> Path | None:
-    """The checkpoint to resume from (None for a fresh run); refuses to mix runs in one folder."""
+    """The checkpoint to resume from (None for a fresh run); refuses to mix runs in one folder, and an OUT/model
+    that is not a model folder sparsify wrote (the export replaces it whole at the end: refused now, not then)."""
+    from sparsify.folder.atomic import check_output as check_replaceable
+
+    if (out / "model").exists():
+        check_replaceable(out / "model", overwrite=True, flag="output.dir", kind="model")
     found = checkpoints(out)
     finished = (out / "model" / "config.json").is_file()
     if resume:

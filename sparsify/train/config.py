@@ -266,7 +266,8 @@ class LoraSection:
 class OutputSection:
     dir: str = doc("runs/sparsify", "Output folder: checkpoints/, metrics.jsonl, plots, tensorboard/, data/, model/.")
     overwrite: bool = doc(False, "Start a fresh run in a folder holding an earlier run's checkpoints or model/ "
-                                 "(deletes its checkpoints, metrics.jsonl and tensorboard/; other files stay).")
+                                 "(deletes its checkpoints, metrics.jsonl and tensorboard/ at the start; model/ is "
+                                 "replaced at the export; other files stay).")
     tensorboard: bool = doc(True, "Write TensorBoard logs to OUTPUT/tensorboard when tensorboard is installed.")
     plots: bool = doc(True, "Write loss.png and sparsity.png at the end (needs matplotlib).")
     keep_checkpoints_when_done: bool = doc(

@@ -70,7 +70,7 @@ def split_corpus(src: str | os.PathLike, out: str | os.PathLike, fraction: float
         return {k: tuple(v) for k, v in previous["chars"].items()}
     from sparsify.folder.format import atomic_dir  # tmp folder beside OUT, renamed over it on success, removed on failure
 
-    with atomic_dir(out, overwrite=True, kind=None) as tmp:
+    with atomic_dir(out, overwrite=True, flag="OUT", kind="split") as tmp:
         (tmp / "train").mkdir()
         (tmp / "heldout").mkdir()
         chars = {}
@@ -99,9 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-chars", type=int, default=MIN_CHARS, help=f"held-out characters per file at least "
                         f"(default {MIN_CHARS})")
     args = parser.parse_args(argv)
+    from sparsify.errors import SparsifyError
+
     try:
         chars = split_corpus(args.src, args.out, args.heldout, args.min_chars)
-    except SplitError as err:
+    except (SplitError, SparsifyError) as err:  # SparsifyError: OUT is a folder of other files (atomic_dir)
         print(f"error: {err}", file=sys.stderr)
         return 2
     for name, (train, heldout) in sorted(chars.items()):

@@ -41,8 +41,9 @@ def export(run: Run, model_dir: Path, out: Path, tokenizer: Any, history: list[d
         sparsity = {"step": run.state.step, "tokens": run.state.tokens, "per_layer": last.get("per_layer"),
                     "sparsity": last.get("sparsity"), "nonzeros": last.get("nonzeros"),
                     "evaluations": [h for h in history if "val_loss" in h]}
-        save_model_folder(model, tokenizer, target, provenance=provenance, overwrite=True, extra_files={
-            "recipe.yaml": dump_recipe(run.recipe), "sparsity.json": json.dumps(sparsity, indent=2) + "\n"})
+        extra = {"recipe.yaml": dump_recipe(run.recipe), "sparsity.json": json.dumps(sparsity, indent=2) + "\n"}
+        save_model_folder(model, tokenizer, target, provenance=provenance, overwrite=True, flag="output.dir",
+                          extra_files=extra)
     run.dist.barrier()
     return target
 

@@ -135,17 +135,21 @@ def prepare_model(recipe: Recipe, out: Path, dist: Dist, progress: bool = True) 
     target = out / "converted"
     done = target / "config.json"
     if dist.main and not (done.is_file() and json.loads(done.read_text()).get("sparsify", {}).get("source") == source):
-        convert(source, target, revision=recipe.model.revision, overwrite=True, progress=progress)
+        convert(source, target, revision=recipe.model.revision, overwrite=True, progress=progress, flag="output.dir")
     dist.barrier()
     return target
 
 
 def check_cpu_memory(recipe: Recipe, model_dir: Path, available: int | None = None) -> None:
-    """Refuses a run on the CPU whose training state and logits alone exceed the memory available now (a lower
-    bound: float32 weights, gradients and AdamW's two moments, 16 bytes per parameter; + 4 for the decay's start
-    copy and 4 for the teacher; the micro-batch's logits and their gradient, twice that with KD). The default
-    recipe, sized for a GPU (16 x 2048 tokens, a 49k vocabulary, a teacher), needs ~29 GiB this way and was killed
-    by the kernel with no message on a 24 GB machine."""
+    """Refuses a run on the CPU whose training state and logits alone exceed the memory available now, for all the
+    processes on this machine (LOCAL_WORLD_SIZE). A lower bound: 4 bytes per parameter (float32 weights), 12 more
+    per trained one (gradient, AdamW's two moments; none for train.freeze matches, and with LoRA the adapters
+    only, left out here) and 4 for its start copy (weight_decay_to=start); 4 per parameter for the teacher; the
+    micro-batch's logits and their gradient in float32, twice that with KD. The default recipe, sized for a GPU
+    (16 x 2048 tokens, a 49k vocabulary, a teacher), needs ~27 GiB this way and was killed by the kernel with no
+    message on a 24 GB machine."""
+    import fnmatch
+
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from sparsify.folder.synth import available_memory
@@ -155,19 +159,31 @@ def check_cpu_memory(recipe: Recipe, model_dir: Path, available: int | None = No
         return
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
-        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+        named = [(n, p.numel()) for n, p in AutoModelForCausalLM.from_config(config).named_parameters()]
+    t = recipe.train
+    params = sum(n for _, n in named)
+    trained = 0 if recipe.lora.r > 0 else sum(
+        n for name, n in named if not any(fnmatch.fnmatchcase(name, p) for p in t.freeze))
     teacher = recipe.distill.kd > 0 or recipe.distill.mlp > 0
     vocab = getattr(config.get_text_config(), "vocab_size", 0)
-    t = recipe.train
     logits = t.batch_size * t.seq_len * vocab * 4 * (2 + 2 * (recipe.distill.kd > 0))
-    need = params * (16 + 4 * (t.weight_decay_to == "start") + 4 * teacher) + logits
-    if need > free:
-        raise SparsifyError(
-            f"this run needs at least ~{need / 2**30:.0f} GiB of memory on the CPU and {free / 2**30:.0f} GiB are "
-            f"available now ({params / 1e6:.0f}M parameters with their gradients and optimizer state; "
-            f"train.batch_size {t.batch_size} x train.seq_len {t.seq_len} tokens of {vocab:,}-way logits"
-            f"{', with the teacher' if teacher else ''}): the recipe is sized for a GPU. For a CPU smoke run use "
-            "train.seq_len=128 train.batch_size=4 distill.kd=0 (the README's CPU example), or run it on a GPU.")
+    state = 4 * params + (12 + 4 * (t.weight_decay_to == "start")) * trained + 4 * params * teacher
+    procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    need = procs * (state + logits)
+    if need <= free:
+        return
+    each = f" for each of {procs} processes" if procs > 1 else ""
+    if procs * state > free:
+        fix = ("the model itself does not fit here: a smaller model, lora.r (adapters only), train.freeze, "
+               "distill.kd=0 distill.mlp=0 (no teacher), or a GPU")
+    else:
+        fix = (f"the recipe is sized for a GPU; for a CPU smoke run use train.seq_len=128 train.batch_size=4 "
+               "distill.kd=0 (the README's CPU example), or run it on a GPU")
+    raise SparsifyError(
+        f"this run needs at least ~{need / 2**30:.1f} GiB of memory on the CPU and {free / 2**30:.1f} GiB are "
+        f"available now ({params / 1e6:.0f}M parameters, {trained / 1e6:.0f}M of them trained"
+        f"{', and the teacher' if teacher else ''}: {state / 2**30:.1f} GiB; train.batch_size {t.batch_size} x "
+        f"train.seq_len {t.seq_len} tokens of {vocab:,}-way logits: {logits / 2**30:.1f} GiB{each}): {fix}.")
 
 
 def _refuse_unsupported(recipe: Recipe, dist: Dist) -> None:

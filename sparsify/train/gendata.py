@@ -103,7 +103,7 @@ def gendata(model: str, out: str | os.PathLike, *, tokens: int, seq_len: int = 5
     loaded = None
     if settings.batch_size is None:
         saved = work_dir(out) / "settings.json"
-        if saved.exists():  # continue as it started, on whatever machine
+        if saved.exists() and _done_batches(work_dir(out))[0] > 0:  # continue as it started, on whatever machine
             settings.batch_size = json.loads(saved.read_text()).get("batch_size")
         elif not str(device).startswith("cuda"):
             settings.batch_size = CPU_BATCH
@@ -292,7 +292,7 @@ def _finish(work: Path, out: Path, s: GenSettings, tok: Any, device: str, progre
     """The first `s.tokens` sampled tokens (whole documents in order, the one reaching the count cut there) ->
     shards + gendata.json, written into OUT at once (atomic_dir); then the work folder goes. `tok` decodes the cut
     document (None: loaded here, for a run whose batches were all sampled before)."""
-    with atomic_dir(out) as final:
+    with atomic_dir(out, kind=None) as final:  # (OUT never exists here: refused at the start)
         shard, size, n, left, k = None, 0, 0, s.tokens, 0
         while left > 0:
             kept = []

@@ -18,6 +18,7 @@ from pathlib import Path
 from sparsify.errors import SparsifyError
 from sparsify.families import THRESHOLD_ACT, activation_of
 from sparsify.sources import local_config, source_problem
+from sparsify.sources import resolve_source as resolve_model_source
 from sparsify.train.config import DataSection, Recipe, parse_recipe
 from sparsify.train.data import (HELDOUT_NAME, heldout_mismatch, match_files, missing_reason, overlap_problems,
                                  relative_note, resolve_source, single_prepared, source_names)
@@ -230,6 +231,11 @@ def _check_paths(r: Recipe) -> Problems:
     problem = source_problem(r.model.source)
     if problem:
         e.append((("model.source",), f"model.source: {problem}"))
+    local = None if problem else Path(str(resolve_model_source(r.model.source))).expanduser()
+    if r.model.revision is not None and local is not None and local.exists():
+        e.append((("model.revision", "model.source"), f"model.revision {r.model.revision}: model.source "
+                  f"{r.model.source} is local, and a revision names a Hub commit, branch or tag; set "
+                  "model.revision=null (or give the Hub id as model.source)"))
     config = local_config(r.model.source)
     if config is None:
         return e
@@ -351,7 +357,8 @@ def _fetch_where(fetch: str) -> str:
 
     checkout = source_checkout()
     if checkout is not None and all((checkout / s).is_file() for s in missing):
-        return (f"it calls {', '.join(missing)}, which are in the sparsify checkout, not here: run it once from "
+        return (f"it calls {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} in the sparsify "
+                f"checkout, not here: run it once from "
                 f"{checkout}, then run this command from there (the recipe's data paths are relative)")
     return (f"it calls {', '.join(missing)}, which come with the sparsify repository, not the installed package: "
             "run it once from the root of a clone of the repository, then run this command from there")

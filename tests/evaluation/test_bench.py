@@ -78,7 +78,7 @@ def test_bench_refuses_an_existing_out_before_any_work_and_writes_it_whole(tmp_p
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake")
     monkeypatch.setattr(bench_mod, "gpu_provenance", lambda: {})
     monkeypatch.setattr(bench_mod, "plot", lambda report, path: path.write_text("png"))
-    with pytest.raises(SparsifyError, match="is not a bench folder .*mine.txt.*would delete them"):
+    with pytest.raises(SparsifyError, match="holds mine.txt, and is not a bench folder.*deleting them"):
         bench_mod.bench([], out=out, overwrite=True, progress=False)
     assert [p.name for p in out.iterdir()] == ["mine.txt"]
     (out / "mine.txt").unlink()

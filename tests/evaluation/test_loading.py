@@ -162,16 +162,20 @@ def test_model_labels_and_duplicate_names(tiny_folders):
     assert specs[0].source == str(tiny_folders[0])
 
 
-def test_a_fine_tune_runs_model_is_labelled_by_its_run_and_its_run_folder_points_at_it(tiny_folders, tmp_path):
+def test_a_fine_tune_runs_model_is_labelled_by_its_run_and_its_run_folder_points_at_it(tiny_folders, tmp_path,
+                                                                                         monkeypatch):
     """Every finetune writes RUN/model: comparing two runs read 'model' and 'model-2'; now the run's name. The run
     folder itself (no config.json) is refused with the path of its model."""
     import shutil
 
     for run in ("lr=1e-3", "lr2"):
         shutil.copytree(tiny_folders[0], tmp_path / run / "model")
+    shutil.copytree(tiny_folders[0], tmp_path / "lr2" / "converted")
     specs = ld.parse_models([str(tmp_path / "lr=1e-3" / "model"), str(tmp_path / "lr2" / "model"),
-                             f"mine={tmp_path / 'lr2' / 'model'}"])
-    assert [s.name for s in specs] == ["lr=1e-3", "lr2", "mine"]
+                             f"mine={tmp_path / 'lr2' / 'model'}", str(tmp_path / "lr2" / "converted")])
+    assert [s.name for s in specs] == ["lr=1e-3", "lr2", "mine", "lr2-converted"]
+    monkeypatch.chdir(tmp_path / "lr2")  # relative paths: the same names, whatever the current folder
+    assert [s.name for s in ld.parse_models(["model", "../lr2/model"])] == ["lr2", "lr2-2"]
     with pytest.raises(SparsifyError, match=f"It is a fine-tune run's folder: its model is {tmp_path / 'lr2' / 'model'}"):
         ld.parse_models([str(tmp_path / "lr2")])
 

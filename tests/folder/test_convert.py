@@ -58,7 +58,7 @@ def test_overwrite_replaces_only_a_model_folder_never_other_files_or_the_current
     notes.mkdir()
     (notes / "thesis.tex").write_text("keep")
     proc = run_cli("convert", llama_dir, "-o", notes, "-q", "--overwrite")
-    assert_clean_error(proc, "is not a model folder sparsify wrote", "thesis.tex", "would delete them")
+    assert_clean_error(proc, "is not a model folder sparsify wrote", "thesis.tex", "deleting them")
     plain = tmp_path / "plain"
     shutil.copytree(llama_dir, plain)  # a stock checkpoint: config.json, no 'sparsify' section
     with pytest.raises(SparsifyError, match="is not a model folder sparsify wrote"):
@@ -384,3 +384,22 @@ def test_an_unresolvable_hub_reads_the_cache_at_once(tmp_path, monkeypatch):
     monkeypatch.setattr(sources, "_UNREACHABLE", [])
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy:3128")
     assert not sources.hub_unreachable()
+
+
+def test_the_home_folder_is_never_replaced_and_no_home_is_no_crash(llama_dir, tmp_path, monkeypatch):
+    """-o ~ --overwrite is refused; with HOME unset and no passwd entry (a container run as --user N) Path.home()
+    raises: the check goes on without a home folder instead of a traceback."""
+    import pwd
+
+    home = tmp_path / "home"
+    (home / ".bashrc").parent.mkdir()
+    (home / ".bashrc").write_text("keep")
+    monkeypatch.setenv("HOME", str(home))
+    with pytest.raises(SparsifyError, match="is the home folder"):
+        convert(llama_dir, home, overwrite=True, progress=False)
+    monkeypatch.delenv("HOME")
+    monkeypatch.setattr(pwd, "getpwuid", lambda uid: (_ for _ in ()).throw(KeyError(uid)))
+    out = tmp_path / "out"
+    out.mkdir()
+    assert convert(llama_dir, out, overwrite=True, progress=False) == out  # (empty: replaced)
+    assert (home / ".bashrc").read_text() == "keep"

@@ -210,8 +210,15 @@ def test_explicit_report_must_describe_the_folder(tmp_path, capsys):
     report.write_text(json.dumps({**data, "models": [data["models"][0]]}))
     with pytest.raises(SparsifyError, match=f"has no row for {folder}.*orig \\({tmp_path}"):
         push_mod.plan(folder, "me/x", report=report)
-    pathless = {k: v for k, v in data["models"][1].items() if k != "path"}
-    report.write_text(json.dumps({**data, "models": [pathless]}))
+    # a Hub id's row (no path, another model's provenance) is refused too; a row whose path moved but whose
+    # recorded sparsify section is this folder's own (a folder copied after its eval) is taken
+    hub = dict(data["models"][0], path=None, source="HuggingFaceTB/SmolLM2-135M", sparsify=None)
+    report.write_text(json.dumps({**data, "models": [hub]}))
+    with pytest.raises(SparsifyError, match="has no row for"):
+        push_mod.plan(folder, "me/x", report=report)
+    own = json.loads((folder / "config.json").read_text())["sparsify"]
+    moved = dict(data["models"][1], path="/elsewhere/model", sparsify=own)
+    report.write_text(json.dumps({**data, "models": [data["models"][0], moved]}))
     assert "41.2 non-zeros per token" in push_mod.plan(folder, "me/x", report=report).card
     report.write_text("{not json")
     with pytest.raises(SparsifyError, match="not a report.json written by `sparsify eval`"):

@@ -95,9 +95,10 @@ def test_synth_refuses_before_building(tmp_path, monkeypatch):
                      .parameters()) for n in (1, 2, 3)}
     per_layer, base = params[2] - params[1], 2 * params[1] - params[2]
     monkeypatch.setattr(synth_module, "available_memory", lambda: synth_module.BUILD_BYTES * (base + 2 * per_layer))
-    with pytest.raises(SparsifyError, match=r"needs ~0 GiB .* pass --layers 2 or fewer"):
+    with pytest.raises(SparsifyError, match=r"needs ~0\.0 GiB .* pass --layers 2 or fewer"):
         synth(tmp_path, tmp_path / "bad", device="cpu", progress=False)
-    monkeypatch.setattr(synth_module, "available_memory", lambda: synth_module.BUILD_BYTES * base)
-    with pytest.raises(SparsifyError, match="the embeddings alone do not fit here"):
+    # room for the embeddings but not for them and one layer: not even --layers 1 (it said "the embeddings alone")
+    monkeypatch.setattr(synth_module, "available_memory", lambda: synth_module.BUILD_BYTES * (base + per_layer // 2))
+    with pytest.raises(SparsifyError, match="not even one layer fits"):
         synth(tmp_path, tmp_path / "bad", layers=1, device="cpu", progress=False)
     assert not (tmp_path / "bad").exists()

@@ -464,6 +464,12 @@ def test_split_corpus_writes_train_and_heldout_atomically_once(tmp_path):
         (tmp_path / "cli" / "heldout" / "tutorial.txt").read_text() == (src / "tutorial.txt").read_text()
     proc = subprocess.run(cli[:5] + ["--heldout", "0.7"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--heldout 0.7: must be in (0, 0.5)" in proc.stderr
+    notes = tmp_path / "notes"  # OUT holding a user's files (no split.json): refused, kept (it was replaced whole)
+    notes.mkdir()
+    (notes / "thesis.tex").write_text("keep")
+    proc = subprocess.run(cli[:4] + [str(notes)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "holds thesis.tex, and is not a corpus split (split.json)" in proc.stderr
+    assert [p.name for p in notes.iterdir()] == ["thesis.tex"]
 
 
 def test_a_held_out_text_shorter_than_asked_is_scored_whole_with_equal_batches_per_rank(tmp_path):

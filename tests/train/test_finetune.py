@@ -393,7 +393,8 @@ def test_checkpoints_are_plain_tensors_and_a_pickled_object_is_refused(tiny_silu
 def test_a_run_that_cannot_fit_the_cpus_memory_is_refused_before_tokenising(tiny_silu, tmp_path, monkeypatch):
     """The default recipe's GPU sizing on a CPU (16 x 2048 tokens, 49k-way logits, a teacher) was killed by the
     kernel with no message: the run is refused after the conversion, before tokenising, naming the sizes and the
-    CPU smoke settings; a bound that fits runs on."""
+    CPU smoke settings; the README's CPU smoke run of SmolLM2-135M fits 4 GiB; frozen and LoRA-wrapped weights
+    carry no optimizer state; a model too large by itself says so, not 'use a smaller batch'."""
     from sparsify.errors import SparsifyError
     from sparsify.train import finetune as ft
     from sparsify.train.preflight import load_recipe
@@ -402,14 +403,44 @@ def test_a_run_that_cannot_fit_the_cpus_memory_is_refused_before_tokenising(tiny
                                                                     "distill.kd=1"])
     monkeypatch.setattr(ft, "_data", lambda *a, **k: pytest.fail("tokenised before refusing"))
     monkeypatch.setattr("sparsify.folder.synth.available_memory", lambda: 2**30)
-    logits = 16 * 2048 * 49152 * 4 * 4  # micro-batch logits and their gradient, the teacher's twice more
-    with pytest.raises(SparsifyError, match=r"needs at least ~\d+ GiB .* 1 GiB are available now .*train.batch_size "
-                       r"16 x train.seq_len 2048 tokens of 49,152-way logits, with the teacher.* train.seq_len=128"):
+    with pytest.raises(SparsifyError, match=r"needs at least ~\d+\.\d GiB .* 1\.0 GiB are available now .*, and the "
+                       r"teacher: .*train.batch_size 16 x train.seq_len 2048 tokens of 49,152-way logits: 24\.0 GiB\): "
+                       r"the recipe is sized for a GPU; .* train.seq_len=128"):
         ft.finetune(recipe, progress=False, verbose=False)
-    small = load_recipe(recipe_dict(tiny_silu, tmp_path / "run2"), ["train.batch_size=4", "train.seq_len=128"])
-    ft.check_cpu_memory(small, tmp_path / "run" / "converted", available=2**30)  # fits: no error
+    converted = tmp_path / "run" / "converted"
+    logits = 16 * 2048 * 49152 * 4 * 4  # micro-batch logits and their gradient, the teacher's twice more
     with pytest.raises(SparsifyError):
-        ft.check_cpu_memory(recipe, tmp_path / "run" / "converted", available=logits)  # the logits alone fill it
+        ft.check_cpu_memory(recipe, converted, available=logits)  # the logits alone fill it
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two processes on this machine: twice the need
+    fits_one = load_recipe(recipe_dict(tiny_silu, tmp_path / "r1"), ["train.batch_size=4", "train.seq_len=128"])
+    one = 4 * 128 * 49152 * 4 * 4
+    with pytest.raises(SparsifyError, match="for each of 2 processes"):
+        ft.check_cpu_memory(fits_one, converted, available=int(1.5 * one) + 2**22)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    ft.check_cpu_memory(fits_one, converted, available=int(1.5 * one) + 2**22)
+
+    smol = tmp_path / "smol"  # the README's CPU smoke run (its overrides) on SmolLM2-135M's config: fits 4 GiB
+    smol.mkdir()
+    shutil.copy(REPO / "eval" / "configs" / "smollm2-135m.json", smol / "config.json")
+    smoke = load_recipe(REPO / "recipes" / "smollm2-135m.yaml", [
+        f"data.train=[{TRAIN_TEXT}]", f"data.validation=[{VALID_TEXT}]", "data.weights=[]", "data.heldout={}",
+        "data.ood=[]", "distill.kd=0", "sparsity.method=l1", "sparsity.target=none", "train.max_steps=20",
+        "train.max_tokens=none", "train.seq_len=128", "train.batch_size=4"])
+    ft.check_cpu_memory(smoke, smol, available=4 * 2**30)
+    with pytest.raises(SparsifyError, match=r"135M parameters, 135M of them trained: 2\.5 GiB.* the model itself "
+                                            r"does not fit here"):
+        ft.check_cpu_memory(smoke, smol, available=2 * 2**30)
+    frozen = load_recipe(REPO / "recipes" / "smollm2-135m.yaml", [*smoke_overrides(smoke), "train.freeze=['*']"])
+    ft.check_cpu_memory(frozen, smol, available=int(1.0 * 2**30))  # 4 bytes a weight + start copy of none
+    lora = load_recipe(REPO / "recipes" / "smollm2-135m.yaml", [*smoke_overrides(smoke), "lora.r=8"])
+    ft.check_cpu_memory(lora, smol, available=int(1.0 * 2**30))
+
+
+def smoke_overrides(recipe) -> list[str]:
+    """A recipe's data and size overrides, to build variants of it."""
+    return [f"data.train=[{TRAIN_TEXT}]", f"data.validation=[{VALID_TEXT}]", "data.weights=[]", "data.heldout={}",
+            "data.ood=[]", "distill.kd=0", "sparsity.method=l1", "sparsity.target=none", "train.max_steps=20",
+            "train.max_tokens=none", f"train.seq_len={recipe.train.seq_len}", f"train.batch_size={recipe.train.batch_size}"]
 
 
 def test_recipe_problems_stop_finetune_before_anything_is_written(tiny_silu, tmp_path):
@@ -662,3 +693,19 @@ def test_prepare_data_tokenises_and_stops_and_the_folder_trains(tiny_silu, tmp_p
     assert sparsify_cli.main(["finetune", str(path), "-q"]) == 0
     assert (tmp_path / "run" / "model" / "config.json").is_file()
     assert not (tmp_path / "run" / "data").exists()  # the carried folder is read as it is, not tokenised again
+
+
+def test_a_foreign_output_model_folder_is_refused_at_the_start_not_at_the_export(tiny_silu, tmp_path, monkeypatch):
+    """The export replaces OUTPUT/model whole; one holding other files is refused before the conversion (it was
+    found only at the export, after the whole run)."""
+    from sparsify.errors import SparsifyError
+    from sparsify.train import finetune as ft
+    from sparsify.train.preflight import load_recipe
+
+    (tmp_path / "run" / "model").mkdir(parents=True)
+    (tmp_path / "run" / "model" / "notes.txt").write_text("keep")
+    recipe = load_recipe(recipe_dict(tiny_silu, tmp_path / "run"), ["output.overwrite=true"])
+    monkeypatch.setattr(ft, "prepare_model", lambda *a, **k: pytest.fail("converted before refusing"))
+    with pytest.raises(SparsifyError, match=r"output.dir .*model holds notes.txt, and is not a model folder"):
+        ft.finetune(recipe, progress=False, verbose=False)
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["model"]

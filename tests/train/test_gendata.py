@@ -128,8 +128,11 @@ def test_a_start_that_finished_no_batch_does_not_block_the_corrected_command(mod
                 "-q"]) == 2
     capsys.readouterr()
     assert (work_dir(out) / "settings.json").exists() and not out.exists()
-    gendata(model, out, tokens=10, seq_len=8, batch_size=2, device="cpu", progress=False)
-    assert (out / "gendata.json").exists() and not work_dir(out).exists()
+    saved = json.loads((work_dir(out) / "settings.json").read_text())
+    (work_dir(out) / "settings.json").write_text(json.dumps({**saved, "batch_size": 3}))  # as if --batch-size 3
+    gendata(model, out, tokens=10, seq_len=8, device="cpu", progress=False)  # none given: the CPU's, not 3
+    meta = json.loads((out / "gendata.json").read_text())
+    assert meta["settings"]["batch_size"] == gd.CPU_BATCH and not work_dir(out).exists()
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
