@@ -157,9 +157,12 @@ def check_cpu_memory(recipe: Recipe, model_dir: Path, available: int | None = No
     free = available_memory() if available is None else available
     if free is None:
         return
-    config = AutoConfig.from_pretrained(model_dir)
-    with torch.device("meta"):
-        named = [(n, p.numel()) for n, p in AutoModelForCausalLM.from_config(config).named_parameters()]
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+        with torch.device("meta"):
+            named = [(n, p.numel()) for n, p in AutoModelForCausalLM.from_config(config).named_parameters()]
+    except Exception:  # a config stock transformers cannot build: no estimate (the run's own load says more)
+        return
     t = recipe.train
     params = sum(n for _, n in named)
     trained = 0 if recipe.lora.r > 0 else sum(
