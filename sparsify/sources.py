@@ -136,3 +136,22 @@ def local_config(source: str | os.PathLike) -> dict | None:
         return json.loads((path / "config.json").read_text()) if path.is_dir() else None
     except (OSError, ValueError):
         return None
+
+
+def site_roots() -> list[Path]:
+    """Where installed distributions live, deepest first."""
+    import site
+    import sysconfig
+
+    roots = {Path(p).resolve() for p in (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
+                                         *site.getsitepackages())}
+    return sorted(roots, key=lambda r: -len(r.parts))
+
+
+def source_checkout() -> Path | None:
+    """The source tree sparsify runs from (an editable install, or the repo on sys.path); None when it is
+    installed from a wheel into site-packages."""
+    package = Path(__file__).resolve().parent  # sparsify/
+    if any(package.is_relative_to(root) for root in site_roots()):
+        return None
+    return package.parent

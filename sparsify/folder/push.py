@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from sparsify.version import __version__
+from sparsify import sources
 from sparsify.sources import is_hub_id
 from sparsify.folder.card import hub_card
 from sparsify.errors import SparsifyError
@@ -177,7 +178,7 @@ def portable(value: str) -> str:
         return value
     path = Path(value).expanduser().absolute()
     real = path.resolve()
-    checkout = source_checkout()
+    checkout = sources.source_checkout()
     if checkout is not None and real.is_relative_to(checkout / "sparsify"):
         return f"{real.relative_to(checkout).as_posix()} from a local source checkout of sparsify {__version__}"
     owner = _installed_owner(real)
@@ -200,32 +201,13 @@ def is_local_path(value: Any) -> bool:
     return ("/" in value or value.startswith(".")) and path.exists()
 
 
-def site_roots() -> list[Path]:
-    """Where installed distributions live, deepest first."""
-    import site
-    import sysconfig
-
-    roots = {Path(p).resolve() for p in (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
-                                         *site.getsitepackages())}
-    return sorted(roots, key=lambda r: -len(r.parts))
-
-
-def source_checkout() -> Path | None:
-    """The source tree sparsify runs from (an editable install, or the repo on sys.path); None when it is
-    installed from a wheel into site-packages."""
-    package = Path(__file__).resolve().parents[1]
-    if any(package.is_relative_to(root) for root in site_roots()):
-        return None
-    return package.parent
-
-
 def _installed_owner(real: Path) -> tuple[str, str, str] | None:
     """(path inside site-packages, distribution, version) when the resolved `real` path belongs to an
     installed distribution."""
     import importlib.metadata as md
 
     owners = md.packages_distributions()
-    for root in site_roots():
+    for root in sources.site_roots():
         try:
             rel = real.relative_to(root)
         except ValueError:

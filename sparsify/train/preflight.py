@@ -353,7 +353,7 @@ def _fetch_where(fetch: str) -> str:
     missing = [s for s in scripts if not Path(s).is_file()]
     if not missing:
         return f"run it once from {Path.cwd()}, then run this command again"
-    from sparsify.folder.push import source_checkout
+    from sparsify.sources import source_checkout
 
     checkout = source_checkout()
     if checkout is not None and all((checkout / s).is_file() for s in missing):

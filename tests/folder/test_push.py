@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sparsify import cli
+from sparsify import cli, sources
 from sparsify.folder import push as push_mod
 from sparsify.errors import SparsifyError
 
@@ -302,12 +302,12 @@ def test_sparsify_own_files_read_as_a_source_checkout_or_as_the_pypi_package(tmp
     folder = _folder(tmp_path, with_report=False)
     (folder / "recipe.yaml").write_text(yaml.safe_dump({"data": {"train": [str(corpus)]}}))
     if (checkout / "pyproject.toml").is_file():
-        assert push_mod.source_checkout() == checkout
+        assert sources.source_checkout() == checkout
         assert cli.main(["push", str(folder), "--repo-id", "me/x", "--dry-run"]) == 0
         out = capsys.readouterr().out
         assert f"{corpus} -> sparsify/corpus/python-tutorial.txt from a local source checkout of sparsify 0.1.0" in out
         assert "PyPI package twell-sparsify" not in out
-    monkeypatch.setattr(push_mod, "site_roots", lambda: [checkout])  # as if the checkout were site-packages
-    assert push_mod.source_checkout() is None
+    monkeypatch.setattr(sources, "site_roots", lambda: [checkout])  # as if the checkout were site-packages
+    assert sources.source_checkout() is None
     assert push_mod.portable(str(corpus)) == ("sparsify/corpus/python-tutorial.txt from the PyPI package "
                                               f"twell-sparsify {md.version('twell-sparsify')}")

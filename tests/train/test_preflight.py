@@ -91,7 +91,7 @@ def test_where_to_run_the_fetch_follows_its_scripts(tmp_path, monkeypatch):
     fetch = "ROOT=$PWD/data bash eval/corpus/get-corpus.sh && python -m sparsify.train.corpus_split a b"
     assert _fetch_where(fetch).startswith(f"it calls eval/corpus/get-corpus.sh, which is in the sparsify checkout, "
                                           f"not here: run it once from {REPO}")
-    monkeypatch.setattr("sparsify.folder.push.source_checkout", lambda: None)
+    monkeypatch.setattr("sparsify.sources.source_checkout", lambda: None)
     assert "come with the sparsify repository, not the installed package" in _fetch_where(fetch)
     (tmp_path / "eval" / "corpus").mkdir(parents=True)
     (tmp_path / "eval" / "corpus" / "get-corpus.sh").write_text("true\n")
