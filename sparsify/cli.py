@@ -57,12 +57,7 @@ def parse(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace]
         return parser, parser.parse_args(argv)  # no command, or argparse's "invalid choice" with the list
     at = argv.index(chosen)
     parser.parse_args(argv[:at])  # --version, --help
-    rest = argv[at + 1:]
-    if chosen == "finetune" and all(a.startswith("-") for a in rest) and not {"-h", "--help"} & set(rest):
-        # (argparse's intermixed parsing would call the optional overrides required too)
-        commands[chosen].error("the following argument is required: recipe (a recipe YAML file, e.g. "
-                               "recipes/smollm2-135m.yaml; SECTION.KEY=VALUE overrides after it are optional)")
-    args = commands[chosen].parse_intermixed_args(rest)
+    args = commands[chosen].parse_intermixed_args(argv[at + 1:])
     args.command = chosen
     return parser, args
 

@@ -138,6 +138,25 @@ def local_config(source: str | os.PathLike) -> dict | None:
         return None
 
 
+def sparsify_section(folder: str | os.PathLike) -> dict | None:
+    """The `sparsify` section of a local model folder's config.json (what a folder sparsify wrote records: source,
+    activations, steps, sparsity), or None (no folder, no config, no section)."""
+    config = local_config(folder)
+    section = config.get("sparsify") if isinstance(config, dict) else None
+    return section if isinstance(section, dict) else None
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation now (Linux: MemAvailable), None where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def site_roots() -> list[Path]:
     """Where installed distributions live, deepest first."""
     import site

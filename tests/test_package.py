@@ -189,6 +189,12 @@ def test_cli_options_may_come_between_and_after_positionals(capsys):
     with pytest.raises(SystemExit):
         parse(["finetun", "r.yaml"])
     assert "invalid choice: 'finetun'" in capsys.readouterr().err
+    _, args = parse(["finetune", "r.yaml"])
+    assert args.overrides == []
+    for argv in (["finetune"], ["finetune", "-q"]):  # the overrides are optional: only the recipe is named missing
+        with pytest.raises(SystemExit):
+            parse(argv)
+        assert capsys.readouterr().err.strip().endswith("the following arguments are required: recipe")
 
 
 def test_sigterm_cleans_up_like_ctrl_c_and_exits_143(tmp_path, monkeypatch, capsys):

@@ -21,7 +21,6 @@ import argparse
 import contextlib
 import functools
 import gc
-import json
 import sys
 import tempfile
 import time
@@ -36,6 +35,7 @@ from sparsify.evaluation.loading import ModelSpec, ffn_backend_of, load_model, p
 from sparsify.evaluation.perplexity import HELDOUT_TEXT, check_texts, model_window, texts_section
 from sparsify.evaluation.speed import GPU_ONLY, SpeedGrid, int_list, speed_section, speed_tokens
 from sparsify.folder.format import DTYPES
+from sparsify.sources import sparsify_section
 
 
 def provenance(device: str) -> dict:
@@ -212,14 +212,7 @@ def quiet_bars(quiet: bool) -> Iterator[None]:
 def _refuse_synthetic(specs: list[ModelSpec]) -> None:
     """Accuracy of a `sparsify synth` folder: random weights and a placeholder tokenizer without BOS / EOS, which
     lm-eval needs (it failed deep inside lm-eval): refused before any model loads."""
-    synthetic = []
-    for spec in specs:
-        try:
-            info = json.loads((Path(spec.source) / "config.json").read_text()).get("sparsify") or {}
-        except (OSError, ValueError, AttributeError):
-            continue
-        if isinstance(info, dict) and info.get("synthetic"):
-            synthetic.append(f"{spec.name} ({spec.source})")
+    synthetic = [f"{s.name} ({s.source})" for s in specs if (sparsify_section(s.source) or {}).get("synthetic")]
     if synthetic:
         raise SparsifyError(f"{', '.join(synthetic)}: a `sparsify synth` folder (random weights, a placeholder "
                             "tokenizer) has no accuracy to measure, and lm-eval cannot run on it; pass --tasks none "

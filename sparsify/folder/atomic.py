@@ -2,7 +2,8 @@
 an existing OUT is refused unless the caller asks to replace it, and even then unless it is empty or of the kind
 the caller writes (`kind`, required of every caller: KINDS, a (description, test) pair, or None for the toolkit's own
 internal paths); the current folder, one above it and the home folder are never replaced. sparsify.folder.format
-re-exports both (this module imports nothing of the toolkit but its errors, so the report writer can use it too)."""
+re-exports both (this module imports nothing of the toolkit but its errors and sources' config reader, so the report
+writer can use it too)."""
 
 from __future__ import annotations
 
@@ -14,24 +15,18 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from sparsify.errors import SparsifyError
+from sparsify.sources import sparsify_section
 
 
 # What an existing OUT must look like for --overwrite to replace it (the whole folder goes): the kind of folder the
 # stage itself writes, or an empty one. None: the toolkit's own internal paths (token folders, checkpoints), no check.
 KINDS = {
-    "model": ("a model folder sparsify wrote (config.json with a 'sparsify' section)", lambda d: _sparsify_config(d)),
+    "model": ("a model folder sparsify wrote (config.json with a 'sparsify' section)",
+              lambda d: sparsify_section(d) is not None),
     "bench": ("a bench folder (bench.json)", lambda d: (d / "bench.json").is_file()),
     "report": ("an eval report", lambda d: True),  # report.check_report_output checks its files itself
     "split": ("a corpus split (split.json)", lambda d: (d / "split.json").is_file()),
 }
-
-
-def _sparsify_config(folder: Path) -> bool:
-    import json
-    try:
-        return isinstance(json.loads((folder / "config.json").read_text()).get("sparsify"), dict)
-    except (OSError, ValueError, AttributeError):
-        return False
 
 
 Kind = str | tuple[str, Callable[[Path], bool]] | None

@@ -120,7 +120,7 @@ def find_report(folder: Path, report: str | Path | None = None) -> tuple[Path | 
         # one's card (a Hub id's row has no path at all)
         row = pick_model_row(data, folder, only_row=False)
         rows = [r for r in data.get("models", []) if isinstance(r, dict)]
-        own = _sparsify_section(folder)
+        own = sources.sparsify_section(folder)
         if row is None and own:
             row = next((r for r in rows if r.get("sparsify") == own), None)
         if row is None:
@@ -136,15 +136,6 @@ def find_report(folder: Path, report: str | Path | None = None) -> tuple[Path | 
         if row is not None:
             return path, data, row
     return None, None, None
-
-
-def _sparsify_section(folder: Path) -> dict | None:
-    """config.json's `sparsify` section (provenance: source, steps, tokens, sparsity), as eval records it per row."""
-    try:
-        section = json.loads((folder / "config.json").read_text()).get("sparsify")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return section if isinstance(section, dict) and section else None
 
 
 def _read_report(path: Path) -> dict | None:

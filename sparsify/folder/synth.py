@@ -23,6 +23,7 @@ from typing import Any
 
 from sparsify.families import activation_of, family_for, gate_weight, mlp_modules
 from sparsify.errors import SparsifyError
+from sparsify.sources import available_memory
 
 CHANNEL = 0
 CONSTANT = 1.0
@@ -343,17 +344,6 @@ def _check_size(raw: dict[str, Any], layers: int | None, dev: Any) -> None:
     raise SparsifyError(f"a random model of this config ({params / 1e9:.2f}B parameters) needs "
                         f"~{BUILD_BYTES * params / 2**30:.1f} GiB of memory to build on the CPU, and "
                         f"{free / 2**30:.1f} GiB are available now: {fix} build it on a GPU (--device cuda).")
-
-
-def available_memory() -> int | None:
-    """Bytes of memory available to a new allocation now (Linux: MemAvailable), None where unknown."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def _random_model(raw: dict[str, Any], layers: int | None, dev: Any, progress: bool) -> Any:

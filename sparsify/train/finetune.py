@@ -152,9 +152,9 @@ def check_cpu_memory(recipe: Recipe, model_dir: Path, available: int | None = No
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from sparsify.folder.synth import available_memory
+    from sparsify import sources
 
-    free = available_memory() if available is None else available
+    free = sources.available_memory() if available is None else available
     if free is None:
         return
     try:
@@ -343,7 +343,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = format_help()
     p.add_argument("recipe", help="recipe YAML file (see recipes/); every key is listed below")
-    p.add_argument("overrides", nargs="*", metavar="SECTION.KEY=VALUE",
+    p.add_argument("overrides", nargs="*", default=[], metavar="SECTION.KEY=VALUE",
                    help="recipe overrides, e.g. train.lr=3e-4 sparsity.l1=2e-2 output.dir=runs/x")
     p.add_argument("--resume", action="store_true", help="continue the run in output.dir from its newest checkpoint (after a crash, "
                    "or after SIGTERM / Ctrl-C, which checkpoint the step they stop at)")

@@ -103,7 +103,7 @@ def gendata(model: str, out: str | os.PathLike, *, tokens: int, seq_len: int = 5
     loaded = None
     if settings.batch_size is None:
         saved = work_dir(out) / "settings.json"
-        if saved.exists() and _done_batches(work_dir(out))[0] > 0:  # continue as it started, on whatever machine
+        if saved.exists() and _started(work_dir(out)):  # continue as it started, on whatever machine
             settings.batch_size = json.loads(saved.read_text()).get("batch_size")
         elif not str(device).startswith("cuda"):
             settings.batch_size = CPU_BATCH
@@ -158,7 +158,7 @@ def _open_work(work: Path, settings: GenSettings) -> Path:
     """The work folder, new or from an unfinished run with the same settings. One that holds no finished batch
     (a start that failed, say on a mistyped model) has nothing to keep: it takes the new settings."""
     path = work / "settings.json"
-    if path.exists() and _done_batches(work)[0] > 0:
+    if path.exists() and _started(work):
         saved, now = json.loads(path.read_text()), _identity(settings)
         if saved != now:
             diff = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
@@ -172,6 +172,11 @@ def _open_work(work: Path, settings: GenSettings) -> Path:
 
 def _identity(settings: GenSettings) -> dict:
     return {**{k: v for k, v in asdict(settings).items() if k != "tokens"}, "work_format": WORK_FORMAT}
+
+
+def _started(work: Path) -> bool:
+    """A work folder with at least one finished batch (an unfinished run to continue, not a failed start)."""
+    return (work / "batch-000000.jsonl").exists()
 
 
 def _done_batches(work: Path) -> tuple[int, int]:

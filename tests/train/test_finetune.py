@@ -402,7 +402,7 @@ def test_a_run_that_cannot_fit_the_cpus_memory_is_refused_before_tokenising(tiny
     recipe = load_recipe(recipe_dict(tiny_silu, tmp_path / "run"), ["train.batch_size=16", "train.seq_len=2048",
                                                                     "distill.kd=1"])
     monkeypatch.setattr(ft, "_data", lambda *a, **k: pytest.fail("tokenised before refusing"))
-    monkeypatch.setattr("sparsify.folder.synth.available_memory", lambda: 2**30)
+    monkeypatch.setattr("sparsify.sources.available_memory", lambda: 2**30)
     with pytest.raises(SparsifyError, match=r"needs at least ~\d+\.\d GiB .* 1\.0 GiB are available now .*, and the "
                        r"teacher: .*train.batch_size 16 x train.seq_len 2048 tokens of 49,152-way logits: 24\.0 GiB\): "
                        r"the recipe is sized for a GPU; .* train.seq_len=128"):
