@@ -24,7 +24,7 @@
 #   bash eval/h200_long.sh wait 540; PACK=$OUT bash eval/h200_threshold.sh pack    until it ends; metrics so far
 #   PACK=$OUT bash eval/h200_threshold.sh after     cloze on every finished run, the frontier (ZEROS=...: decode speed
 #                                                   per zeros level too; SPEED_AT=... gendata's rate)
-# Knobs: ARMS ("name=override ...;...", or 2 / 3 / 4 / 5 for ARMS2 .. ARMS5 below), TOKENS (default 20M each), LEVERS / GEN_LEVERS, GEN_TOKENS / GEN_BATCH, ZEROS.
+# Knobs: ARMS ("name=override ...;...", or 2 .. 6 for ARMS2 .. ARMS6 below), TOKENS (default 20M each), LEVERS / GEN_LEVERS, GEN_TOKENS / GEN_BATCH, ZEROS.
 set -euo pipefail
 WORK=${WORK:-/tmp/sparsify-long}
 OUT_DIR=${RESULTS:-$WORK/results}
@@ -53,10 +53,17 @@ rec090_100M=$WARM sparsity.target=0.90 train.max_tokens=100_000_000 train.eval_e
 ARMS5="$ARMS4;\
 wd3_100M=$WARM train.weight_decay=0.3 train.max_tokens=100_000_000 train.eval_every=610;\
 wd3090_100M=$WARM train.weight_decay=0.3 sparsity.target=0.90 train.max_tokens=100_000_000 train.eval_every=610"
+# ARMS6 (issue 41, one GPU): the objective. The logits of the original only (distill.ce=0: forward KL on every
+# position, no cross-entropy on the mixture's own next tokens) at 100M tokens, the frontier point, beside the recipe
+# (CE + KL) and KL-only at 20M for the side-by-side comparison at equal zeros; three runs share the GPU, cloze in each
+# run's slot (the 100M run ~18 min on one H200)
+ARMS6="kl_100M=$WARM distill.ce=0 train.max_tokens=100_000_000 train.eval_every=610;ce1_20M=$WARM;\
+kl_20M=$WARM distill.ce=0"
 [ "${ARMS}" = 2 ] && ARMS=$ARMS2
 [ "${ARMS}" = 3 ] && ARMS=$ARMS3
 [ "${ARMS}" = 4 ] && ARMS=$ARMS4
 [ "${ARMS}" = 5 ] && ARMS=$ARMS5
+[ "${ARMS}" = 6 ] && ARMS=$ARMS6
 export TOKENS=${TOKENS:-20_000_000} EVAL_EVERY=${EVAL_EVERY:-305}
 
 case "${1:-}" in

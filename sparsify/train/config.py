@@ -187,6 +187,11 @@ class SparsitySection:
 
 @dataclass
 class DistillSection:
+    ce: float = doc(
+        1.0, "Weight of the next-token cross-entropy on the training text. 0 = the logits only: the student learns "
+        "the original's whole next-token distribution at every position (forward KL, distill.kd) and nothing of "
+        "the training text's own next tokens, so it drifts less towards the mixture.",
+    )
     kd: float = doc(1.0, "Weight of KL(teacher || student) on the logits; the teacher is the original dense model. 0 = off.")
     temperature: float = doc(1.0, "Softmax temperature of the distillation (the KL is scaled by T^2).")
     mlp: float = doc(

@@ -60,7 +60,7 @@ def _check_train(r: Recipe) -> Problems:
                     "train.profile_steps": t.profile_steps,
                     "sparsity.l1": r.sparsity.l1, "sparsity.ramp_steps": r.sparsity.ramp_steps,
                     "sparsity.plateau_tolerance": r.sparsity.plateau_tolerance, "distill.kd": r.distill.kd,
-                    "distill.mlp": r.distill.mlp, "sparsity.target_ramp": r.sparsity.target_ramp,
+                    "distill.ce": r.distill.ce, "distill.mlp": r.distill.mlp, "sparsity.target_ramp": r.sparsity.target_ramp,
                     "lora.r": r.lora.r, "data.num_proc": r.data.num_proc}
     e += [((k,), f"{k}: got {v}; must be >= 0") for k, v in non_negative.items() if v < 0]
     if t.max_steps is None and t.max_tokens is None:
@@ -177,6 +177,11 @@ def _check_combinations(r: Recipe) -> Problems:
     t, sp = r.train, r.sparsity
     if r.distill.temperature <= 0:
         e.append((("distill.temperature",), f"distill.temperature: got {r.distill.temperature}; must be > 0"))
+    if r.distill.ce == 0 and r.distill.kd == 0:
+        e.append((("distill.ce", "distill.kd"),
+                  "distill.ce=0 with distill.kd=0 leaves no loss on the logits: the model would learn nothing but "
+                  "the sparsity penalty. Set distill.kd=1 (the logits of the original; the usual choice with ce=0) or "
+                  "distill.ce=1"))
     if sp.blend_steps < 0:
         e.append((("sparsity.blend_steps",), f"sparsity.blend_steps: got {sp.blend_steps}; must be >= 0"))
     if sp.blend_steps > 0 and t.kernels != "dense":

@@ -129,7 +129,7 @@ def train_step(run: Run) -> dict[str, torch.Tensor]:
             logits = run.train_model(input_ids=inputs).logits  # [B, T, V]
             l1 = run.probe.take(tokens=inputs.numel())  # [L]
             ce, kd = run.loss_fn(logits, targets, teacher_logits, run.recipe.distill.temperature)
-            loss = ce + (coef * l1).mean() + run.recipe.distill.kd * kd
+            loss = run.recipe.distill.ce * ce + (coef * l1).mean() + run.recipe.distill.kd * kd
             terms = {"ce": ce, "l1": l1.mean(), "kd": kd}  # l1 logged before weighting, mean over layers
             if run.mlp is not None:
                 terms["mlp"] = run.mlp.take()

@@ -161,3 +161,28 @@ def test_decay_to_start_under_fsdp2_matches_one_process(tiny_silu, tmp_path):
             assert proc.returncode == 0, log
         runs[mode] = metrics(out)
     assert_same_run(runs["one"], runs["fsdp"], rel=1e-5)
+
+
+@pytest.mark.parametrize("ce", [0.0, 0.1, 1.0])
+def test_the_objective_weighs_the_cross_entropy_by_distill_ce(tiny_silu, tmp_path, ce):
+    """distill.ce weighs the next-token cross-entropy in the loss that trains (0: the logits of the original only);
+    the log keeps both terms. No sparsity pressure here, so the loss is exactly ce * CE + kd * KL."""
+    from sparsify.train.finetune import finetune
+
+    overrides = [f"distill.ce={ce}", "distill.kd=1", "sparsity.method=l1", "sparsity.target=none", "sparsity.l1=0",
+                 "train.log_every=1"]
+    finetune(load_recipe(recipe_dict(tiny_silu, tmp_path / "run", max_steps=3), overrides), progress=False)
+    steps = [m for m in metrics(tmp_path / "run") if "sparsity" in m]
+    assert len(steps) == 3
+    for m in steps:
+        assert m["ce"] > 1 and m["kd"] > 0
+        assert m["loss"] == pytest.approx(ce * m["ce"] + m["kd"], rel=1e-5)
+
+
+def test_an_objective_with_nothing_on_the_logits_is_refused_before_any_work():
+    with pytest.raises(SparsifyError) as e:
+        load_recipe({"data": {"train": ["x.txt"]}, "distill": {"ce": 0, "kd": 0}, "train": {"max_steps": 2}},
+                    check_paths=False)
+    assert "distill.ce=0 with distill.kd=0" in str(e.value)
+    with pytest.raises(SparsifyError, match=r"distill.ce: got -1(\.0)?; must be >= 0"):
+        load_recipe({"data": {"train": ["x.txt"]}, "distill": {"ce": -1}, "train": {"max_steps": 2}}, check_paths=False)
