@@ -55,10 +55,9 @@ wd3_100M=$WARM train.weight_decay=0.3 train.max_tokens=100_000_000 train.eval_ev
 wd3090_100M=$WARM train.weight_decay=0.3 sparsity.target=0.90 train.max_tokens=100_000_000 train.eval_every=610"
 # ARMS6 (issue 41, one GPU, SLOTS=2): the objective. The logits of the original only (distill.ce=0: forward KL on
 # every position, no cross-entropy on the mixture's own next tokens) at 100M tokens, the frontier point; beside it the
-# recipe (CE + KL), KL-only and distill.ce=0.1 at 20M, for the comparison at equal zeros. With SLOTS=2, slot 0 runs
-# ce1_20M then kl_20M, slot 1 kl_100M then ce01_20M (two runs share the GPU at a time; ~16 min on one H200)
-ARMS6="ce1_20M=$WARM;kl_100M=$WARM distill.ce=0 train.max_tokens=100_000_000 train.eval_every=610;\
-kl_20M=$WARM distill.ce=0;ce01_20M=$WARM distill.ce=0.1"
+# recipe (CE + KL) and KL-only at 20M, for the comparison at equal zeros. With SLOTS=2, slot 0 runs ce1_20M then
+# kl_20M, slot 1 kl_100M (two runs share the GPU until slot 0 is done; ~15 min on one H200)
+ARMS6="ce1_20M=$WARM;kl_100M=$WARM distill.ce=0 train.max_tokens=100_000_000 train.eval_every=610;kl_20M=$WARM distill.ce=0"
 [ "${ARMS}" = 2 ] && ARMS=$ARMS2
 [ "${ARMS}" = 3 ] && ARMS=$ARMS3
 [ "${ARMS}" = 4 ] && ARMS=$ARMS4
