@@ -174,6 +174,19 @@ class SparsitySection:
         "from each layer's warmup_target (capped at its target) to its `target`: theta is calibrated to the "
         "warm-up's zeros and the cut deepens gradually. 0: calibrated to `target` at once. Needs warmup_target.",
     )
+    allocate: Literal["uniform", "sensitivity"] = doc(
+        "uniform",
+        "method threshold: how the zeros are spread over the layers when theta is calibrated. `uniform`: every layer "
+        "its `target`. `sensitivity`: the mean of `target` is kept and each layer gets its own share from a measured "
+        "cost: on the calibration batch, the next-token loss with every layer at its target, then with one layer at "
+        "a time cut `allocate_probe` deeper; a layer whose loss rises less takes more zeros (density proportional to "
+        "the square root of its cost, the optimum when a layer's cost grows as 1 / density), every layer within "
+        "`allocate_range`. The run's log prints the choice; checkpoints and the exported folder keep it.",
+    )
+    allocate_range: list[float] = doc(
+        [0.90, 0.99], "allocate=sensitivity: the least and the most zeros any one layer is given, [low, high].")
+    allocate_probe: float = doc(
+        0.02, "allocate=sensitivity: how much deeper (fraction of zeros) one layer is cut to measure its cost.")
     warmup_target: float | list[float] | None = doc(
         None,
         "method threshold: the zeros target (one value, or one per layer) of the L1 warm-up before theta is "

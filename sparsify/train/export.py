@@ -37,7 +37,11 @@ def export(run: Run, model_dir: Path, out: Path, tokenizer: Any, history: list[d
         if thresholds:  # the folder's activation becomes THRESHOLD_ACT (sparsify.folder.format.relu_config)
             sp = run.recipe.sparsity
             provenance["threshold"] = {"mode": sp.threshold, "grad": sp.threshold_grad,
-                                       "warmup_tokens": sp.warmup_tokens, "warmup_target": sp.warmup_target}
+                                       "warmup_tokens": sp.warmup_tokens, "warmup_target": sp.warmup_target,
+                                       "allocate": sp.allocate}
+            if sp.allocate == "sensitivity":  # the per-layer targets the calibration chose, and their costs
+                provenance["threshold"] |= {"targets": [round(v, 5) for v in run.threshold.target.tolist()],
+                                            "costs": run.threshold.cost}
         sparsity = {"step": run.state.step, "tokens": run.state.tokens, "per_layer": last.get("per_layer"),
                     "sparsity": last.get("sparsity"), "nonzeros": last.get("nonzeros"),
                     "evaluations": [h for h in history if "val_loss" in h]}

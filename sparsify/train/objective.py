@@ -260,6 +260,35 @@ def _subsample(v: torch.Tensor, n: int) -> torch.Tensor:
     return flat[torch.randint(0, flat.numel(), (n,), generator=gen, device=flat.device)]
 
 
+def allocate_zeros(cost: list[float], mean: float, low: float, high: float) -> list[float]:
+    """Per-layer fractions of zeros with the given mean, each in [low, high], from each layer's measured cost c_l.
+
+    A layer's loss is modelled as c_l / d_l at density d_l = 1 - zeros_l (it grows without bound as the layer
+    empties); minimising sum_l c_l / d_l at a fixed sum of densities gives d_l proportional to sqrt(c_l). Layers
+    the bounds clip are fixed there and the rest share what is left (water-filling), so the mean holds exactly."""
+    n = len(cost)
+    weight = [math.sqrt(max(c, 1e-12)) for c in cost]
+    total = n * (1 - mean)  # the densities' sum
+    lo_d, hi_d = 1 - high, 1 - low
+    density: list[float | None] = [None] * n
+    while True:
+        free = [i for i in range(n) if density[i] is None]
+        if not free:
+            break
+        left = total - sum(d for d in density if d is not None)
+        scale = left / sum(weight[i] for i in free)
+        trial = {i: weight[i] * scale for i in free}
+        over = [i for i in free if trial[i] > hi_d]
+        under = [i for i in free if trial[i] < lo_d]
+        if not over and not under:
+            for i in free:
+                density[i] = trial[i]
+            break
+        for i in over if over else under:  # the worse side first: fixing one side never pushes the other across
+            density[i] = hi_d if i in over else lo_d
+    return [1 - d for d in density]
+
+
 class ThresholdControl:
     """sparsity.method=threshold: the ThresholdReLU of every MLP and the controller of their thresholds.
 
@@ -287,6 +316,7 @@ class ThresholdControl:
         self.log_theta = torch.full((len(self.mlps),), self.LOG_MIN, device=device)  # [L]
         self.calibrated = False
         self.calibrated_at = 0  # training tokens at the calibration (where the ramp starts)
+        self.cost: list[float] = []  # allocate=sensitivity: each layer's measured cost of zeros (allocate_zeros)
 
     def _install(self, mlp: nn.Module, device: torch.device) -> ThresholdReLU:
         name = next((n for n in ActivationBlend.ACT_NAMES if isinstance(getattr(mlp, n, None), nn.Module)), None)
@@ -308,9 +338,10 @@ class ThresholdControl:
         return self.start + (self.target - self.start) * frac
 
     @torch.no_grad()
-    def calibrate(self, forward, reduce=None, tokens: int = 0) -> None:
+    def calibrate(self, forward, reduce=None, tokens: int = 0, loss=None) -> None:
         """`forward()` runs the model once, eagerly, on a training batch; `reduce(tensor, op)` all-reduces;
-        `tokens`: training tokens so far (the ramp starts there)."""
+        `tokens`: training tokens so far (the ramp starts there); `loss()`: the same batch's next-token loss (a
+        0-d tensor), needed by sparsity.allocate=sensitivity."""
         self.calibrated_at = tokens
         if self.cfg.threshold == "neuron":
             for mlp, act in zip(self.mlps, self.acts):
@@ -320,18 +351,64 @@ class ThresholdControl:
             act.sample = act.theta.new_empty(0)
         try:
             forward()
-            quantiles = torch.stack([torch.quantile(a.sample, q) if a.sample.numel() else a.sample.new_zeros(())
-                                     for a, q in zip(self.acts, self.target_at(tokens).tolist())])  # [L]
+            samples = [a.sample for a in self.acts]
         finally:
             for act in self.acts:
                 act.sample = None
+        if self.cfg.allocate == "sensitivity":
+            self._allocate(samples, reduce, loss)
+        self.log_theta.copy_(self._log_quantiles(samples, self.target_at(tokens), reduce))
+        self.calibrated = True
+        self._write()
+
+    def _log_quantiles(self, samples: list[torch.Tensor], zeros: torch.Tensor, reduce=None) -> torch.Tensor:
+        """[L] log theta_l that cuts the fraction `zeros[l]` of layer l's sampled gate values (all processes
+        averaged)."""
+        quantiles = torch.stack([torch.quantile(v, q) if v.numel() else v.new_zeros(())
+                                 for v, q in zip(samples, zeros.tolist())])  # [L]
         log_theta = quantiles.clamp_min(0).log().clamp(self.LOG_MIN, self.LOG_MAX)
         if reduce is not None:
             world = reduce(torch.ones((), device=log_theta.device), "sum")
             log_theta = reduce(log_theta, "sum") / world
-        self.log_theta.copy_(log_theta)
-        self.calibrated = True
+        return log_theta
+
+    def _allocate(self, samples: list[torch.Tensor], reduce, loss) -> None:
+        """sparsity.allocate=sensitivity: each layer's target from the loss its extra zeros cost (see
+        allocate_zeros), measured on the calibration batch: every layer at the mean target, then one layer at a
+        time `allocate_probe` deeper. The targets replace `target` (and the ramp's end)."""
+        if loss is None:
+            raise ValueError("sparsity.allocate=sensitivity needs the calibration batch's loss")
+        cfg, layers = self.cfg, len(self.acts)
+        mean = float(self.target.mean())
+        base = torch.full((layers,), mean, device=self.target.device)
+        deeper = (base + cfg.allocate_probe).clamp(max=0.999)
+        at_base, at_deeper = self._log_quantiles(samples, base, reduce), self._log_quantiles(samples, deeper, reduce)
+
+        def measure() -> float:
+            value = loss().detach().float()
+            if reduce is not None:
+                value = reduce(value, "sum") / reduce(torch.ones((), device=value.device), "sum")
+            return float(value)
+
+        self.log_theta.copy_(at_base)
         self._write()
+        reference = measure()
+        rise = []
+        for layer in range(layers):
+            self.log_theta.copy_(at_base)
+            self.log_theta[layer] = at_deeper[layer]
+            self._write()
+            rise.append(measure() - reference)
+        # the loss of layer l modelled as c / d: the probe's rise is c (1 / d_deeper - 1 / d_base)
+        step = [1 / (1 - z) - 1 / (1 - mean) for z in deeper.tolist()]
+        self.cost = [max(r, 0.0) / s for r, s in zip(rise, step)]
+        low, high = cfg.allocate_range
+        self.target = torch.tensor(allocate_zeros(self.cost, mean, low, high), device=self.target.device)
+        if self.start is not None and cfg.threshold_ramp > 0 and cfg.warmup_target is not None:
+            warm = layer_targets(replace(cfg, target=cfg.warmup_target), layers)
+            self.start = torch.minimum(torch.tensor(warm, device=self.target.device), self.target)
+        else:
+            self.start = self.target
 
     @torch.no_grad()
     def update(self, stats: StepStats, tokens: int = 0) -> None:
@@ -358,10 +435,19 @@ class ThresholdControl:
         return [act.theta for act in self.acts]
 
     def state_dict(self) -> dict:
-        return {"log_theta": self.log_theta.tolist(), "calibrated": self.calibrated,
-                "calibrated_at": self.calibrated_at}
+        state = {"log_theta": self.log_theta.tolist(), "calibrated": self.calibrated,
+                 "calibrated_at": self.calibrated_at}
+        if self.cfg.allocate == "sensitivity" and self.calibrated:  # the measured targets, for --resume
+            state |= {"target": self.target.tolist(), "start": self.start.tolist(), "cost": self.cost}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
+        if "target" in state:
+            device = self.log_theta.device
+            self.target = torch.tensor(state["target"], device=device, dtype=torch.float32)
+            self.start = self.target if state["start"] == state["target"] else \
+                torch.tensor(state["start"], device=device, dtype=torch.float32)
+            self.cost = list(state["cost"])
         self.log_theta.copy_(torch.tensor(state["log_theta"], dtype=torch.float32))
         self.calibrated = bool(state["calibrated"])  # (theta and shape themselves are model buffers)
         self.calibrated_at = int(state.get("calibrated_at", 0))  # (checkpoints before threshold_ramp: no ramp)

@@ -160,6 +160,19 @@ def _check_threshold(r: Recipe) -> Problems:
         e.append((("sparsity.threshold_ramp", "sparsity.warmup_target"), "sparsity.threshold_ramp: set without "
                   "sparsity.warmup_target, where the ramp starts; set it (e.g. sparsity.warmup_target=0.85), or drop "
                   "the ramp"))
+    if sp.allocate == "sensitivity":
+        lo_hi = sp.allocate_range
+        targets = sp.target if isinstance(sp.target, list) else [sp.target] if sp.target is not None else []
+        mean = sum(targets) / len(targets) if targets else None
+        if len(lo_hi) != 2 or not 0 < lo_hi[0] <= lo_hi[1] < 1:
+            e.append((("sparsity.allocate_range",), f"sparsity.allocate_range: got {lo_hi}; give [low, high] "
+                      "fractions of zeros with 0 < low <= high < 1, e.g. [0.90, 0.99]"))
+        elif mean is not None and not lo_hi[0] <= mean <= lo_hi[1]:
+            e.append((("sparsity.allocate_range", "sparsity.target"), f"sparsity.allocate_range: {lo_hi} does not "
+                      f"hold the mean target {mean:.4g}; widen the range or change sparsity.target"))
+        if not 0 < sp.allocate_probe < 0.2:
+            e.append((("sparsity.allocate_probe",), f"sparsity.allocate_probe: got {sp.allocate_probe}; give a "
+                      "small step of zeros in (0, 0.2), e.g. 0.02"))
     if sp.threshold_gain <= 0:
         e.append((("sparsity.threshold_gain",), f"sparsity.threshold_gain: got {sp.threshold_gain}; must be > 0"))
     if sp.blend_steps > 0:
@@ -374,7 +387,8 @@ def recipe_notes(r: Recipe) -> list[str]:
     sp = r.sparsity
     used = [k for k, v in (("sparsity.warmup_target", sp.warmup_target is not None),
                            ("sparsity.warmup_tokens", sp.warmup_tokens != 0),
-                           ("sparsity.threshold_ramp", sp.threshold_ramp != 0)) if v]
+                           ("sparsity.threshold_ramp", sp.threshold_ramp != 0),
+                           ("sparsity.allocate", sp.allocate != "uniform")) if v]
     if sp.method != "threshold" and used:
         return [f"{', '.join(used)}: set, but sparsity.method is `{sp.method}`; they describe the L1 warm-up and "
                 "the thresholds of sparsity.method=threshold and are not used in this run"]

@@ -152,20 +152,28 @@ def calibrate_thresholds(run: Run) -> None:
     """sparsity.method=threshold, at the end of the L1 warm-up: theta of every layer from one eager, no-grad forward
     of this step's first micro-batch (every process its own, averaged), then the L1 penalty is off."""
     t, dist = run.recipe.train, run.dist
-    batch = run.data.train_batch(run.state.samples + dist.rank * t.batch_size, t.batch_size)[:, :-1].to(dist.device)
+    full = run.data.train_batch(run.state.samples + dist.rank * t.batch_size, t.batch_size).to(dist.device)
+    batch, targets = full[:, :-1], full[:, 1:]  # [B, T]
 
-    def forward() -> None:
+    def forward() -> torch.Tensor:
         was_training = run.model.training
         run.model.eval()  # (no dropout in what is measured)
         try:
             with compute_context(run), torch.compiler.set_stance("force_eager"):  # a compiled model runs as is
-                run.model(input_ids=batch)
+                return run.model(input_ids=batch).logits  # [B, T, V]
         finally:
             run.model.train(was_training)
 
-    run.threshold.calibrate(forward, dist.reduce if dist.world > 1 else None, run.state.tokens)
+    def loss() -> torch.Tensor:  # (sparsity.allocate=sensitivity: the batch's loss under trial thresholds)
+        return F.cross_entropy(forward().flatten(0, 1).float(), targets.flatten())
+
+    run.threshold.calibrate(forward, dist.reduce if dist.world > 1 else None, run.state.tokens, loss=loss)
     run.l1.stop()
     if dist.main and run.verbose:
+        if run.recipe.sparsity.allocate == "sensitivity":
+            chosen = " ".join(f"{z:.3f}" for z in run.threshold.target.tolist())
+            print(f"step {run.state.step}: zeros allocated by sensitivity (mean {float(run.threshold.target.mean()):.4f}"
+                  f"), layer 0 first: {chosen}", file=sys.stderr)
         theta = run.threshold.theta()
         ramp = run.recipe.sparsity.threshold_ramp
         aim = "the targets" if run.threshold.start is run.threshold.target else \

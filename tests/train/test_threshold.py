@@ -239,3 +239,71 @@ def test_compiled_threshold_run_matches_eager_and_compiles_once(tiny_silu, token
     thetas = [[t for m in run if "sparsity" in m for t in m["per_layer"]["theta"]] for run in runs]
     assert thetas[1] == pytest.approx(thetas[0], rel=1e-4) and thetas[0][-1] > 0
     assert frames[0] == 0 and frames[1] <= 4, frames  # the model's forward (and the loss) once each; not one per theta update
+
+
+def test_allocate_zeros_keeps_the_mean_within_the_range_and_gives_cheap_layers_more():
+    from sparsify.train.objective import allocate_zeros
+
+    zeros = allocate_zeros([1.0, 4.0, 0.25, 1.0], mean=0.95, low=0.90, high=0.99)
+    assert sum(zeros) / 4 == pytest.approx(0.95)
+    density = [1 - z for z in zeros]  # no bound binds: density in proportion to sqrt(cost)
+    assert density[1] / density[0] == pytest.approx(2.0) and density[0] / density[2] == pytest.approx(2.0)
+    assert zeros[2] > zeros[0] > zeros[1] and zeros[0] == pytest.approx(zeros[3])
+    clipped = allocate_zeros([100.0, 1.0, 1.0, 1.0], mean=0.95, low=0.90, high=0.99)  # layer 0 would want 84.6%
+    assert clipped[0] == pytest.approx(0.90) and sum(clipped) / 4 == pytest.approx(0.95)
+    assert clipped[1:] == pytest.approx([0.95 + 0.05 / 3] * 3)
+    # free layers share what the clipped one leaves: the mean holds before any layer reaches `high`
+    assert allocate_zeros([0.0, 0.0, 5.0], mean=0.95, low=0.90, high=0.99) == pytest.approx([0.975, 0.975, 0.90])
+    assert allocate_zeros([2.0] * 3, mean=0.93, low=0.90, high=0.99) == pytest.approx([0.93] * 3)
+
+
+SENSITIVITY = [o for o in THRESHOLD if not o.startswith("sparsity.target=")] + [
+    "sparsity.target=0.85", "sparsity.allocate=sensitivity", "sparsity.allocate_range=[0.75, 0.95]"]
+
+
+def test_sensitivity_allocation_measures_each_layer_keeps_the_mean_and_resumes_exactly(tiny_silu, tokens, tmp_path,
+                                                                                        capfd):
+    """allocate=sensitivity: at the calibration each layer's cost is measured on the batch and the targets are
+    chosen within the range with the mean of `target`; the log names them, the layers are held there, the exported
+    folder records them, and --resume after the switch restores them (the same numbers)."""
+    from sparsify.train.finetune import finetune
+    from sparsify.train.preflight import load_recipe
+
+    out = tmp_path / "run"
+    finetune(load_recipe(recipe_dict(tiny_silu, out, tokens=tokens, max_steps=12), SENSITIVITY), progress=False)
+    assert "zeros allocated by sensitivity (mean 0.8500)" in capfd.readouterr().err
+    chosen = json.loads((out / "model" / "config.json").read_text())["sparsify"]["threshold"]
+    assert chosen["allocate"] == "sensitivity" and len(chosen["costs"]) == 2 and min(chosen["costs"]) >= 0
+    targets = chosen["targets"]
+    assert sum(targets) / 2 == pytest.approx(0.85, abs=1e-4) and all(0.75 <= t <= 0.95 for t in targets)
+    assert targets[0] != pytest.approx(targets[1], abs=1e-3)  # two layers of a random model do not cost the same
+    ref = metrics(out)
+    last = [m for m in ref if "sparsity" in m][-1]
+    assert last["per_layer"]["zeros"] == pytest.approx(targets, abs=0.05), last["per_layer"]["zeros"]
+
+    again = tmp_path / "again"
+    shutil.copytree(out, again)
+    for ckpt in (again / "checkpoints").iterdir():
+        if ckpt.name > "step-00000008":
+            shutil.rmtree(ckpt)
+    shutil.rmtree(again / "model")
+    finetune(load_recipe(recipe_dict(tiny_silu, again, tokens=tokens, max_steps=12), SENSITIVITY), resume=True,
+             progress=False)
+    for a, b in zip(ref, metrics(again)):
+        assert b.get("loss") == a.get("loss") and b.get("per_layer", {}).get("theta") == a.get("per_layer", {}).get("theta")
+    assert json.loads((again / "model" / "config.json").read_text())["sparsify"]["threshold"]["targets"] == targets
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["sparsity.allocate_range=[0.96, 0.99]"], "does not hold the mean target"),
+    (["sparsity.allocate_range=[0.9]"], "give \\[low, high\\]"),
+    (["sparsity.allocate_probe=0.5"], "allocate_probe: got 0.5"),
+    (["sparsity.allocate=evenly"], "evenly"),
+])
+def test_sensitivity_allocation_problems_are_refused_before_work(tiny_silu, tmp_path, overrides, message):
+    from sparsify.errors import SparsifyError
+    from sparsify.train.preflight import load_recipe
+
+    base = ["sparsity.method=threshold", "sparsity.target=0.95", "sparsity.allocate=sensitivity"]
+    with pytest.raises(SparsifyError, match=message):
+        load_recipe(recipe_dict(tiny_silu, tmp_path / "run", max_tokens=5_000), base + overrides)
