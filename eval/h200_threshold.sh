@@ -24,7 +24,7 @@
 #   bash eval/h200_long.sh wait 540; PACK=$OUT bash eval/h200_threshold.sh pack    until it ends; metrics so far
 #   PACK=$OUT bash eval/h200_threshold.sh after     cloze on every finished run, the frontier (ZEROS=...: decode speed
 #                                                   per zeros level too; SPEED_AT=... gendata's rate)
-# Knobs: ARMS ("name=override ...;...", or 2 .. 6 for ARMS2 .. ARMS6 below), TOKENS (default 20M each), LEVERS / GEN_LEVERS, GEN_TOKENS / GEN_BATCH, ZEROS.
+# Knobs: ARMS ("name=override ...;...", or 2 .. 7 for ARMS2 .. ARMS7 below), TOKENS (default 20M each), LEVERS / GEN_LEVERS, GEN_TOKENS / GEN_BATCH, ZEROS.
 set -euo pipefail
 WORK=${WORK:-/tmp/sparsify-long}
 OUT_DIR=${RESULTS:-$WORK/results}
@@ -58,11 +58,16 @@ wd3090_100M=$WARM train.weight_decay=0.3 sparsity.target=0.90 train.max_tokens=1
 # recipe (CE + KL) and KL-only at 20M, for the comparison at equal zeros. With SLOTS=2, slot 0 runs ce1_20M then
 # kl_20M, slot 1 kl_100M (two runs share the GPU until slot 0 is done; ~15 min on one H200)
 ARMS6="ce1_20M=$WARM;kl_100M=$WARM distill.ce=0 train.max_tokens=100_000_000 train.eval_every=610;kl_20M=$WARM distill.ce=0"
+# ARMS7 (issue 41, a short lease, SLOTS=3): the 20M comparison alone, side by side: the recipe (CE + KL), KL-only, and
+# KL-only with the zeros allocated by each layer's measured sensitivity (same mean, every layer in [0.90, 0.99])
+ARMS7="ce1_20M=$WARM;kl_20M=$WARM distill.ce=0;\
+klsens_20M=$WARM distill.ce=0 sparsity.allocate=sensitivity sparsity.target=0.9535"
 [ "${ARMS}" = 2 ] && ARMS=$ARMS2
 [ "${ARMS}" = 3 ] && ARMS=$ARMS3
 [ "${ARMS}" = 4 ] && ARMS=$ARMS4
 [ "${ARMS}" = 5 ] && ARMS=$ARMS5
 [ "${ARMS}" = 6 ] && ARMS=$ARMS6
+[ "${ARMS}" = 7 ] && ARMS=$ARMS7
 export TOKENS=${TOKENS:-20_000_000} EVAL_EVERY=${EVAL_EVERY:-305}
 
 case "${1:-}" in
