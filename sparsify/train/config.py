@@ -181,7 +181,9 @@ class SparsitySection:
         "cost: on the calibration batch, the next-token loss with every layer at its target, then with one layer at "
         "a time cut `allocate_probe` deeper; a layer whose loss rises less takes more zeros (density proportional to "
         "the square root of its cost, the optimum when a layer's cost grows as 1 / density), every layer within "
-        "`allocate_range`. The run's log prints the choice; checkpoints and the exported folder keep it.",
+        "`allocate_range`. The run's log prints the choice; checkpoints and the exported folder keep it. Measured at "
+        "20M tokens with distill.ce=0 (eval/results/objective-h100/): 1.67x on unseen text against uniform's 1.62x "
+        "(the rule sent 12 of 30 layers to 99%).",
     )
     allocate_range: list[float] = doc(
         [0.90, 0.99], "allocate=sensitivity: the least and the most zeros any one layer is given, [low, high].")
@@ -203,7 +205,8 @@ class DistillSection:
     ce: float = doc(
         1.0, "Weight of the next-token cross-entropy on the training text. 0 = the logits only: the student learns "
         "the original's whole next-token distribution at every position (forward KL, distill.kd) and nothing of "
-        "the training text's own next tokens, so it drifts less towards the mixture.",
+        "the training text's own next tokens, so it drifts less towards the mixture. Measured at 20M tokens on "
+        "SmolLM2-135M (eval/results/objective-h100/): 0 read 1.62x on unseen text against 1's 1.54x.",
     )
     kd: float = doc(1.0, "Weight of KL(teacher || student) on the logits; the teacher is the original dense model. 0 = off.")
     temperature: float = doc(1.0, "Softmax temperature of the distillation (the KL is scaled by T^2).")
