@@ -148,9 +148,13 @@ def test_alias_resolution_and_a_missing_wheel_say_where_the_gguf_lives(tmp_path,
 
 
 def test_cli_hub_id_offline(tmp_path):
-    proc = run_cli("convert", "someone/some-model-that-is-not-cached", "-o", tmp_path / "out",
+    """A source shaped like a Hub id that is neither a local path nor cached, offline: the error says both (no such
+    local folder here, the Hub not reachable), and nothing is written."""
+    proc = run_cli("convert", "models/does-not-exist", "-o", "out/x", cwd=tmp_path,
                    env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
-    assert_clean_error(proc, "not reachable", "pass the local folder", "hf download someone/some-model")
+    assert_clean_error(proc, f"no local folder or file 'models/does-not-exist' exists in {tmp_path}",
+                       "not reachable", "pass the local folder", "hf download models/does-not-exist")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # (HF_HOME is not even made)
 
 
 def test_cli_unsupported_dtype(llama_dir, tmp_path):
