@@ -79,6 +79,21 @@ def test_overwrite_replaces_only_a_model_folder_never_other_files_or_the_current
     assert json.loads((empty / "config.json").read_text())["sparsify"]["activation"] == "relu"
 
 
+def test_the_current_folder_and_any_above_it_get_advice_that_works(llama_dir, tmp_path):
+    """`-o .` answered "already exists; pass --overwrite", and --overwrite was then refused as the current folder
+    (issue 40): the current folder, and any folder above it (not only the one just above), are refused first with
+    the advice that works, a folder of their own, with or without --overwrite."""
+    here = tmp_path / "a" / "b" / "c"
+    here.mkdir(parents=True)
+    for out, where in ((".", "the current folder"), ("..", "a folder above the current one"),
+                       ("../..", "a folder above the current one")):
+        for extra in ((), ("--overwrite",)):
+            proc = run_cli("convert", llama_dir, "-o", out, "-q", *extra, cwd=here)
+            assert_clean_error(proc, f"is {where}, which is never replaced", "Choose a folder of its own")
+            assert "pass --overwrite" not in proc.stderr, proc.stderr
+    assert [p.name for p in here.iterdir()] == [] and sorted(p.name for p in tmp_path.iterdir()) == ["a", "llama"]
+
+
 def test_a_revision_with_a_local_source_is_refused(llama_dir, tmp_path):
     """--revision names a Hub commit: with a local folder it was ignored without a word."""
     with pytest.raises(SparsifyError, match=f"--revision v1: {llama_dir} is a local folder.*leave --revision out"):
