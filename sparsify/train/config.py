@@ -387,10 +387,20 @@ def _fields(section_cls: type) -> dict[str, tuple[Any, dataclasses.Field]]:
 
 
 def _unknown(key: str, choices: list[str]) -> str:
+    """An unknown key's message: the valid key it most likely means (a misspelling, or a short name spelled out or
+    the other way round: learning_rate for lr), else every valid key."""
     last = {c.split(".")[-1]: c for c in choices}
-    close = difflib.get_close_matches(key.split(".")[-1], list(last), n=1, cutoff=0.6)
+    name = key.split(".")[-1].replace("-", "_")
+    close = difflib.get_close_matches(name, list(last), n=1, cutoff=0.6) or \
+        [c for c in last if _initials(name) == c or _initials(c) == name]
     fix = f"did you mean `{last[close[0]]}`?" if close else f"valid keys: {', '.join(choices)}"
     return f"{key}: unknown key; {fix}"
+
+
+def _initials(name: str) -> str | None:
+    """learning_rate -> lr; None for a one-word name (its initial alone would match too much)."""
+    words = [w for w in name.split("_") if w]
+    return "".join(w[0] for w in words) if len(words) > 1 else None
 
 
 def _build(raw: dict, errors: list[str], bad: set[str]) -> Recipe:

@@ -193,6 +193,22 @@ def test_a_hub_shaped_model_source_that_is_nowhere_stops_finetune_before_anythin
     assert "Traceback" not in err and list(tmp_path.iterdir()) == []  # no runs/nomodel/, no conversion
 
 
+def test_a_spelled_out_key_gets_the_short_name_it_means(tmp_path):
+    """`train.learning_rate=1e-3` listed every train key (issue 40): a key spelled out for a short one (or the other
+    way round) gets "did you mean", from the command as typed; a name that abbreviates nothing still gets the list."""
+    import subprocess
+    import sys
+
+    recipe = str(REPO / "recipes" / "smollm2-135m.yaml")
+    proc = subprocess.run([sys.executable, "-m", "sparsify", "finetune", recipe, "train.learning_rate=1e-3",
+                           "train.wd=0.1", "train.xq=1", "--print-recipe"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "train.learning_rate: unknown key; did you mean `train.lr`?" in proc.stderr, proc.stderr
+    assert "train.wd: unknown key; did you mean `train.weight_decay`?" in proc.stderr
+    assert "train.xq: unknown key; valid keys: train.max_steps" in proc.stderr
+
+
 def test_all_four_recipes_ship():
     assert {p.name for p in RECIPES} >= {"smollm2-135m.yaml", "llama-3.2-1b.yaml", "qwen2.5-0.5b.yaml",
                                          "mistral-7b-fsdp.yaml"}
