@@ -79,7 +79,7 @@ def demo(out: str | Path = "sparsify-demo", *, steps: int = 20, limit: int = 20,
             finetune(recipe, resume=resume, progress=progress, verbose=not quiet)
         except RunStopped as stopped:  # finetune's own advice (--resume) is not how the demo continues
             raise RunStopped(f"{str(stopped).split(';')[0]}; run the same `sparsify demo` command again to continue "
-                             "from there.", stopped.exit_code - 128) from None
+                             "from there.", stopped.signum) from None
     else:
         say(f"[2/3] finetune: reusing {ft_dir / 'model'} ({steps} steps, same settings)")
     shutil.rmtree(ft_dir / "checkpoints", ignore_errors=True)  # finished: nothing left to resume

@@ -106,8 +106,8 @@ def test_a_stopped_finetune_stops_the_demo_with_its_exit_code_and_how_to_continu
         (out / "config.json").write_text(json.dumps({"model_type": "llama", "sparsify": {"source": SMOLLM2_ALIAS}}))
 
     def stopped(recipe, **kw):
-        raise RunStopped("stopped by SIGTERM after step 7 (3,584 tokens); checkpoint X. Continue with the "
-                                  "same command and --resume.", signal.SIGTERM)
+        raise RunStopped("the run stopped after step 7 (3,584 tokens) and saved checkpoint X; continue with the "
+                         "same command and --resume.", signal.SIGTERM)
 
     def no_eval(*a, **kw):
         raise AssertionError("the demo went on to evaluate after the stop")

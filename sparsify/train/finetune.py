@@ -32,7 +32,6 @@ import dataclasses
 import gc
 import json
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -106,6 +105,9 @@ def finetune(recipe: Recipe, *, resume: bool = False, progress: bool = True, ver
         run.verbose = verbose
         if checkpoint is not None:
             load_checkpoint(run, checkpoint)
+            if dist.main and verbose:
+                print(f"resuming from step {run.state.step} ({run.state.tokens:,} tokens) of {checkpoint}",
+                      file=sys.stderr)
         if dist.main:
             (out / "recipe.yaml").write_text(dump_recipe(recipe))
         log = MetricsLog(out, recipe, dist, run.state.step)
@@ -121,8 +123,8 @@ def finetune(recipe: Recipe, *, resume: bool = False, progress: bool = True, ver
         if not recipe.output.keep_checkpoints_when_done:
             remove_checkpoints(out, dist)
         if stop.signum:  # caught during the last step or the final evaluation: the run is done, but the caller stops
-            raise RunStopped(f"stopped by {signal.Signals(stop.signum).name} at the end of training (step "
-                             f"{run.state.step}); the fine-tuned model was exported to {folder}.", stop.signum)
+            raise RunStopped(f"the run had reached its end (step {run.state.step}): the fine-tuned model was "
+                             f"exported to {folder}.", stop.signum)
         return folder
 
 
@@ -288,9 +290,8 @@ def _loop(run: Run, log: MetricsLog, history: list[dict], progress: bool, stop: 
         if signum and run.state.step < total and not run.state.stopped:
             bar.close()
             folder = saved or save_checkpoint(run, out)
-            raise RunStopped(f"stopped by {signal.Signals(signum).name} after step {run.state.step} "
-                             f"({run.state.tokens:,} tokens); checkpoint {folder}. Continue with the same command "
-                             "and --resume.", signum)
+            raise RunStopped(f"the run stopped after step {run.state.step} ({run.state.tokens:,} tokens) and saved "
+                             f"checkpoint {folder}; continue with the same command and --resume.", signum)
     bar.close()
     run.state.stopped = run.state.stopped or f"budget: {run.state.step} steps, {run.state.tokens} tokens"
     evaluate_all(run, log, history)
