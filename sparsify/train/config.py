@@ -463,6 +463,7 @@ class ParsedRecipe:
     where: str  # names the recipe in messages: "recipe r.yaml", "the recipe"
     errors: list[str]  # unknown keys, wrong types, malformed overrides
     bad: set[str]  # "section.key" (or "section.*") whose value had the wrong type: its default stands in
+    as_written: Recipe  # the recipe before the command-line overrides (what the file or mapping itself says)
 
 
 def parse_recipe(source: str | Path | dict | None = None, overrides: list[str] | tuple[str, ...] = ()) -> ParsedRecipe:
@@ -473,11 +474,12 @@ def parse_recipe(source: str | Path | dict | None = None, overrides: list[str] |
     """
     where, raw = _read_raw(source)
     raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}  # overrides must not touch the caller's dict
+    as_written = _build({k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}, [], set())
     errors: list[str] = []
     bad: set[str] = set()
     for override in overrides:
         _apply_override(raw, override, errors)
-    return ParsedRecipe(_build(raw, errors, bad), where, errors, bad)
+    return ParsedRecipe(_build(raw, errors, bad), where, errors, bad, as_written)
 
 
 def _read_raw(source: str | Path | dict | None) -> tuple[str, dict]:
