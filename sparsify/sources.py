@@ -146,8 +146,11 @@ def hub_source_problem(source: str | os.PathLike, revision: str | None = None) -
     from huggingface_hub import HfApi, try_to_load_from_cache
     from huggingface_hub import errors as hf_errors
 
-    if isinstance(try_to_load_from_cache(text, "config.json", revision=revision), str):
-        return None
+    try:
+        if isinstance(try_to_load_from_cache(text, "config.json", revision=revision), str):
+            return None
+    except Exception:  # an id huggingface_hub's stricter rules refuse ("a--b"): not in any cache, then
+        pass
     here = f"no local folder or file {text!r} exists in {Path.cwd()}"
     if hub_offline():
         return (f"{here}, and as a Hub id it cannot be fetched: the Hugging Face Hub is not reachable (offline, or "
