@@ -14,7 +14,7 @@ import sys
 import threading
 
 from sparsify.version import __version__
-from sparsify.errors import SparsifyError
+from sparsify.errors import SparsifyError, Stopped
 
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -71,17 +71,25 @@ def main(argv: list[str] | None = None) -> int:
     installed, previous = _terminate_like_ctrl_c()
     try:
         return int(importlib.import_module(args._module).main(args) or 0)
+    except Stopped as e:  # a command that caught the signal itself and kept its work (finetune's checkpoint)
+        print(f"sparsify {args.command}: {_stopped_by(e.signum)}; {e}", file=sys.stderr)
+        return e.exit_code
     except SparsifyError as e:
         print(f"sparsify {args.command}: error: {e}", file=sys.stderr)
         return getattr(e, "exit_code", 2)
     except (KeyboardInterrupt, Terminated) as e:
-        how = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+        signum = signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT
         note = getattr(e, "note", None) or "nothing was left half-written."  # a command's own word on what it kept
-        print(f"sparsify {args.command}: {how}; {note}", file=sys.stderr)
-        return 128 + (signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT)
+        print(f"sparsify {args.command}: {_stopped_by(signum)}; {note}", file=sys.stderr)
+        return 128 + signum
     finally:
         if installed:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def _stopped_by(signum: int) -> str:
+    """One wording for every command: what stopped it (the exit code is 128 + signum either way)."""
+    return "terminated (SIGTERM)" if signum == signal.SIGTERM else "interrupted"
 
 
 class Terminated(BaseException):

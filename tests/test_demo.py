@@ -34,21 +34,28 @@ def test_demo_runs_whole_pipeline_quietly_and_reuses_only_stages_with_the_same_s
     model = out / "ft" / "model"
     assert json.loads((model / "config.json").read_text())["sparsify"]["steps"] == 2
     assert not (out / "ft" / "checkpoints").exists()  # the run finished: no checkpoint (12 bytes/parameter) left
-    # Reuse is decided before the eval stage, which the run above checked: the runs below evaluate nothing.
+    # Reuse is decided before the eval stage, which the run above checked: the runs below record its calls instead.
     evaluated = _skip_eval(monkeypatch)
     from sparsify.demo import demo as run_demo
 
-    run_demo(out, steps=2, limit=2, text_tokens=256, progress=False)  # the same settings again: both stages reused
+    run_demo(out, steps=2, limit=2, text_tokens=256, progress=False)  # the same settings again: every stage reused
     again = capsys.readouterr().out
     assert "[1/3] convert: reusing" in again and "[2/3] finetune: reusing" in again
+    assert f"[3/3] eval: reusing {out / 'report'}" in again and evaluated == []  # (issue 40: it redid the eval)
+    assert f"Full report: {out / 'report' / 'report.md'}" in again and "relu   " in again  # the summary, from it
+    run_demo(out, steps=2, limit=3, text_tokens=256, progress=False)  # another eval setting: only the eval is redone
+    other = capsys.readouterr().out
+    assert "[2/3] finetune: reusing" in other and "[3/3] eval original" in other and len(evaluated) == 1
     run_demo(out, steps=3, limit=2, text_tokens=256, progress=False)  # other settings: the fine-tune is redone
     longer = capsys.readouterr().out
     assert "[1/3] convert: reusing" in longer and "[2/3] finetune 3 steps" in longer
     assert 'its "validation perplexity": python-howto-heldout.txt cut into non-overlapping 128-token' in longer
+    assert "[3/3] eval original" in longer  # the report (limit 2) is older than the model it would describe
     assert json.loads((model / "config.json").read_text())["sparsify"]["steps"] == 3
     assert not (out / "ft" / "checkpoints").exists()
     assert [models for models, _ in evaluated] == [["orig=smollm2-135m-gguf", f"relu={out / 'relu'}",
                                                     f"ft={model}"]] * 2
+    assert [kw["limit"] for _, kw in evaluated] == [3, 2]
 
 
 def test_summary_says_which_perplexity_each_line_is_and_where_the_fine_tuned_model_is(tmp_path, capsys):
@@ -106,8 +113,8 @@ def test_a_stopped_finetune_stops_the_demo_with_its_exit_code_and_how_to_continu
         (out / "config.json").write_text(json.dumps({"model_type": "llama", "sparsify": {"source": SMOLLM2_ALIAS}}))
 
     def stopped(recipe, **kw):
-        raise RunStopped("stopped by SIGTERM after step 7 (3,584 tokens); checkpoint X. Continue with the "
-                                  "same command and --resume.", signal.SIGTERM)
+        raise RunStopped("the run stopped after step 7 (3,584 tokens) and saved checkpoint X; continue with the "
+                         "same command and --resume.", signal.SIGTERM)
 
     def no_eval(*a, **kw):
         raise AssertionError("the demo went on to evaluate after the stop")

@@ -1,7 +1,7 @@
 """Atomic folder output, for every stage: a folder is built beside OUT and renamed to OUT only when complete, and
 an existing OUT is refused unless the caller asks to replace it, and even then unless it is empty or of the kind
 the caller writes (`kind`, required of every caller: KINDS, a (description, test) pair, or None for the toolkit's own
-internal paths); the current folder, one above it and the home folder are never replaced. sparsify.folder.format
+internal paths); the current folder, any folder above it and the home folder are never replaced. sparsify.folder.format
 re-exports both (this module imports nothing of the toolkit but its errors and sources' config reader, so the report
 writer can use it too)."""
 
@@ -35,22 +35,23 @@ Kind = str | tuple[str, Callable[[Path], bool]] | None
 def check_output(out: str | os.PathLike, overwrite: bool = False, flag: str = "-o/--output", *, kind: Kind) -> None:
     """Refuses an output path that exists (unless `overwrite`) or is not a folder: call it before long work.
     `flag` is the option that named it, for the message. With `overwrite`, an existing folder is replaced only
-    when it is empty or of `kind` (KINDS: what this stage writes), and never when it is the current folder, one
-    above it or the home folder: --overwrite replaces the whole folder, so anything else in it would be lost."""
+    when it is empty or of `kind` (KINDS: what this stage writes), and never when it is the current folder, any
+    folder above it or the home folder (refused first, with or without `overwrite`): --overwrite replaces the whole
+    folder, so anything else in it would be lost."""
     out = Path(out).absolute()
-    if out.exists() and not overwrite:
-        raise SparsifyError(f"output folder {out} already exists; pass --overwrite to replace it, "
-                            f"or choose another {flag}.")
-    if out.exists() and not out.is_dir():
-        raise SparsifyError(f"output path {out} exists and is not a folder; choose another {flag}.")
     if not out.exists():
         return
+    if not out.is_dir():
+        raise SparsifyError(f"output path {out} exists and is not a folder; choose another {flag}.")
     real, cwd, home = out.resolve(), Path.cwd().resolve(), _home()
-    if real == cwd or real in cwd.parents or real == home:
+    if real == cwd or real in cwd.parents or real == home:  # before the --overwrite advice, which cannot work here
         where = "the current folder" if real == cwd else "the home folder" if real == home \
             else "a folder above the current one"
-        raise SparsifyError(f"{flag} {out} is {where}: it would be replaced whole. Choose a folder of its own, "
-                            f"e.g. {out / 'out'}.")
+        raise SparsifyError(f"{flag} {out} is {where}, which is never replaced (--overwrite would replace the whole "
+                            f"folder). Choose a folder of its own, e.g. {out / 'out'}.")
+    if not overwrite:
+        raise SparsifyError(f"output folder {out} already exists; pass --overwrite to replace it, "
+                            f"or choose another {flag}.")
     if kind is None or not any(out.iterdir()):
         return
     what, ours = KINDS[kind] if isinstance(kind, str) else kind

@@ -23,7 +23,7 @@ from sparsify.families import FAMILIES, activation_of, family_for, thresholded
 from sparsify.errors import SparsifyError
 from sparsify.folder.format import DTYPES, atomic_dir, check_output, finalize_folder
 from sparsify.folder.gguf import load_gguf, no_transformers_bars
-from sparsify.sources import hub_unreachable, resolve_source, source_problem
+from sparsify.sources import hub_source_problem, hub_unreachable, resolve_source, source_problem
 
 ACTIVATIONS = ("relu",)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
@@ -79,7 +79,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, *, activation: str =
 def locate(src: str | os.PathLike, revision: str | None) -> tuple[str, Path]:
     """("gguf" | "folder", local path) for a source (the alias smollm2-135m-gguf included), downloading Hub ids
     into the HF cache."""
-    problem = source_problem(src)
+    problem = source_problem(src) or hub_source_problem(src, revision)  # before anything is written
     if problem:
         raise SparsifyError(problem)
     path = Path(str(resolve_source(src))).expanduser()

@@ -35,6 +35,17 @@ def no_transformers_bars() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
+def _dequantized() -> dict:
+    """from_pretrained's argument for a dense model with every weight unpacked at load (what convert saves and eval
+    runs). Asked for outright (GgufConfig), transformers does not weigh keeping them packed, nor warn that a packed
+    load is fastest in float32 "Pass `dtype=torch.float32`" (not an option of this CLI), even under -q; a
+    transformers without GgufConfig unpacks them anyway."""
+    import transformers
+
+    config = getattr(transformers, "GgufConfig", None)
+    return {"quantization_config": config(dequantize=True)} if config is not None else {}
+
+
 def load_gguf(path: Path, dtype: str = "float32") -> tuple[Any, Any]:
     """(model, tokenizer) from a .gguf file, dequantised to `dtype` (a torch dtype name), ready to save.
 
@@ -54,7 +65,7 @@ def load_gguf(path: Path, dtype: str = "float32") -> tuple[Any, Any]:
     try:  # the config is passed on: each load parses the whole GGUF file, its vocabulary included
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config,
-                                                     dtype=getattr(torch, dtype))
+                                                     dtype=getattr(torch, dtype), **_dequantized())
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except Exception as e:
         if (broken := import_failure(e)) is not None:

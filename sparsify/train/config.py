@@ -403,10 +403,20 @@ def _fields(section_cls: type) -> dict[str, tuple[Any, dataclasses.Field]]:
 
 
 def _unknown(key: str, choices: list[str]) -> str:
+    """An unknown key's message: the valid key it most likely means (a misspelling, or a short name spelled out or
+    the other way round: learning_rate for lr), else every valid key."""
     last = {c.split(".")[-1]: c for c in choices}
-    close = difflib.get_close_matches(key.split(".")[-1], list(last), n=1, cutoff=0.6)
+    name = key.split(".")[-1].replace("-", "_")
+    close = difflib.get_close_matches(name, list(last), n=1, cutoff=0.6) or \
+        [c for c in last if _initials(name) == c or _initials(c) == name]
     fix = f"did you mean `{last[close[0]]}`?" if close else f"valid keys: {', '.join(choices)}"
     return f"{key}: unknown key; {fix}"
+
+
+def _initials(name: str) -> str | None:
+    """learning_rate -> lr; None for a one-word name (its initial alone would match too much)."""
+    words = [w for w in name.split("_") if w]
+    return "".join(w[0] for w in words) if len(words) > 1 else None
 
 
 def _build(raw: dict, errors: list[str], bad: set[str]) -> Recipe:
@@ -469,6 +479,7 @@ class ParsedRecipe:
     where: str  # names the recipe in messages: "recipe r.yaml", "the recipe"
     errors: list[str]  # unknown keys, wrong types, malformed overrides
     bad: set[str]  # "section.key" (or "section.*") whose value had the wrong type: its default stands in
+    as_written: Recipe  # the recipe before the command-line overrides (what the file or mapping itself says)
 
 
 def parse_recipe(source: str | Path | dict | None = None, overrides: list[str] | tuple[str, ...] = ()) -> ParsedRecipe:
@@ -479,11 +490,12 @@ def parse_recipe(source: str | Path | dict | None = None, overrides: list[str] |
     """
     where, raw = _read_raw(source)
     raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}  # overrides must not touch the caller's dict
+    as_written = _build({k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}, [], set())
     errors: list[str] = []
     bad: set[str] = set()
     for override in overrides:
         _apply_override(raw, override, errors)
-    return ParsedRecipe(_build(raw, errors, bad), where, errors, bad)
+    return ParsedRecipe(_build(raw, errors, bad), where, errors, bad, as_written)
 
 
 def _read_raw(source: str | Path | dict | None) -> tuple[str, dict]:

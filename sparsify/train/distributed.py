@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from sparsify.errors import SparsifyError
+from sparsify.errors import Stopped
 
 
 @dataclass
@@ -53,12 +53,9 @@ def init_distributed() -> Dist:
     return Dist(rank=torch.distributed.get_rank(), world=world, device=device)
 
 
-class RunStopped(SparsifyError):
-    """The run stopped on a signal after writing a checkpoint; the CLI exits 128 + the signal's number."""
-
-    def __init__(self, message: str, signum: int):
-        super().__init__(message)
-        self.exit_code = 128 + signum
+class RunStopped(Stopped):
+    """The run stopped on a signal after writing a checkpoint (or, at its end, the model); the CLI exits 128 + the
+    signal's number."""
 
 
 class StopRequest:

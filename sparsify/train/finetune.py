@@ -32,7 +32,6 @@ import dataclasses
 import gc
 import json
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -46,7 +45,7 @@ from sparsify.folder.convert import convert
 from sparsify.folder.gguf import no_transformers_bars
 from sparsify.sources import local_config
 from sparsify.train.checkpoint import check_output, load_checkpoint, remove_checkpoints, save_checkpoint
-from sparsify.train.config import Recipe, dump_recipe, format_help
+from sparsify.train.config import Recipe, dump_recipe, format_help, parse_recipe
 from sparsify.train.data import TokenData, prepare_data
 from sparsify.train.distributed import Dist, RunStopped, StopRequest, init_distributed
 from sparsify.train.export import export
@@ -61,7 +60,7 @@ from sparsify.train.step import Run, TrainState, evaluate_all, losses, train_ste
 
 
 def finetune(recipe: Recipe, *, resume: bool = False, progress: bool = True, verbose: bool = True,
-             data_only: bool = False) -> Path:
+             data_only: bool = False, notes: list[str] | None = None) -> Path:
     """Run a recipe; returns OUT/model, the fine-tuned model folder (with `data_only`: OUT/data, the token folder,
     made without training: the model is converted for its tokenizer).
 
@@ -71,6 +70,9 @@ def finetune(recipe: Recipe, *, resume: bool = False, progress: bool = True, ver
         progress: show progress bars (rank 0 only).
         verbose: print validation results, and a line per logged step when there are no progress bars, to
             stderr (rank 0 only); metrics.jsonl gets everything either way.
+        notes: what to say before work starts about settings the run will not use (default:
+            preflight.recipe_notes(recipe)); the CLI passes those of the recipe as typed (recipe_notes with
+            as_written), which leave a threshold recipe's own warm-up keys out when an override only set the method.
 
     Raises:
         RunStopped: a signal stopped the run (after a checkpoint, or after the export when it came at the end).
@@ -79,7 +81,7 @@ def finetune(recipe: Recipe, *, resume: bool = False, progress: bool = True, ver
 
     raise_problems("the recipe", recipe_problems(recipe))  # load_recipe checked it; a Recipe built in Python too
     dist = init_distributed()
-    for note in recipe_notes(recipe) if dist.main and verbose else []:
+    for note in (recipe_notes(recipe) if notes is None else notes) if dist.main and verbose else []:
         print(f"note: {note}", file=sys.stderr)
     out = Path(recipe.output.dir)
     if data_only:  # tokenising touches no run in OUT and needs none of the run's settings to be supported
@@ -106,6 +108,9 @@ def finetune(recipe: Recipe, *, resume: bool = False, progress: bool = True, ver
         run.verbose = verbose
         if checkpoint is not None:
             load_checkpoint(run, checkpoint)
+            if dist.main and verbose:
+                print(f"resuming from step {run.state.step} ({run.state.tokens:,} tokens) of {checkpoint}",
+                      file=sys.stderr)
         if dist.main:
             (out / "recipe.yaml").write_text(dump_recipe(recipe))
         log = MetricsLog(out, recipe, dist, run.state.step)
@@ -121,8 +126,8 @@ def finetune(recipe: Recipe, *, resume: bool = False, progress: bool = True, ver
         if not recipe.output.keep_checkpoints_when_done:
             remove_checkpoints(out, dist)
         if stop.signum:  # caught during the last step or the final evaluation: the run is done, but the caller stops
-            raise RunStopped(f"stopped by {signal.Signals(stop.signum).name} at the end of training (step "
-                             f"{run.state.step}); the fine-tuned model was exported to {folder}.", stop.signum)
+            raise RunStopped(f"the run had reached its end (step {run.state.step}): the fine-tuned model was "
+                             f"exported to {folder}.", stop.signum)
         return folder
 
 
@@ -288,9 +293,8 @@ def _loop(run: Run, log: MetricsLog, history: list[dict], progress: bool, stop: 
         if signum and run.state.step < total and not run.state.stopped:
             bar.close()
             folder = saved or save_checkpoint(run, out)
-            raise RunStopped(f"stopped by {signal.Signals(signum).name} after step {run.state.step} "
-                             f"({run.state.tokens:,} tokens); checkpoint {folder}. Continue with the same command "
-                             "and --resume.", signum)
+            raise RunStopped(f"the run stopped after step {run.state.step} ({run.state.tokens:,} tokens) and saved "
+                             f"checkpoint {folder}; continue with the same command and --resume.", signum)
     bar.close()
     run.state.stopped = run.state.stopped or f"budget: {run.state.step} steps, {run.state.tokens} tokens"
     evaluate_all(run, log, history)
@@ -363,8 +367,9 @@ def main(args: argparse.Namespace) -> int:
     if args.print_recipe:
         print(dump_recipe(recipe), end="")
         return 0
+    notes = recipe_notes(recipe, parse_recipe(args.recipe).as_written)
     folder = finetune(recipe, resume=args.resume, progress=not (args.no_progress or args.quiet),
-                      verbose=not args.quiet, data_only=args.prepare_data)
+                      verbose=not args.quiet, data_only=args.prepare_data, notes=notes)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"token folder: {folder} (train from it with data.train=[{folder}])" if args.prepare_data else
               f"fine-tuned model: {folder}; {_checkpoints_note(recipe)}")

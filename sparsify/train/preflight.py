@@ -17,7 +17,7 @@ from pathlib import Path
 
 from sparsify.errors import SparsifyError
 from sparsify.families import THRESHOLD_ACT, activation_of
-from sparsify.sources import local_config, source_problem
+from sparsify.sources import hub_source_problem, local_config, source_problem
 from sparsify.sources import resolve_source as resolve_model_source
 from sparsify.train.config import DataSection, Recipe, parse_recipe
 from sparsify.train.data import (HELDOUT_NAME, heldout_mismatch, match_files, missing_reason, overlap_problems,
@@ -246,7 +246,7 @@ def _check_data_values(d: DataSection) -> Problems:
 def _check_paths(r: Recipe) -> Problems:
     """What is missing on disk (model source, data files), told without loading a model or reading the text."""
     e = data_path_problems(r.data)
-    problem = source_problem(r.model.source)
+    problem = source_problem(r.model.source) or hub_source_problem(r.model.source, r.model.revision)
     if problem:
         e.append((("model.source",), f"model.source: {problem}"))
     local = None if problem else Path(str(resolve_model_source(r.model.source))).expanduser()
@@ -382,13 +382,17 @@ def _fetch_where(fetch: str) -> str:
             "run it once from the root of a clone of the repository, then run this command from there")
 
 
-def recipe_notes(r: Recipe) -> list[str]:
-    """What a valid recipe sets but will not use, said before work starts (never an error)."""
+def recipe_notes(r: Recipe, as_written: Recipe | None = None) -> list[str]:
+    """What a valid recipe sets but will not use, said before work starts (never an error).
+
+    as_written: the recipe before its command-line overrides (ParsedRecipe.as_written). A threshold recipe run as
+    L1 by one override, sparsity.method=l1 (the README's CPU example), keeps its own warm-up keys: those are not
+    noted, only values set otherwise (by an override, or by a recipe that is L1 itself)."""
     sp = r.sparsity
-    used = [k for k, v in (("sparsity.warmup_target", sp.warmup_target is not None),
-                           ("sparsity.warmup_tokens", sp.warmup_tokens != 0),
-                           ("sparsity.threshold_ramp", sp.threshold_ramp != 0),
-                           ("sparsity.allocate", sp.allocate != "uniform")) if v]
+    own = as_written.sparsity if as_written is not None and as_written.sparsity.method == "threshold" else None
+    unset = {"warmup_target": None, "warmup_tokens": 0, "threshold_ramp": 0, "allocate": "uniform"}
+    used = [f"sparsity.{k}" for k, v in unset.items()
+            if getattr(sp, k) != v and (own is None or getattr(sp, k) != getattr(own, k))]
     if sp.method != "threshold" and used:
         return [f"{', '.join(used)}: set, but sparsity.method is `{sp.method}`; they describe the L1 warm-up and "
                 "the thresholds of sparsity.method=threshold and are not used in this run"]

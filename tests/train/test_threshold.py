@@ -200,8 +200,8 @@ def test_threshold_recipe_problems_are_refused_before_work(tiny_silu, tmp_path, 
 
 
 def test_warmup_keys_under_l1_are_noted_not_refused(tiny_silu, tmp_path):
-    """A threshold recipe runs as L1 with one override (sparsity.method=l1): its warm-up keys stay set, unused, and
-    the run says so before work starts; a recipe without them gets no note."""
+    """recipe_notes of a Recipe alone (a recipe built in Python: nothing says which values the recipe file had): warm-up
+    keys set under L1 are noted, not refused; a recipe without them gets no note."""
     from sparsify.train.preflight import load_recipe, recipe_notes
 
     recipe = recipe_dict(tiny_silu, tmp_path / "run", max_tokens=5_000)
@@ -213,6 +213,34 @@ def test_warmup_keys_under_l1_are_noted_not_refused(tiny_silu, tmp_path):
     threshold = load_recipe(recipe, ["sparsity.method=threshold", "sparsity.target=0.9", "sparsity.warmup_target=0.8",
                                      "sparsity.warmup_tokens=100"])
     assert recipe_notes(threshold) == []
+
+
+def test_a_threshold_recipe_run_as_l1_by_one_override_gets_no_note_on_its_own_keys(tiny_silu, tokens, tmp_path,
+                                                                                   capsys):
+    """The README's CPU example runs the threshold recipe with sparsity.method=l1 and got a note that the recipe's
+    own sparsity.warmup_target / warmup_tokens are unused (issue 40). From the command as typed: the recipe file's
+    own warm-up keys are not noted, a value set on the command line is, and so are an L1 recipe file's own."""
+    import yaml
+
+    from sparsify import cli as sparsify_cli
+
+    recipe = recipe_dict(tiny_silu, tmp_path / "run", tokens=tokens, max_steps=4)
+    recipe["sparsity"].update(method="threshold", target=0.9, warmup_target=0.8, warmup_tokens=100)
+    threshold = tmp_path / "threshold.yaml"
+    threshold.write_text(yaml.safe_dump(recipe))
+    recipe["sparsity"].update(method="l1", target=None)
+    l1 = tmp_path / "l1.yaml"
+    l1.write_text(yaml.safe_dump(recipe))
+
+    def notes(path, *overrides):  # --prepare-data: the notes come before any work, and no training follows
+        assert sparsify_cli.main(["finetune", str(path), *overrides, "--prepare-data", "--no-progress"]) == 0
+        return [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: sparsity.")]
+
+    assert notes(threshold, "sparsity.method=l1", "sparsity.target=none") == []
+    (note,) = notes(threshold, "sparsity.method=l1", "sparsity.target=none", "sparsity.warmup_tokens=200")
+    assert note.startswith("note: sparsity.warmup_tokens: set, but sparsity.method is `l1`"), note
+    (note,) = notes(l1)
+    assert note.startswith("note: sparsity.warmup_target, sparsity.warmup_tokens: set, but sparsity.method is `l1`")
 
 
 def test_compiled_threshold_run_matches_eager_and_compiles_once(tiny_silu, tokens, tmp_path):
