@@ -12,7 +12,7 @@ Part "op": one FFN layer, d x F in {576x1536, 2048x8192}, M = 16384 tokens, bf16
 zeros in --zeros with a skewed pattern: per-neuron firing rates log-normal (sparsify.folder.synth.neuron_rates, sigma
 --skew), made by the GEMM itself (x[:, 0] = 1, W_gate[:, 0] = -b_j with b_j = |W_gate[j, 1:]| ndtri(1 - p_j),
 x Gaussian: neuron j fires with probability p_j). Functions, forward + backward of loss = <y, dy> + c l1:
-  dense           the dense expression under autograd with the L1 term and SparsityProbe's stats (nnz,
+  dense           the dense expression under autograd with the L1 term and the training MLP's stats (nnz,
                   fired): what `sparsify finetune` runs per layer today (eager)
   dense_compiled  the same under torch.compile (finetune's train.compile=true)
   dense_ffn       y only (no L1, no stats), eager: the floor of what dense autograd must do
@@ -26,8 +26,8 @@ fastest for the rest of the run (reported).
 
 Part "model": a SmolLM2-135M-shaped Llama (30 layers, d 576, F 1536, 9 heads / 3 kv heads, vocab 49152; random
 weights made sparse by sparsify.folder.synth at --model-zeros, or --model FOLDER) trained --steps steps (after
---warm steps: compile, capacity update) with and without install_packed_ffn(mode="twell"), bf16 autocast, the
-same torch.compile setting, AdamW, CE + 1e-4 x L1 through SparsityProbe, random tokens [--batch, --seq]:
+--warm steps: compile, capacity update) with and without PackedFFN(mode="twell"), bf16 autocast, the same
+torch.compile setting, AdamW, CE + 1e-4 x L1 from the training MLPs (sparsify.train.mlp), random tokens [--batch, --seq]:
 tokens/s (median step time) and peak memory (torch.cuda.max_memory_allocated over the timed steps).
 
 Prints a table last (TABLE) and writes every row with its conditions to --out (JSON).
@@ -348,8 +348,10 @@ def build_model_folder(args, ctx) -> Path:
 def train_variant(folder: Path, mode: str, args, ctx) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from sparsify.train.objective import SparsityProbe
-    from sparsify.train.packed_ffn import install_packed_ffn
+    from sparsify.train.config import SparsitySection
+    from sparsify.train.mlp import TrainMLPs
+    from sparsify.train.objective import SparsityCounts
+    from sparsify.train.packed_ffn import PackedFFN
 
     device, clock, cuda = ctx["device"], ctx["clock"], ctx["cuda"]
     torch.manual_seed(0)
@@ -364,8 +366,8 @@ def train_variant(folder: Path, mode: str, args, ctx) -> dict:
     model.train()
     if args.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    probe = SparsityProbe(model, "sum_hidden")
-    packed = install_packed_ffn(model, probe, mode)
+    mlps, counts = TrainMLPs(model, SparsitySection(normalization="sum_hidden")), SparsityCounts()
+    packed = PackedFFN(mlps.layers, mode)
     if args.compile and not args.smoke:
         model.compile(backend=args.compile_backend)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **({"fused": True} if cuda else {}))
@@ -379,14 +381,16 @@ def train_variant(folder: Path, mode: str, args, ctx) -> dict:
         nonlocal zeros
         batch = batches[i % len(batches)].to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-            probe.start()
+            mlps.start()
             logits = model(input_ids=batch[:, :-1]).logits
-            l1 = probe.take(tokens=batch[:, :-1].numel()).mean()
+            terms = mlps.take()
+            counts.add_forward(terms.nonzeros, terms.fired, tokens=batch[:, :-1].numel())
+            l1 = terms.l1.mean()
             loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten()) + 1e-4 * l1
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        stats = probe.step_stats()
+        stats = counts.step_stats()
         return loss, stats
 
     for i in range(args.warm):
@@ -409,7 +413,7 @@ def train_variant(folder: Path, mode: str, args, ctx) -> dict:
            "capacity": sorted(set(packed.capacities)) if packed.layers else None,
            "batch": args.batch, "seq": args.seq, "compile": args.compile and not args.smoke,
            "checkpointing": args.checkpointing}
-    packed.remove()
+    mlps.restore()
     del model, opt
     torch._dynamo.reset()
     if cuda:
