@@ -100,7 +100,7 @@ WORD = 32  # mask bits per int32 word
 SPILL_DIV = 32
 SPILL_MIN = 16
 # Kernel blocks (rows x columns per step of the sweep; BF a multiple of 32: whole mask words): the fastest of
-# eval/bench_train_ffn.py's sweep (kernels/NOTES.md, "Training kernels")
+# eval/bench/bench_train_ffn.py's sweep (kernels/NOTES.md, "Training kernels")
 FWD_CONFIG = {"BM": 32, "BF": 128, "num_warps": 4}
 BWD_CONFIG = {"BM": 32, "BF": 64, "num_warps": 4}
 # The recompute GEMM of rows beyond the side buffer (rare: a correctness path, not tuned)

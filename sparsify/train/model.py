@@ -21,7 +21,7 @@ from sparsify.train.distributed import Dist
 
 # Training batches are packed windows without padding, so attention is plain causal. Under torch.compile
 # (torch < 2.14) transformers' "sdpa" materialises a [B, 1, T, T] mask and SDPA then computes every score; this
-# implementation is the same SDPA call with no mask, so SDPA runs is_causal=True (eval/bench_train.py
+# implementation is the same SDPA call with no mask, so SDPA runs is_causal=True (eval/bench/bench_train.py
 # measures the difference). Training only, and not for sliding-window layers (training_attention): exports keep "sdpa".
 CAUSAL_SDPA = "sparsify_causal_sdpa"
 

@@ -48,7 +48,7 @@ log = logging.getLogger("sparsify.train.packed_ffn")
 MODES = ("dense", "twell", "auto")
 # auto: a layer switches to the packed path at >= AUTO_ON zeros and back to dense below AUTO_OFF. The packed
 # path saves >= 50% of the FFN's activation memory from ~45% zeros on (bf16: (F / 8 + 4 C) / (6 F) with C ~
-# 1.3 (1 - zeros) F) but runs slower than dense (eval/bench_train_ffn.py), so auto is a memory setting (larger
+# 1.3 (1 - zeros) F) but runs slower than dense (eval/bench/bench_train_ffn.py), so auto is a memory setting (larger
 # batches or sequences), not a speed one: 0.85 packs the layers sparse enough to save most.
 AUTO_ON = 0.85
 AUTO_OFF = 0.80

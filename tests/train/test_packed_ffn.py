@@ -591,9 +591,9 @@ def test_packed_ffn_under_ddp_and_fsdp2(mode, tmp_path):
 
 
 def test_bench_smoke(tmp_path):
-    """eval/bench_train_ffn.py --smoke: every code path of the benchmark on tiny CPU shapes."""
+    """eval/bench/bench_train_ffn.py --smoke: every code path of the benchmark on tiny CPU shapes."""
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "eval" / "bench_train_ffn.py"), "--smoke", "--out", str(out)],
+    proc = subprocess.run([sys.executable, str(ROOT / "eval" / "bench" / "bench_train_ffn.py"), "--smoke", "--out", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

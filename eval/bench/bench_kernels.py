@@ -1,9 +1,9 @@
 """Benchmark TwELL kernels against the dense cuBLAS FFN in the same run (round 6).
 
-Usage on the H200 (eval/device_env.sh makes `sparsify.kernels` importable):
-  cd repo && source eval/device_env.sh
-  PYTHONPATH=$PWD PYTHONUNBUFFERED=1 python eval/bench_kernels.py --tests --out $OUT/kernels
-CPU dry run of every code path (Triton interpreter, tiny grid):  python eval/bench_kernels.py --smoke --out /tmp/b
+Usage on the H200 (eval/device/device_env.sh makes `sparsify.kernels` importable):
+  cd repo && source eval/device/device_env.sh
+  PYTHONPATH=$PWD PYTHONUNBUFFERED=1 python eval/bench/bench_kernels.py --tests --out $OUT/kernels
+CPU dry run of every code path (Triton interpreter, tiny grid):  python eval/bench/bench_kernels.py --smoke --out /tmp/b
 
 What runs:
   --tests  pytest -m gpu tests/kernels first (time-limited; a failure does not stop the bench).
@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from sparsify.kernels import twell_updown as tu  # noqa: E402  (K2 and twell_ffn_triton)

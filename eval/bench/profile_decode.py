@@ -1,7 +1,7 @@
 """Where one decode step's GPU time goes: CUDA-event time of the captured greedy step (graph replay) and a
 torch.profiler table of the same step run eagerly, per FFN variant of a sparsify folder (CUDA only).
 
-    PYTHONPATH=. python eval/profile_decode.py FOLDER [--batch 1] [--prompt 512] [--rows 12] [--[no-]compile]
+    PYTHONPATH=. python eval/bench/profile_decode.py FOLDER [--batch 1] [--prompt 512] [--rows 12] [--[no-]compile]
 
 --compile / --no-compile: the step through torch.compile before capture or not (default: the folder's
 setting, compiled unless its config says otherwise). With compile on, each layer's "FFN path at capture"
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from sparsify.evaluation.loading import installed_modeling, load_model, parse_models  # noqa: E402
 from sparsify.kernels import fast_decode  # noqa: E402

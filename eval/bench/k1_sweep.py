@@ -1,10 +1,10 @@
 """K1 sweep: the round-6 gate kernel (`_k1_r6`) over block shapes, against the cuBLAS gate GEMM and
 round 5's K1 (r5, r6's fallback), timed interleaved in one run.
 
-Usage on the H200 (eval/device_env.sh makes `sparsify.kernels` importable):
-  cd repo && source eval/device_env.sh
-  PYTHONPATH=$PWD python eval/k1_sweep.py --out $OUT/k1
-CPU dry run (Triton interpreter, tiny shapes):  python eval/k1_sweep.py --smoke --out /tmp/k1
+Usage on the H200 (eval/device/device_env.sh makes `sparsify.kernels` importable):
+  cd repo && source eval/device/device_env.sh
+  PYTHONPATH=$PWD python eval/bench/k1_sweep.py --out $OUT/k1
+CPU dry run (Triton interpreter, tiny shapes):  python eval/bench/k1_sweep.py --smoke --out /tmp/k1
 
 Per case (skewed pattern, bf16; honest sparsity as in bench_kernels.py) it
   1. checks every config packs what the r5 K1 packs (counts and columns equal, values within one 16-bit
@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "eval"))
+sys.path.insert(0, str(ROOT / "eval" / "bench"))
 
 from sparsify.kernels import twell_updown as tu  # noqa: E402  (K2 and twell_ffn_triton)
 

@@ -1,16 +1,16 @@
 """Decode FFN benchmark (M = 1..32 rows): the TwELL decode path (K1 + split or chunked K2) against dense cuBLAS.
 
-Usage on the H200 (eval/device_env.sh makes `sparsify.kernels` importable):
-  cd repo && source eval/device_env.sh
-  PYTHONPATH=$PWD PYTHONUNBUFFERED=1 python eval/bench_decode.py --out $OUT/decode   (~3.5 min)
+Usage on the H200 (eval/device/device_env.sh makes `sparsify.kernels` importable):
+  cd repo && source eval/device/device_env.sh
+  PYTHONPATH=$PWD PYTHONUNBUFFERED=1 python eval/bench/bench_decode.py --out $OUT/decode   (~3.5 min)
 Registers and spills of the sm_90 builds of the two decode K2s (no GPU needed: Triton compiles for sm_90
 and ptxas -v reports; run it on the H200 too for its Triton version):
-  python eval/bench_decode.py --compile-report --out /tmp/dec
+  python eval/bench/bench_decode.py --compile-report --out /tmp/dec
 CPU dry run of every code path (Triton interpreter, tiny shape, fp32, eager timing):
-  TRITON_INTERPRET=1 python eval/bench_decode.py --smoke --out /tmp/dec
+  TRITON_INTERPRET=1 python eval/bench/bench_decode.py --smoke --out /tmp/dec
 
 Grid: d x F in {576x1536, 2048x8192, 4096x14336, 8192x28672}, M in {1, 2, 4, 8, 16, 32}, zeros 0.85 /
-0.90 / 0.95 / 0.99, skewed pattern with honest sparsity (eval/bench_kernels.py: make_layer + set_sparsity),
+0.90 / 0.95 / 0.99, skewed pattern with honest sparsity (eval/bench/bench_kernels.py: make_layer + set_sparsity),
 bf16. Per case:
   1. correctness of every function against ffn_dense on the fp32-upcast tensors: rel err = max |err| /
      max |ref|, which must be <= 2 x the plain bf16 dense FFN's rel err + 1e-3 (the tests' bf16 rule);
@@ -28,7 +28,7 @@ bf16. Per case:
   3. measured zeros and the union U of neurons active in some row.
 --sweep-chunked: updown_decode_chunked's E, d chunk, warps and SPLIT on six cases at 90% zeros, beside dense
 and the split K2. --no-grid runs only the sweep:
-  PYTHONPATH=$PWD python eval/bench_decode.py --no-grid --sweep-chunked --out $OUT/chunked
+  PYTHONPATH=$PWD python eval/bench/bench_decode.py --no-grid --sweep-chunked --out $OUT/chunked
 --sweep-k1: where the decode FFN's time goes at 95.7% zeros (M = 1 on the three large shapes, M = 8 at
 4096 x 14336). Beside dense, each case times the parts alone ("part:" names: no output check, they are not
 FFNs): the cuBLAS gate GEMV on the same W_gate (F.linear, the rate K1 could reach: both read all of W_gate),
@@ -36,10 +36,10 @@ the decode K1 (gate_pack with decode tiles) under K1_DECODE's block shapes, warp
 GEMV-shaped K1, variant "gemv", at M = 1), and the chunked
 K2 on a packed input; then the whole FFN with each K1 config (that K1 + the chunked K2). The table line per
 case gives every K1 config's rate as cuBLAS gate GEMV time / K1 time:
-  PYTHONPATH=$PWD python eval/bench_decode.py --no-grid --sweep-k1 --out $OUT/k1dec
+  PYTHONPATH=$PWD python eval/bench/bench_decode.py --no-grid --sweep-k1 --out $OUT/k1dec
 --sweep-fused: twell_ffn_decode_fused (K1's GEMV and K2 in one launch) under FUSED's launch configs at M = 1 on
 the three large shapes, 95.7% zeros, beside the routed K1 + K2 and the cuBLAS gate GEMV alone:
-  PYTHONPATH=$PWD python eval/bench_decode.py --no-grid --sweep-fused --out $OUT/fused
+  PYTHONPATH=$PWD python eval/bench/bench_decode.py --no-grid --sweep-fused --out $OUT/fused
 Writes DIR/decode-bench.json and DIR/decode-bench.md; prints the ratio tables last.
 """
 
@@ -58,9 +58,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "eval"))
+sys.path.insert(0, str(ROOT / "eval" / "bench"))
 
 from sparsify.kernels import twell_updown as tu  # noqa: E402  (K2 and twell_ffn_triton)
 

@@ -3,7 +3,7 @@
 density refresh: the FFN runtime's grants), and "auto" without grants (`ffn_runtime.grants = False`: every call
 through the kernels' entry and the dispatcher's lookup), timed side by side in one run.
 
-    python eval/bench_auto_overhead.py MODEL_FOLDER... [--batch 1] [--prompt 512] [--rounds 7] [--out DIR]
+    python eval/bench/bench_auto_overhead.py MODEL_FOLDER... [--batch 1] [--prompt 512] [--rounds 7] [--out DIR]
 
 Per model: the prefill forward of a [batch, prompt] prompt (no cache), and one decode step (a 1-token forward
 on a cache holding the prompt, cropped back after each call). Each round times every variant once as a loop of

@@ -1,12 +1,12 @@
 """Benchmark: training FFN with packed saved activations (kernels/twell_train.py) against dense autograd.
 
-On the H200 (eval/device_env.sh makes `sparsify.kernels` importable):
-  cd repo && source eval/device_env.sh
-  PYTHONPATH=$PWD PYTHONUNBUFFERED=1 python eval/bench_train_ffn.py --tests --out $OUT/train-ffn.json
+On the H200 (eval/device/device_env.sh makes `sparsify.kernels` importable):
+  cd repo && source eval/device/device_env.sh
+  PYTHONPATH=$PWD PYTHONUNBUFFERED=1 python eval/bench/bench_train_ffn.py --tests --out $OUT/train-ffn.json
   (--tests: the GPU tests of tests/test_train_kernels.py first, results in the JSON; --part op / --part model
   run one half; --no-sweep skips the kernel block sweep)
 CPU dry run of every code path (Triton interpreter, fp32, tiny shapes):
-  python eval/bench_train_ffn.py --smoke --out /tmp/b.json
+  python eval/bench/bench_train_ffn.py --smoke --out /tmp/b.json
 
 Part "op": one FFN layer, d x F in {576x1536, 2048x8192}, M = 16384 tokens, bf16 (x and weights bf16 leaves),
 zeros in --zeros with a skewed pattern: per-neuron firing rates log-normal (sparsify.folder.synth.neuron_rates, sigma
@@ -47,7 +47,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 if "--smoke" in sys.argv and shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
@@ -55,7 +55,7 @@ if "--smoke" in sys.argv and shutil.which("nvidia-smi") is None:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import bench_kernels as _kernel_bench  # noqa: E402  (eval/, this script's folder, is on sys.path)
+import bench_kernels as _kernel_bench  # noqa: E402  (eval/bench/, this script's folder, is on sys.path)
 
 SHAPES = "576x1536,2048x8192"
 ZEROS = "0.5,0.75,0.9,0.99"
@@ -68,7 +68,7 @@ TINY = {**SMOLLM2_135M, "hidden_size": 64, "intermediate_size": 192, "num_hidden
 
 
 # --------------------------------------------------------------------------------------------------- timing
-Clock = _kernel_bench.Clock  # eval/bench_kernels.py's: CUDA events on GPU (loop_ms), perf_counter on CPU
+Clock = _kernel_bench.Clock  # eval/bench/bench_kernels.py's: CUDA events on GPU (loop_ms), perf_counter on CPU
 
 
 def _gpu_loop():
