@@ -64,7 +64,8 @@ sys.path.insert(0, str(ROOT / "eval" / "bench"))
 
 from sparsify.kernels import twell_updown as tu  # noqa: E402  (K2 and twell_ffn_triton)
 
-from bench_kernels import as_graph, env_info, make_layer, med, print_tables, set_sparsity  # noqa: E402
+from bench_kernels import as_graph, env_info, make_layer, print_tables, set_sparsity  # noqa: E402
+from timing import loop_ms, med, paired, rounds_of  # noqa: E402
 
 SHAPES = [(576, 1536), (2048, 8192), (4096, 14336), (8192, 28672)]
 MS = [1, 2, 4, 8, 16, 32]
@@ -137,46 +138,28 @@ def check(fns: dict, ref: torch.Tensor, row: dict) -> dict:
 # ------------------------------------------------------------------------------------------- timing
 def time_graphs(fns: dict, budget_ms: float, errors: dict, max_rounds: int = 60) -> tuple[dict, dict]:
     """{name: [ms per call, one per round]} of CUDA-graph replays in interleaved rounds; {name: calls}."""
-    from sparsify.kernels.dispatch import loop_ms  # CUDA events around n back-to-back calls
     graphs, calls, reps = {}, {}, {}
     for k, fn in fns.items():
         try:
-            est = max(loop_ms(fn, 3), 1e-3)  # eager: launch overhead included, so calls err low
+            est = max(loop_ms(fn, 3, True), 1e-3)  # eager: launch overhead included, so calls err low
             calls[k] = max(2, min(MAX_CALLS, int(GRAPH_MS / est)))
             graphs[k] = as_graph(fn, calls[k])
-            one = max(loop_ms(graphs[k].replay, 1), 1e-3)
+            one = max(loop_ms(graphs[k].replay, 1, True), 1e-3)
             reps[k] = max(1, min(8, math.ceil(1.0 / one)))  # >= ~1 ms per measurement: a replay's launch gap < 1%
         except Exception as e:  # noqa: BLE001 - one function failing must not lose the case
             errors[k] = f"{type(e).__name__}: {e}"[:300]
     if not graphs:
         return {}, calls
-    round_ms = sum(reps[k] * loop_ms(g.replay, 1) for k, g in graphs.items())
+    round_ms = sum(reps[k] * loop_ms(g.replay, 1, True) for k, g in graphs.items())
     rounds = int(max(5, min(max_rounds, budget_ms / max(round_ms, 1e-3))))
-    names = list(graphs)
-    out = {k: [] for k in names}
-    for r in range(rounds):
-        for i in range(len(names)):
-            k = names[(i + r) % len(names)]
-            out[k].append(loop_ms(graphs[k].replay, reps[k]) / calls[k])
+    out = rounds_of({k: (lambda k=k: loop_ms(graphs[k].replay, reps[k], True) / calls[k]) for k in graphs}, rounds)
     del graphs
     return out, calls
 
 
 def time_eager(fns: dict, rounds: int = 2) -> dict:
-    """CPU (interpreter) stand-in: perf_counter per call, interleaved."""
-    out = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            out[k].append((time.perf_counter() - t0) * 1e3)
-    return out
-
-
-def paired(t: dict, num: str, den: str) -> float | None:
-    if num not in t or den not in t or not t[num] or not t[den]:
-        return None
-    return med([a / b for a, b in zip(t[num], t[den])])
+    """CPU (interpreter) stand-in: the wall clock per call, interleaved."""
+    return rounds_of({k: (lambda fn=fn: loop_ms(fn, 1, False)) for k, fn in fns.items()}, rounds)
 
 
 # --------------------------------------------------------------------------------------------- cases

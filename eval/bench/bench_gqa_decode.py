@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from timing import loop_ms  # eval/bench/timing.py (this script's folder is on sys.path)
+
 # what --overwrite may replace: this script's own results folder (or an empty one)
 RESULTS = ("this script's results folder (gqa-decode.json)", lambda d: (d / "gqa-decode.json").is_file())
 
@@ -145,10 +147,7 @@ def step_table(shape: str, layers: int | None, batches: list[int], prompt: int, 
 
 
 def _cpu_ms(graph, n: int = 3) -> float:
-    t0 = time.perf_counter()
-    for _ in range(n):
-        graph.replay()
-    return (time.perf_counter() - t0) / n * 1e3
+    return loop_ms(graph.replay, n, False)
 
 
 def main(argv=None) -> int:

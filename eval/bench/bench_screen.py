@@ -232,7 +232,8 @@ def cuda_mode(shapes, ms, budget_s: float, sweep: bool = True, smoke: bool = Fal
     """Per (shape, M): dense, today's twell and every screened variant (its default launch and, with sweep, the
     SWEEP configs) checked against the fp32 reference, then timed side by side under CUDA graphs (smoke: the
     interpreter on CPU, fp32, eager timing: the code path only)."""
-    from bench_decode import check, paired, time_eager, time_graphs
+    from bench_decode import check, time_eager, time_graphs
+    from timing import paired
 
     from sparsify.kernels import twell_updown as tu
     from sparsify.kernels.twell_reference import ffn_dense

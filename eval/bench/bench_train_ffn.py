@@ -40,7 +40,6 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,7 +54,8 @@ if "--smoke" in sys.argv and shutil.which("nvidia-smi") is None:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import bench_kernels as _kernel_bench  # noqa: E402  (eval/bench/, this script's folder, is on sys.path)
+from bench_kernels import git_commit  # noqa: E402  (eval/bench/, this script's folder, is on sys.path)
+from timing import Clock, interleaved, med, paired  # noqa: E402
 
 SHAPES = "576x1536,2048x8192"
 ZEROS = "0.5,0.75,0.9,0.99"
@@ -68,41 +68,8 @@ TINY = {**SMOLLM2_135M, "hidden_size": 64, "intermediate_size": 192, "num_hidden
 
 
 # --------------------------------------------------------------------------------------------------- timing
-Clock = _kernel_bench.Clock  # eval/bench/bench_kernels.py's: CUDA events on GPU (loop_ms), perf_counter on CPU
-
-
-def _gpu_loop():
-    from sparsify.kernels.dispatch import loop_ms
-
-    return loop_ms
-
-
-def interleaved(fns: dict, clock: Clock, rounds: int, target_ms: float, errors: dict) -> dict:
-    """{name: [ms per call, one per round]}: every round times each fn once (a loop of n calls making about
-    target_ms), in a rotating order. A fn failing at warm-up is dropped and its error kept."""
-    calls = {}
-    for name, fn in list(fns.items()):
-        try:
-            fn()
-            fn()  # warm: compile, allocator
-            clock.sync()
-            calls[name] = max(1, min(50, round(target_ms / max(clock.loop_ms(fn, 1), 1e-3))))
-        except Exception as e:  # noqa: BLE001 - keep timing the others
-            errors[name] = f"{type(e).__name__}: {e}"[:500]
-            fns.pop(name)
-    names = list(fns)
-    out = {k: [] for k in names}
-    for r in range(rounds):
-        for i in range(len(names)):
-            k = names[(i + r) % len(names)]
-            out[k].append(clock.loop_ms(fns[k], calls[k]))
-    return out
-
-
-def paired(t: dict, num: str, den: str) -> float | None:
-    if num not in t or den not in t:
-        return None
-    return statistics.median(a / b for a, b in zip(t[num], t[den]))
+# timing.interleaved's measurement here: two warm calls (compile, allocator), loops of ~--target-ms, <= 50 calls
+TIMING = dict(max_calls=50, warm=2)
 
 
 def peak_mb(fn, cuda: bool) -> float | None:
@@ -126,7 +93,7 @@ def env_info() -> dict:
         triton_version = None
     import transformers
 
-    commit = _kernel_bench.git_commit()
+    commit = git_commit()
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (Triton interpreter)"
     return {"gpu": gpu, "torch": torch.__version__, "triton": triton_version, "transformers": transformers.__version__,
             "python": platform.python_version(), "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -199,8 +166,8 @@ def op_case(d, f, m, zeros, args, ctx) -> dict:
     if ctx["compiled"] is not None:
         fns["dense_compiled"] = step_fn(ctx["compiled"], x, weights, dy, coef)
     errors: dict = {}
-    t = interleaved(fns, clock, args.rounds, args.target_ms, errors)
-    row.update({f"{k}_ms": statistics.median(v) for k, v in t.items()})
+    t = interleaved(fns, clock, errors, rounds=args.rounds, target_ms=args.target_ms, **TIMING)
+    row.update({f"{k}_ms": med(v) for k, v in t.items()})
     for base in ("dense", "dense_compiled", "dense_ffn"):
         r = paired(t, "packed", base)
         if r is not None:
@@ -293,8 +260,9 @@ def sweep(args, ctx) -> dict:
                 target.update(cfg)
                 return step()
             fns[name] = run
-        t = interleaved(fns, ctx["clock"], max(3, args.rounds // 2), args.target_ms, errors)
-        ranked = sorted((statistics.median(v), k) for k, v in t.items())
+        t = interleaved(fns, ctx["clock"], errors, rounds=max(3, args.rounds // 2), target_ms=args.target_ms,
+                        **TIMING)
+        ranked = sorted((med(v), k) for k, v in t.items())
         result[which] = [{"config": json.loads(k), "ms": ms} for ms, k in ranked]
         if errors:
             result[f"{which}_errors"] = errors
@@ -406,7 +374,7 @@ def train_variant(folder: Path, mode: str, args, ctx) -> dict:
         times.append(clock.loop_ms(lambda: step(args.warm + i), 1))
     if cuda:
         peak = torch.cuda.max_memory_allocated() / 2**30
-    ms = statistics.median(times)
+    ms = med(times)
     row = {"part": "model", "mode": mode, "tokens_per_s": args.batch * args.seq / ms * 1e3, "step_ms": ms,
            "peak_gb": peak, "loss_first": losses[0], "loss_warm_last": losses[-1],
            "zeros_mean": sum(zeros) / len(zeros), "zeros_min": min(zeros), "packed_layers": len(packed.packed_layers),
@@ -541,7 +509,7 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     args.warm = max(1, args.warm)
     ctx = {"cuda": cuda, "device": torch.device("cuda" if cuda else "cpu"),
-           "dtype": torch.bfloat16 if cuda else torch.float32, "clock": Clock(cuda, _gpu_loop() if cuda else None)}
+           "dtype": torch.bfloat16 if cuda else torch.float32, "clock": Clock(cuda)}
     report = {"env": env_info(), "args": vars(args), "rows": []}
     tic = time.perf_counter()
     if args.tests:

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from sparsify.evaluation.loading import installed_modeling, load_model, parse_models  # noqa: E402
 from sparsify.kernels import fast_decode  # noqa: E402
+from timing import loop_ms  # noqa: E402  (eval/bench/timing.py: this script's folder is on sys.path)
 
 
 def main() -> None:
@@ -44,15 +45,9 @@ def main() -> None:
         fast.drop_graphs()  # each variant captures its own step
         model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)
         loop = next(iter(fast._loops.values()))
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         for _ in range(10):
             loop.graph.replay()
-        a.record()
-        for _ in range(100):
-            loop.graph.replay()
-        b.record()
-        b.synchronize()
-        print(f"{variant}: graph replay {a.elapsed_time(b) / 100:.3f} ms per decode step "
+        print(f"{variant}: graph replay {loop_ms(loop.graph.replay, 100, True):.3f} ms per decode step "
               f"(batch {args.batch}, cache {fast.cache_key}, compiled {fast.compile})")
         paths = [m.last_path for m in model.modules() if hasattr(m, "last_path")]
         print(f"{variant}: FFN path per layer at capture {paths}; step checks {fast.step_checks}")

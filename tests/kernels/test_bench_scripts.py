@@ -16,6 +16,29 @@ from sparsify.kernels import twell_reference as ref
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def test_paired_timing_rotates_the_order_and_pairs_rounds():
+    """eval/bench/timing.py, the one timing helper of the benchmarks: each round measures every function once, the
+    first one rotating; a ratio is the median of the same round's ratios; a function failing at warm-up is dropped
+    with its error kept; a CUDA graph standing for n calls is divided by n."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("timing", ROOT / "eval" / "bench" / "timing.py")
+    timing = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(timing)
+    order = []
+    t = timing.rounds_of({k: (lambda k=k: order.append(k) or float(len(order))) for k in "abc"}, 3)
+    assert "".join(order) == "abcbcacab" and t["a"] == [1.0, 6.0, 8.0]
+    assert timing.paired({"x": [2, 4, 6], "y": [1, 1, 2]}, "x", "y") == 3  # median of 2, 4, 3; not 4 / 1
+    assert timing.paired({"x": [1.0]}, "x", "y") is None
+
+    def broken():
+        raise RuntimeError("no kernel")
+
+    errors, fns = {}, {"ok": lambda: None, "broken": broken}
+    t = timing.interleaved(fns, timing.Clock(False), errors, rounds=2, per_call={"ok": 4})
+    assert set(t) == {"ok"} and len(t["ok"]) == 2 and "no kernel" in errors["broken"]
+
+
 def test_bench_decode_smoke_on_cpu(tmp_path):
     """eval/bench/bench_decode.py's code paths (case builder, correctness gate, timing, JSON + tables) on a tiny
     shape in the interpreter."""
