@@ -52,7 +52,7 @@ _SAMPLE_NEUTRAL = MappingProxyType({  # sampling warpers the sampling loop serve
 # under transformers' "sdpa" copies the whole KV cache to the query heads' count every step (repeat_kv; transformers
 # >= 5.2x folds the query instead, but not under torch.compile, which is how decode steps run here). Measured on
 # an H200 (SmolLM2-135M shape, batch 1024, 512 cached positions): repeat_kv + SDPA 1.63 ms per layer, the folded
-# query 0.22 ms, SDPA's enable_gqa 0.12 ms; the copies were 76% of the step (eval/bench_gqa_decode.py).
+# query 0.22 ms, SDPA's enable_gqa 0.12 ms; the copies were 76% of the step (eval/bench/bench_gqa_decode.py).
 DECODE_SDPA = "sparsify_decode_sdpa"
 GQA_DECODE = "fold"  # "fold": queries [B, Hq, 1, D] as [B, Hkv, Hq/Hkv, D] (any SDPA kernel); "enable_gqa": SDPA's own;
 # "crop": decode_attention.py's kernel, which reads only the cache blocks the mask keeps (else enable_gqa)

@@ -66,7 +66,7 @@ same order: the kernels here mirror `_k1_gate_pack` (M > 1) and `_k1_gemv` (M = 
 How tight: for Gaussian weights and inputs the Cauchy-Schwarz radius is ~ (s / sqrt(12)) sqrt(d) ||x|| against a
 gate spread ||w|| ||x|| / sqrt(d): their ratio is ~ 0.009 sqrt(d) for per-row int8 absmax (0.4 at d = 2048, 0.8
 at d = 8192) and ~4x that for e4m3. A weight outlier (the synth bias channel) blows up the per-row absmax scale:
-hold such channels exactly (`exact_cols`, `outlier_columns`) or use groups. eval/bench_screen.py measures the
+hold such channels exactly (`exact_cols`, `outlier_columns`) or use groups. eval/bench/bench_screen.py measures the
 pass fraction against the active fraction.
 
 Memory (`ScreenWeights.nbytes`): the copy is F d bytes (half of bf16 W_gate), + 12 bytes per (row, group)
@@ -584,7 +584,7 @@ if HAS_TRITON:
                      ENT, HAS_THETA, RND)
 
 
-# The screened K1's launch parameters (gate_pack_screened's overrides; eval/bench_screen.py --cuda sweeps them):
+# The screened K1's launch parameters (gate_pack_screened's overrides; eval/bench/bench_screen.py --cuda sweeps them):
 # BK1 phase-1 columns per step (per-row screens; grouped: the group), BK2 phase-2 columns per step, CP passed
 # rows (M = 1) / columns (M > 1, >= 16; T: masked, no gather) per phase-2 chunk, CVT int8 conversion (1: integer
 # trick, 0: cast), num_warps, num_stages. The defaults keep the exact gates bitwise those of today's decode K1

@@ -153,7 +153,7 @@ def _print_summary(report: dict, report_dir: Path, ft_dir: Path) -> None:
     print(f"\nFine-tuned model: {ft_dir / 'model'} (load it with from_pretrained, see the README; "
           f"`sparsify push {ft_dir / 'model'} --repo-id ME/NAME --dry-run` shows what would be uploaded).")
     print(f"Full report: {report_dir / 'report.md'} (and report.json, plots). The bare swap breaks the model; "
-          "the L1 fine-tune recovers it while raising sparsity. Real runs: recipes/ and eval/h200_finetune.sh.")
+          "the L1 fine-tune recovers it while raising sparsity. Real runs: recipes/ and eval/device/h200_finetune.sh.")
 
 
 def _validation_log(ft_dir: Path) -> str:

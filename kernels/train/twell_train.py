@@ -11,7 +11,7 @@ Weights in nn.Linear layout: w_gate, w_up [F, d], w_down [d, F].
     sparse_ffn_train(x, w_gate, w_up, w_down, normalization=, capacity=, threshold=) -> (y, l1, nnz, fired)
 
 y = relu(x Wg^T) * (x Wu^T) Wd^T, l1 = sum|h| / M ("sum_hidden": sum over F, mean over tokens, the paper's
-code and SparsityProbe's default) or mean|h| ("mean"), nnz = count of h != 0, fired [F] bool = neuron j had
+code and sparsity.normalization's default) or mean|h| ("mean"), nnz = count of h != 0, fired [F] bool = neuron j had
 h != 0 in some row. The gradient of l1 (whatever coefficient multiplies it outside, per layer or global)
 is folded into dh at the active slots: dh += dl1 / M * sign(h).
 
@@ -100,7 +100,7 @@ WORD = 32  # mask bits per int32 word
 SPILL_DIV = 32
 SPILL_MIN = 16
 # Kernel blocks (rows x columns per step of the sweep; BF a multiple of 32: whole mask words): the fastest of
-# eval/bench_train_ffn.py's sweep (kernels/NOTES.md, "Training kernels")
+# eval/bench/bench_train_ffn.py's sweep (kernels/NOTES.md, "Training kernels")
 FWD_CONFIG = {"BM": 32, "BF": 128, "num_warps": 4}
 BWD_CONFIG = {"BM": 32, "BF": 64, "num_warps": 4}
 # The recompute GEMM of rows beyond the side buffer (rare: a correctness path, not tuned)
@@ -612,7 +612,7 @@ def sparse_ffn_train(
     Args:
         x: [..., d] (bf16/fp16/fp32; under autocast it and the weights are cast like F.linear casts them).
         w_gate, w_up: [F, d]; w_down: [d, F] (nn.Linear weights, no bias).
-        normalization: "sum_hidden" (l1 = sum |h| / tokens) or "mean" (l1 = mean |h|), as SparsityProbe.
+        normalization: "sum_hidden" (l1 = sum |h| / tokens) or "mean" (l1 = mean |h|), as sparsity.normalization.
         capacity: packed values kept per row (C); rows with more active slots overflow (lossless, slower
             and larger). None: default_capacity(F) = F / 4. Pick ~1.25x the per-row p99 of active slots.
         spill_rows: rows of the dense side buffer for overflowing rows (R); None: max(16, M / 32). Rows
@@ -652,7 +652,7 @@ def sparse_ffn_train(
 
 def ffn_train_reference(x, w_gate, w_up, w_down, normalization: str = "sum_hidden", threshold=None):
     """The dense expression under plain autograd (the oracle of the tests and the benchmark's baseline):
-    (y, l1, nnz, fired) computed as SparsityProbe computes them from h; threshold: theta [F] or None (relu)."""
+    (y, l1, nnz, fired) computed as the training MLP computes them from h; threshold: theta [F] or None (relu)."""
     h = threshold_act(F.linear(x, w_gate), threshold) * F.linear(x, w_up)  # [..., F]
     a = h.abs()
     l1 = a.float().sum(-1).mean() if normalization == "sum_hidden" else a.float().mean()

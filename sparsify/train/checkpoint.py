@@ -43,7 +43,7 @@ def full_state(run: Run) -> tuple[dict, dict]:
     """Full (unsharded) model and optimizer state dicts on the CPU; collective under FSDP."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    return get_state_dict(run.model, run.opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return get_state_dict(run.student, run.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def save_checkpoint(run: Run, out: Path) -> Path:
@@ -59,10 +59,10 @@ def save_checkpoint(run: Run, out: Path) -> Path:
     folder = out / "checkpoints" / f"step-{run.state.step:08d}"
     if run.dist.main:
         rng_tensors, rng_meta = _rng_state()
-        meta = {"format": CHECKPOINT_FORMAT, "state": asdict(run.state), "scheduler": run.sched.state_dict(),
-                "plateau": run.plateau.state_dict(), "l1_control": run.l1.state_dict(),
-                "threshold_control": run.threshold.state_dict(),
-                "train_kernels": run.ffn.state_dict(), "recipe": dump_recipe(run.recipe), "world": run.dist.world,
+        meta = {"format": CHECKPOINT_FORMAT, "state": asdict(run.state), "scheduler": run.schedule.state_dict(),
+                "plateau": run.plateau.state_dict(), "l1_control": run.l1_weights.state_dict(),
+                "threshold_control": run.thresholds.state_dict(),
+                "train_kernels": run.kernels.state_dict(), "recipe": dump_recipe(run.recipe), "world": run.dist.world,
                 "version": __version__, "rng": rng_meta}
         with atomic_dir(folder, overwrite=True, kind=None) as tmp:
             torch.save({"model": model_sd, "optimizer": optim_sd, "rng": rng_tensors}, tmp / "state.pt")
@@ -144,14 +144,14 @@ def load_checkpoint(run: Run, folder: Path) -> None:
     meta, blob = read_checkpoint_meta(folder), read_checkpoint_tensors(folder)
     # under FSDP each rank keeps its own shard of the full tensors
     opts = StateDictOptions(full_state_dict=True)
-    set_state_dict(run.model, run.opt, model_state_dict=blob["model"], optim_state_dict=blob["optimizer"], options=opts)
-    run.sched.load_state_dict(meta["scheduler"])
+    set_state_dict(run.student, run.optimizer, model_state_dict=blob["model"], optim_state_dict=blob["optimizer"], options=opts)
+    run.schedule.load_state_dict(meta["scheduler"])
     run.state = TrainState(**meta["state"])
     run.plateau.load_state_dict(meta["plateau"])
-    run.l1.load_state_dict(meta["l1_control"])
+    run.l1_weights.load_state_dict(meta["l1_control"])
     if "threshold_control" in meta:  # (absent from checkpoints of earlier versions: method l1)
-        run.threshold.load_state_dict(meta["threshold_control"])
-    run.ffn.load_state_dict(meta["train_kernels"])  # the same layers packed with the same capacities
+        run.thresholds.load_state_dict(meta["threshold_control"])
+    run.kernels.load_state_dict(meta["train_kernels"])  # the same layers packed with the same capacities
     _set_rng_state(blob["rng"], meta["rng"])
     # The final checkpoint records why the run ended; the resumed recipe may extend the budget or change the
     # plateau rule (RESUMABLE_KEYS), so decide again: the loop re-checks the budget, the plateau is asked here.

@@ -40,8 +40,8 @@ def export(run: Run, model_dir: Path, out: Path, tokenizer: Any, history: list[d
                                        "warmup_tokens": sp.warmup_tokens, "warmup_target": sp.warmup_target,
                                        "allocate": sp.allocate}
             if sp.allocate == "sensitivity":  # the per-layer targets the calibration chose, and their costs
-                provenance["threshold"] |= {"targets": [round(v, 5) for v in run.threshold.target.tolist()],
-                                            "costs": run.threshold.cost}
+                provenance["threshold"] |= {"targets": [round(v, 5) for v in run.thresholds.target.tolist()],
+                                            "costs": run.thresholds.cost}
         sparsity = {"step": run.state.step, "tokens": run.state.tokens, "per_layer": last.get("per_layer"),
                     "sparsity": last.get("sparsity"), "nonzeros": last.get("nonzeros"),
                     "evaluations": [h for h in history if "val_loss" in h]}
@@ -53,33 +53,27 @@ def export(run: Run, model_dir: Path, out: Path, tokenizer: Any, history: list[d
 
 
 def _take_thresholds(run: Run, model: torch.nn.Module) -> list[tuple[torch.nn.Module, torch.Tensor]]:
-    """(mlp, theta [F] float32 on the CPU) of every layer of a method-threshold run, each MLP's ThresholdReLU put
-    back to a plain ReLU (the folder's modeling code applies theta); [] for method l1."""
-    from transformers.activations import ACT2FN
-
+    """(mlp, theta [F] float32 on the CPU) of every layer of a method-threshold run, for the model's own MLP modules
+    (their plain ReLU: the folder's modeling code applies theta); [] for method l1."""
     from sparsify.families import mlp_modules
-    from sparsify.train.objective import ActivationBlend, ThresholdReLU
 
-    if run.threshold is None or not run.threshold.enabled:
+    if not run.thresholds.enabled:
         return []
-    if not run.threshold.calibrated:
+    if not run.thresholds.calibrated:
         raise RuntimeError("sparsity.method=threshold: the run ended before its thresholds were calibrated (the "
                            "budget ends inside sparsity.warmup_tokens)")
-    taken = []
-    for mlp, theta in zip(mlp_modules(model), run.threshold.thresholds()):
-        for name in ActivationBlend.ACT_NAMES:
-            if isinstance(getattr(mlp, name, None), ThresholdReLU):
-                setattr(mlp, name, ACT2FN["relu"])
-        taken.append((mlp, theta.detach().float().cpu().clone()))
-    return taken
+    return [(mlp, theta.detach().float().cpu().clone())
+            for mlp, theta in zip(mlp_modules(model), run.thresholds.thresholds())]
 
 
 def _plain_model(run: Run, model_dir: Path, model_sd: dict | None) -> torch.nn.Module:
-    """One whole model on rank 0: DDP replicas already are; FSDP shards are rebuilt from the gathered state
-    (FSDP excludes LoRA); LoRA adapters are merged into the weights."""
+    """One whole model on rank 0 with its own MLP modules: DDP replicas already are (their training MLPs are put
+    back); FSDP shards are rebuilt from the gathered state (FSDP excludes LoRA); LoRA adapters are merged into the
+    weights."""
     from transformers import AutoModelForCausalLM
 
-    model = run.model
+    run.mlps.restore()
+    model = run.student
     if model_sd is not None:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         training_only = (".act_fn.theta", ".act_fn.shape", ".activation_fn.theta", ".activation_fn.shape")

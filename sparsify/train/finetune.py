@@ -7,9 +7,11 @@ recipe's); the run ends at its step / token budget, or where sparsity plateaus.
 
 One loop, top to bottom (`finetune`): check the recipe (preflight), prepare the model (a SiLU source is
 converted first) and the data, optionally load the original dense model as distillation teacher, then per
-optimizer step: grad_accum micro-batches of cross-entropy + l1(step) * L1(h) + kd * KL(teacher || student),
-clip, AdamW, cosine schedule, dead-neuron re-init; log, evaluate, checkpoint; stop at the step/token budget or
-when sparsity plateaus; export the final model folder (convert format, recipe.yaml + sparsity.json inside).
+optimizer step (train/step.py train_step, where the loss is composed): grad_accum micro-batches of
+ce * cross-entropy + l1(step) * L1(h) + kd * KL(teacher || student) + mlp * MLP distance, the MLP terms from the
+training MLPs (train/mlp.py); clip, AdamW, cosine schedule, dead-neuron re-init; log, evaluate, checkpoint; stop at
+the step/token budget or when sparsity plateaus; export the final model folder (convert format, recipe.yaml +
+sparsity.json inside).
 SIGTERM (a scheduler's or `timeout`'s stop) or a first Ctrl-C ends the run at the next step with a checkpoint
 of that step, so `--resume` loses nothing; a second Ctrl-C interrupts at once.
 
@@ -50,13 +52,14 @@ from sparsify.train.data import TokenData, prepare_data
 from sparsify.train.distributed import Dist, RunStopped, StopRequest, init_distributed
 from sparsify.train.export import export
 from sparsify.train.metrics import MetricsLog, flops_per_token, plot, read_history, step_record
-from sparsify.train.model import (build_optimizer, load_student, load_teacher, source_activation, total_steps_of,
-                                  wrap_model)
-from sparsify.train.objective import (ActivationBlend, L1Control, MlpDistill, Plateau, SparsityProbe,
-                                      ThresholdControl, reinit_dead)
+from sparsify.train.mlp import TrainMLPs
+from sparsify.train.model import (DecayToStart, build_optimizer, load_student, load_teacher, source_activation,
+                                  total_steps_of, wrap_model)
+from sparsify.train.objective import L1Control, Plateau, SparsityCounts, ThresholdControl, reinit_dead
+from sparsify.train.packed_ffn import PackedFFN
 from sparsify.train.preflight import load_recipe, raise_problems, recipe_notes, recipe_problems
 from sparsify.train.profiling import StepProfiler
-from sparsify.train.step import Run, TrainState, evaluate_all, losses, train_step
+from sparsify.train.step import Run, evaluate_all, losses, train_step
 
 
 def finetune(recipe: Recipe, *, resume: bool = False, progress: bool = True, verbose: bool = True,
@@ -229,34 +232,33 @@ def _data(recipe: Recipe, tokenizer: Any, out: Path, dist: Dist, progress: bool,
 
 
 def _setup(recipe: Recipe, dist: Dist, model_dir: Path, data: TokenData) -> Run:
-    model = load_student(model_dir, recipe, dist)
-    wants_teacher = recipe.distill.kd > 0 or recipe.distill.mlp > 0
-    teacher = load_teacher(model_dir, dist, recipe.train.seq_len) if wants_teacher else None
-    if teacher is not None and recipe.train.compile and recipe.distill.kd > 0:
-        teacher.compile()  # (distill.mlp alone runs only the teacher's MLPs, from the student's hooks)
-    probe = SparsityProbe(model, recipe.sparsity.normalization)
-    threshold = ThresholdControl(model, recipe.sparsity, dist.device)  # (its activations: before the packed FFN)
-    from sparsify.train.packed_ffn import install_packed_ffn  # patches the MLPs before compile / DDP wrap them
-
-    ffn = install_packed_ffn(model, probe, recipe.train.kernels)
+    """The run's objects, in the order they depend on each other: the training MLPs go into the student before
+    compile / DDP wrap it, the optimizer's start weights are taken before a checkpoint is loaded."""
+    sp, d = recipe.sparsity, recipe.distill
     source = source_activation(model_dir)
-    if recipe.sparsity.blend_steps > 0 and source in (None, "relu"):
-        raise SparsifyError(f"sparsity.blend_steps={recipe.sparsity.blend_steps}: {model_dir} records no non-ReLU source "
+    if sp.blend_steps > 0 and source in (None, "relu"):
+        raise SparsifyError(f"sparsity.blend_steps={sp.blend_steps}: {model_dir} records no non-ReLU source "
                             "activation to blend from (config.json sparsify.source_activation); give the SiLU source "
                             "as model.source, or set sparsity.blend_steps=0.")
-    blend = ActivationBlend(model, source or "relu", recipe.sparsity.blend_steps, dist.device)
-    train_model = wrap_model(model, recipe, dist)
-    opt, sched = build_optimizer(model, recipe, total_steps_of(recipe, dist), dist)
-    sp = recipe.sparsity
-    plateau = Plateau(sp.plateau_tolerance, sp.plateau_window,
-                      after=max(sp.ramp_steps if sp.schedule == "ramp" else 0, sp.blend_steps))
-    loss_fn = torch.compile(losses) if recipe.train.compile else losses
+    student = load_student(model_dir, recipe, dist)
+    teacher = load_teacher(model_dir, dist, recipe.train.seq_len) if d.kd > 0 or d.mlp > 0 else None
+    if teacher is not None and recipe.train.compile and d.kd > 0:
+        teacher.compile()  # (distill.mlp alone runs only the teacher's MLPs, from the student's)
+    mlps = TrainMLPs(student, sp, source=source, teacher=teacher if d.mlp > 0 else None)
+    thresholds = ThresholdControl(mlps, sp, dist.device)
+    kernels = PackedFFN(mlps.layers, recipe.train.kernels)
+    wrapped = wrap_model(student, recipe, dist)
+    optimizer, schedule = build_optimizer(student, recipe, total_steps_of(recipe, dist), dist)
     # method threshold: the L1 warm-up's control (its own target, or fixed mode), stopped at the calibration
-    l1 = L1Control(dataclasses.replace(sp, target=sp.warmup_target) if threshold.enabled else sp, len(probe.mlps),
-                   dist.device)
-    mlp = MlpDistill(model, teacher) if recipe.distill.mlp > 0 else None
-    return Run(recipe, dist, model, train_model, teacher, probe, data, opt, sched, TrainState(), plateau, loss_fn, l1,
-               ffn, blend, model_dir, mlp=mlp, threshold=threshold)
+    l1 = dataclasses.replace(sp, target=sp.warmup_target) if thresholds.enabled else sp
+    return Run(recipe=recipe, dist=dist, data=data, model_dir=model_dir,
+               student=student, wrapped=wrapped, teacher=teacher, mlps=mlps,
+               logit_losses=torch.compile(losses) if recipe.train.compile else losses,
+               l1_weights=L1Control(l1, len(mlps.layers), dist.device), thresholds=thresholds,
+               counts=SparsityCounts(), kernels=kernels,
+               optimizer=optimizer, schedule=schedule, decay_to_start=DecayToStart.of(student, recipe),
+               plateau=Plateau(sp.plateau_tolerance, sp.plateau_window,
+                               after=max(sp.ramp_steps if sp.schedule == "ramp" else 0, sp.blend_steps)))
 
 
 def _loop(run: Run, log: MetricsLog, history: list[dict], progress: bool, stop: StopRequest | None = None) -> None:
@@ -266,7 +268,7 @@ def _loop(run: Run, log: MetricsLog, history: list[dict], progress: bool, stop: 
 
     t, out = run.recipe.train, Path(run.recipe.output.dir)
     total = total_steps_of(run.recipe, run.dist)
-    fpt = flops_per_token(run.model, t.seq_len)
+    fpt = flops_per_token(run.student, t.seq_len)
     if run.state.step == 0:
         evaluate_all(run, log, history, first=True)
     bar = tqdm(total=total, initial=run.state.step, unit="step", disable=not (progress and run.dist.main),
@@ -305,19 +307,19 @@ def _loop(run: Run, log: MetricsLog, history: list[dict], progress: bool, stop: 
 def _after_step(run: Run, logging_now: bool):
     """The step's sparsity statistics, when something needs them: dead-neuron re-init, the per-layer L1
     control, the packed-FFN decisions or the log. Returns them (None when nothing did)."""
-    if not (run.recipe.sparsity.reinit_dead or run.l1.adaptive or run.threshold.calibrated or logging_now):
-        run.probe.reset()
+    if not (run.recipe.sparsity.reinit_dead or run.l1_weights.adaptive or run.thresholds.calibrated or logging_now):
+        run.counts.reset()
         return None
-    stats = run.probe.step_stats(run.dist.reduce)
+    stats = run.counts.step_stats(run.dist.reduce)
     if run.recipe.sparsity.reinit_dead:
-        reinit_dead(run.model, stats.inactive, run.state.step, run.recipe.train.seed)
-    if not run.blend.active(run.state.step - 1):  # the blend's zeros say nothing about the targets
-        run.l1.update(stats, run.state.tokens)
-    run.threshold.update(stats, run.state.tokens)
+        reinit_dead(run.student, stats.inactive, run.state.step, run.recipe.train.seed)
+    if not run.mlps.blended(run.state.step - 1):  # the blend's zeros say nothing about the targets
+        run.l1_weights.update(stats, run.state.tokens)
+    run.thresholds.update(stats, run.state.tokens)
     if logging_now:
-        run.ffn.update(stats.zeros, stats.nonzeros)  # train.kernels: which layers pack, and their capacity
-        if run.ffn.changes and run.dist.main and run.verbose:
-            print(f"step {run.state.step}: train.kernels " + "; ".join(run.ffn.changes), file=sys.stderr)
+        run.kernels.update(stats.zeros, stats.nonzeros)  # train.kernels: which layers pack, and their capacity
+        if run.kernels.changes and run.dist.main and run.verbose:
+            print(f"step {run.state.step}: train.kernels " + "; ".join(run.kernels.changes), file=sys.stderr)
     return stats
 
 
@@ -327,10 +329,10 @@ def _log_step(run: Run, log: MetricsLog, history: list[dict], bar: Any, record: 
     history.append(record)
     line = (f"tok/s={record['tokens_per_s']:.3g} loss={record['loss']:.3f} l1={record['l1']:.3g} "
             f"zeros={record['sparsity']:.1%} nnz={record['nonzeros']:.0f}")
-    if run.l1.adaptive:  # the layer furthest below its target, and the coefficient range
+    if run.l1_weights.adaptive:  # the layer furthest below its target, and the coefficient range
         zeros, coef = record["per_layer"]["zeros"], record["per_layer"]["l1_coef"]
         line += f" min_zeros={min(zeros):.1%} coef={min(coef):.2g}..{max(coef):.2g}"
-    elif run.threshold.calibrated:  # method threshold: the layer furthest below its target, and theta's range
+    elif run.thresholds.calibrated:  # method threshold: the layer furthest below its target, and theta's range
         zeros, theta = record["per_layer"]["zeros"], record["per_layer"]["theta"]
         line += f" min_zeros={min(zeros):.1%} theta={min(theta):.2g}..{max(theta):.2g}"
     bar.set_postfix_str(line)

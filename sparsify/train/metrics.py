@@ -108,22 +108,22 @@ def step_record(run: Run, sums: dict, stats: StepStats, seconds: float, steps: i
     """One metrics.jsonl line: the last logged window's mean losses and the last step's sparsity."""
     t, dist = run.recipe.train, run.dist
     vals = {k: float(dist.reduce(v / steps, "sum")) / dist.world for k, v in sums.items()}
-    coefs = run.l1.coefficients(run.state.step - 1)  # the weights the last step used (target mode: the next's)
+    coefs = run.l1_weights.coefficients(run.state.step - 1)  # the weights the last step used (target mode: the next's)
     tokens_per_s = steps * t.batch_size * t.grad_accum * dist.world * t.seq_len / max(seconds, 1e-9)
     peak = peak_flops(dist.device)
     record = {"step": run.state.step, "tokens": run.state.tokens, **vals,
-              "l1_coef": coefs.mean().item(), "lr": run.sched.get_last_lr()[0],
+              "l1_coef": coefs.mean().item(), "lr": run.schedule.get_last_lr()[0],
               "sparsity": stats.sparsity, "nonzeros": stats.mean_nonzeros, "dead": sum(stats.dead),
               "tokens_per_s": tokens_per_s}
     if peak:
         record["mfu"] = tokens_per_s * fpt / (peak * dist.world)
     record["per_layer"] = {"zeros": stats.zeros, "nonzeros": stats.nonzeros, "dead": stats.dead,
                            "l1_coef": coefs.tolist()}
-    if run.threshold is not None and run.threshold.enabled:  # method threshold: each layer's theta_l (0 until calibrated)
-        record["per_layer"]["theta"] = run.threshold.theta()
-    if run.ffn.layers:  # train.kernels twell / auto: the path each layer takes from the next step on
-        record["per_layer"]["packed"] = [layer.packed for layer in run.ffn.layers]
-        record["per_layer"]["capacity"] = run.ffn.capacities
+    if run.thresholds.enabled:  # method threshold: each layer's theta_l (0 until calibrated)
+        record["per_layer"]["theta"] = run.thresholds.theta()
+    if run.kernels.layers:  # train.kernels twell / auto: the path each layer takes from the next step on
+        record["per_layer"]["packed"] = run.kernels.packed
+        record["per_layer"]["capacity"] = run.kernels.capacities
     return record
 
 

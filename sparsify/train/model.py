@@ -21,7 +21,7 @@ from sparsify.train.distributed import Dist
 
 # Training batches are packed windows without padding, so attention is plain causal. Under torch.compile
 # (torch < 2.14) transformers' "sdpa" materialises a [B, 1, T, T] mask and SDPA then computes every score; this
-# implementation is the same SDPA call with no mask, so SDPA runs is_causal=True (eval/bench_train.py
+# implementation is the same SDPA call with no mask, so SDPA runs is_causal=True (eval/bench/bench_train.py
 # measures the difference). Training only, and not for sliding-window layers (training_attention): exports keep "sdpa".
 CAUSAL_SDPA = "sparsify_causal_sdpa"
 
@@ -154,19 +154,16 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def build_optimizer(model: nn.Module, recipe: Recipe, total_steps: int, dist: Dist):
-    """AdamW (fused on CUDA) with decay on matrices only, towards zero or (train.weight_decay_to=start) towards the
-    weights as they are now, the run's start: call it before a checkpoint is loaded. Linear warm-up then cosine to
-    lr * min_lr_ratio."""
+    """AdamW (fused on CUDA) with decay on matrices only, towards zero (AdamW's own) or, with
+    train.weight_decay_to=start, none here: DecayToStart pulls them towards the run's start. Linear warm-up then
+    cosine to lr * min_lr_ratio."""
     t = recipe.train
     params = [p for p in model.parameters() if p.requires_grad]
-    matrices = [p for p in params if p.ndim >= 2]
     to_start = t.weight_decay_to == "start" and t.weight_decay > 0
-    groups = [{"params": matrices, "weight_decay": 0.0 if to_start else t.weight_decay},
+    groups = [{"params": _matrices(model), "weight_decay": 0.0 if to_start else t.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     fused = {"fused": True} if dist.device.type == "cuda" else {}
     opt = torch.optim.AdamW(groups, lr=t.lr, betas=tuple(t.betas), **fused)
-    if to_start:
-        opt.register_step_post_hook(_decay_to_start(matrices, t.weight_decay))
 
     def lr_factor(step: int) -> float:
         if step < t.warmup_steps:
@@ -177,19 +174,31 @@ def build_optimizer(model: nn.Module, recipe: Recipe, total_steps: int, dist: Di
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
 
 
-def _decay_to_start(matrices: list[nn.Parameter], weight_decay: float):
-    """An optimizer step post-hook: w <- w - lr * weight_decay * (w - w_start) on every matrix (decoupled, like
-    AdamW's own decay towards zero; lr is the step's, from the matrices' parameter group)."""
-    with torch.no_grad():
-        start = [p.detach().clone() for p in matrices]
+def _matrices(model: nn.Module) -> list[nn.Parameter]:
+    """The trained parameters that weight decay applies to: matrices, not biases or norms."""
+    return [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
 
-    def hook(opt: torch.optim.Optimizer, args, kwargs) -> None:
-        weight = opt.param_groups[0]["lr"] * weight_decay
+
+class DecayToStart:
+    """train.weight_decay_to=start: after each optimizer step, w <- w - lr * weight_decay * (w - w_start) on every
+    matrix (decoupled, like AdamW's own decay towards zero; lr is the step's). w_start: the weights as they are when
+    this is built, the run's start (build it before a checkpoint is loaded: a resumed run rebuilds the same start)."""
+
+    def __init__(self, model: nn.Module, weight_decay: float):
+        self.matrices, self.weight_decay = _matrices(model), weight_decay
         with torch.no_grad():
-            for p, p0 in zip(matrices, start):
-                p.lerp_(p0, weight)
+            self.start = [p.detach().clone() for p in self.matrices]
 
-    return hook
+    @classmethod
+    def of(cls, model: nn.Module, recipe: Recipe) -> DecayToStart | None:
+        """The recipe's, or None (weight_decay_to=zero, or no decay)."""
+        t = recipe.train
+        return cls(model, t.weight_decay) if t.weight_decay_to == "start" and t.weight_decay > 0 else None
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        for p, p0 in zip(self.matrices, self.start):
+            p.lerp_(p0, lr * self.weight_decay)
 
 
 def total_steps_of(recipe: Recipe, dist: Dist) -> int:

@@ -1,14 +1,11 @@
-"""The sparsity objective and its bookkeeping: L1 on h, per-layer statistics, plateau rule, dead-neuron re-init.
+"""The sparsity objective's bookkeeping: the step's sparsity statistics, the L1 coefficients (fixed or driven to
+a target), the thresholds and their controller, the plateau rule, dead-neuron re-init.
 
-h is the input of every MLP's down_proj, h = relu(gate) * up ([B, T, F]); a forward pre-hook captures it, so
-the same code serves stock and remote-code models, DDP, FSDP2 and torch.compile (the hook only appends to a
-list, which dynamo replays as a side effect). Per micro-batch and layer the hook keeps:
-  - the L1 term (a scalar with grad), normalised as the recipe says:
-      sum_hidden: sum over F, mean over tokens   (the paper's code; F times stronger at equal coefficient)
-      mean:       mean over tokens and F          (the paper's text)
-  - the count of non-zeros (a scalar, no grad),
-  - which neurons fired at least once ([F] bool, no grad): a neuron that fired in no micro-batch of the step
-    is "dead" for that step, counted in the stats and re-initialised when the recipe says so.
+The terms themselves come from the training-time MLPs (sparsify/train/mlp.py): each training forward returns,
+per layer, the L1 term of h, its count of non-zeros and the neurons that fired; the loop (train/step.py) weighs
+the L1 terms with L1Control's coefficients and adds the counts up here, in SparsityCounts, over the micro-batches of
+one optimizer step. A neuron that fired in no micro-batch of the step is "dead" for that step, counted in the stats
+and re-initialised when the recipe says so.
 """
 
 from __future__ import annotations
@@ -21,64 +18,22 @@ from torch import nn
 
 from sparsify.families import gate_weight, mlp_modules
 from sparsify.train.config import SparsitySection
+from sparsify.train.mlp import TrainMLPs
 
 
-class SparsityProbe:
-    """Forward pre-hooks on each down_proj; `take()` returns the L1 term of the last forward pass."""
+class SparsityCounts:
+    """The non-zeros of h and the neurons that fired, summed over the micro-batches of one optimizer step."""
 
-    def __init__(self, model: nn.Module, normalization: str):
-        self.mlps = mlp_modules(model)
-        self.normalization = normalization
-        self.recording = False  # between start() and take(): this micro-batch's forward
-        self.in_step = False  # between start() and the end of the step (backward may recompute forwards)
-        self.l1: list[torch.Tensor] = []  # per layer, this forward: scalar with grad
-        self.nnz: list[torch.Tensor] = []  # per layer, this forward: scalar count
-        self.fired: list[torch.Tensor] = []  # per layer, this forward: [F] bool
+    def __init__(self) -> None:
+        self.nonzeros: torch.Tensor | None = None  # [L] float64
+        self.active: torch.Tensor | None = None  # [L, F] bool, OR over the micro-batches
         self.tokens = 0
-        self.active: torch.Tensor | None = None  # [L, F] bool, OR over the micro-batches of this step
-        self.nnz_sum: torch.Tensor | None = None  # [L] float64, non-zeros summed over the step
-        self.token_sum = 0
-        for m in self.mlps:
-            m.down_proj.register_forward_pre_hook(self._hook)
 
-    def _hook(self, module: nn.Module, args: tuple) -> None:
-        # Evaluation (no grad, or outside a training step) is not recorded.
-        if not (self.in_step and torch.is_grad_enabled()):
-            return
-        h = args[0]  # [B, T, F]
-        a = h.abs()
-        l1 = a.float().sum(-1).mean() if self.normalization == "sum_hidden" else a.float().mean()
-        nz = h != 0  # [B, T, F]
-        # Gradient checkpointing re-runs this hook in backward: it must redo the same ops (non-reentrant
-        # checkpointing checks that recompute saves as many tensors as the forward) but keeps nothing.
-        self.record(l1, nz.sum(), nz.flatten(0, -2).any(0))
-
-    def record(self, l1: torch.Tensor, nnz: torch.Tensor, fired: torch.Tensor) -> None:
-        """One MLP's statistics of this forward, in layer order: the L1 term (a scalar with grad, normalised as
-        the recipe says), the count of non-zeros of h and which of its F neurons fired ([F] bool). The hook
-        calls it; an MLP whose forward does not call down_proj on h (a fused training kernel) calls it itself."""
-        if self.recording:
-            self.l1.append(l1)
-            self.nnz.append(nnz.detach())
-            self.fired.append(fired)
-
-    def start(self) -> None:
-        """Call before each training forward."""
-        self.l1, self.nnz, self.fired = [], [], []
-        self.recording = self.in_step = True
-
-    def take(self, tokens: int) -> torch.Tensor:
-        """Stops recording; folds this micro-batch into the step's stats; returns the L1 terms per layer ([L]);
-        the loss weighs them with the per-layer coefficients of L1Control."""
-        self.recording = False
-        if len(self.l1) != len(self.mlps):
-            raise RuntimeError(f"captured h from {len(self.l1)} of {len(self.mlps)} MLPs; is down_proj being called?")
-        nnz = torch.stack(self.nnz).double()  # [L]
-        fired = torch.stack(self.fired)  # [L, F]
-        self.nnz_sum = nnz if self.nnz_sum is None else self.nnz_sum + nnz
+    def add_forward(self, nonzeros: torch.Tensor, fired: torch.Tensor, tokens: int) -> None:
+        """One micro-batch: nonzeros [L] (float64), fired [L, F] bool, over `tokens` tokens."""
+        self.nonzeros = nonzeros if self.nonzeros is None else self.nonzeros + nonzeros
         self.active = fired if self.active is None else self.active | fired
-        self.token_sum += tokens
-        return torch.stack(self.l1)
+        self.tokens += tokens
 
     def step_stats(self, reduce=None) -> "StepStats":
         """Stats of the micro-batches since the last call (one optimizer step), on the device; resets them.
@@ -86,17 +41,16 @@ class SparsityProbe:
         `reduce(tensor, op)` all-reduces across processes ("sum" or "max") so every rank sees the same stats.
         No host sync here: reading a StepStats property does that, at logged steps only.
         """
-        nnz, active = self.nnz_sum, self.active.to(torch.uint8)  # [L], [L, F]
-        tokens = torch.full_like(nnz, float(self.token_sum))
+        nnz, active = self.nonzeros, self.active.to(torch.uint8)  # [L], [L, F]
+        tokens = torch.full_like(nnz, float(self.tokens))
         if reduce is not None:
             nnz, tokens, active = reduce(nnz, "sum"), reduce(tokens, "sum"), reduce(active, "max")
         self.reset()
         return StepStats(per_token=nnz / tokens, inactive=active == 0)
 
     def reset(self) -> None:
-        """Ends the step: drops its counters without reading them (no device sync)."""
-        self.nnz_sum, self.active, self.token_sum = None, None, 0
-        self.in_step = False
+        """Ends the step: drops its counts without reading them (no device sync)."""
+        self.nonzeros, self.active, self.tokens = None, None, 0
 
 
 @dataclass
@@ -226,40 +180,6 @@ class L1Control:
             self.start = torch.tensor(state["start"], dtype=torch.float32, device=self.log_coef.device)
 
 
-class ThresholdReLU(nn.Module):
-    """The MLP activation of sparsity.method=threshold: g * [g > theta] (ReLU while theta is 0).
-
-    theta [F] float32 = exp(log theta_l) * shape, both buffers (in checkpoints, so --resume is exact), moved in place
-    by ThresholdControl (torch.compile sees inputs that change, not constants). g is compared in the dtype it comes
-    in (bf16 under autocast) against theta in float32, as the shipped kernels compare it. `ste`: the gradient of
-    g under theta passes as ReLU's does (value r - stop_grad(r * cut) is r * [g > theta], its derivative [g > 0]).
-    """
-
-    def __init__(self, width: int, ste: bool, device: torch.device):
-        super().__init__()
-        self.ste = ste
-        self.register_buffer("theta", torch.zeros(width, device=device, dtype=torch.float32))
-        self.register_buffer("shape", torch.ones(width, device=device, dtype=torch.float32))
-        self.sample: torch.Tensor | None = None  # calibration: set to an empty tensor to collect g / shape
-
-    def forward(self, g: torch.Tensor) -> torch.Tensor:
-        if self.sample is not None:  # (calibration only: an eager, no-grad forward)
-            self.sample = torch.cat([self.sample, _subsample(g.detach().float() / self.shape, 1 << 20)])
-        r = torch.relu(g)
-        cut = g <= self.theta  # [..., F] (promoted: compared in float32, g exactly as it came)
-        return r - (r * cut).detach() if self.ste else r.masked_fill(cut, 0)
-
-
-def _subsample(v: torch.Tensor, n: int) -> torch.Tensor:
-    """At most n values of v, drawn uniformly at random (a fixed seed: the same batch gives the same sample). Not a
-    stride: one that divides F would sample the same few neurons of every token."""
-    flat = v.flatten()
-    if flat.numel() <= n:
-        return flat
-    gen = torch.Generator(device=flat.device).manual_seed(flat.numel())
-    return flat[torch.randint(0, flat.numel(), (n,), generator=gen, device=flat.device)]
-
-
 def allocate_zeros(cost: list[float], mean: float, low: float, high: float) -> list[float]:
     """Per-layer fractions of zeros with the given mean, each in [low, high], from each layer's measured cost c_l.
 
@@ -290,7 +210,7 @@ def allocate_zeros(cost: list[float], mean: float, low: float, high: float) -> l
 
 
 class ThresholdControl:
-    """sparsity.method=threshold: the ThresholdReLU of every MLP and the controller of their thresholds.
+    """sparsity.method=threshold: the controller of every training MLP's ThresholdReLU (mlp.py).
 
     Calibration (once, at the first step after sparsity.warmup_tokens): one eager, no-grad forward of a training
     batch records g / s_j per layer; theta_l is the quantile of those values at the layer's target, so every layer
@@ -303,10 +223,10 @@ class ThresholdControl:
 
     LOG_MIN, LOG_MAX = math.log(1e-6), math.log(1e3)
 
-    def __init__(self, model: nn.Module, cfg: SparsitySection, device: torch.device):
+    def __init__(self, mlps: TrainMLPs, cfg: SparsitySection, device: torch.device):
         self.cfg, self.enabled = cfg, cfg.method == "threshold"
-        self.mlps = mlp_modules(model) if self.enabled else []
-        self.acts = [self._install(m, device) for m in self.mlps]
+        self.mlps = mlps.layers if self.enabled else []
+        self.acts = [m.act for m in self.mlps]  # TrainMLPs made them ThresholdReLUs (sparsity.method=threshold)
         targets = layer_targets(cfg, len(self.mlps)) if self.enabled else None
         self.target = None if targets is None else torch.tensor(targets, device=device, dtype=torch.float32)
         self.start = self.target  # [L] the target at the calibration (the ramp's start; no ramp: the target)
@@ -317,14 +237,6 @@ class ThresholdControl:
         self.calibrated = False
         self.calibrated_at = 0  # training tokens at the calibration (where the ramp starts)
         self.cost: list[float] = []  # allocate=sensitivity: each layer's measured cost of zeros (allocate_zeros)
-
-    def _install(self, mlp: nn.Module, device: torch.device) -> ThresholdReLU:
-        name = next((n for n in ActivationBlend.ACT_NAMES if isinstance(getattr(mlp, n, None), nn.Module)), None)
-        if name is None:
-            raise ValueError(f"{type(mlp).__name__} has no act_fn / activation_fn module to threshold")
-        act = ThresholdReLU(gate_weight(mlp).shape[0], self.cfg.threshold_grad == "ste", device)
-        setattr(mlp, name, act)
-        return act
 
     def due(self, tokens: int) -> bool:
         """Whether the calibration happens before the step that starts after `tokens` training tokens."""
@@ -470,49 +382,6 @@ def _full(w: torch.Tensor) -> torch.Tensor:
     return w.full_tensor() if _is_dtensor(w) else w
 
 
-class MlpDistill:
-    """Layer-wise FFN distillation (distill.mlp): forward hooks on the student's MLPs run the original dense MLP of
-    the same layer on the student's own MLP input and keep, per layer, ||out - out_orig||^2 / ||out_orig||^2.
-
-    The student's input, not the teacher's: each sparse MLP is taught the original function on the inputs it
-    really receives, so one layer's error is not charged to the next, and only the teacher's MLP weights run
-    (no second full forward). Like SparsityProbe, the hook redoes its ops under gradient-checkpoint
-    recomputation but records only between start() and take()."""
-
-    def __init__(self, student: nn.Module, teacher: nn.Module):
-        self.teachers = mlp_modules(teacher)
-        self.mlps = mlp_modules(student)
-        if len(self.teachers) != len(self.mlps):
-            raise ValueError(f"teacher has {len(self.teachers)} MLPs, student {len(self.mlps)}")
-        self.recording = False
-        self.terms: list[torch.Tensor] = []  # per layer, this forward: scalar with grad
-        for i, m in enumerate(self.mlps):
-            m.register_forward_hook(self._hook(i))
-
-    def _hook(self, layer: int):
-        def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
-            if not torch.is_grad_enabled():  # evaluation
-                return
-            x = args[0]  # [B, T, d]
-            with torch.no_grad():
-                ref = self.teachers[layer](x).float()  # [B, T, d]
-            term = (out.float() - ref).pow(2).sum() / ref.pow(2).sum().clamp_min(1e-12)
-            if self.recording:
-                self.terms.append(term)
-        return hook
-
-    def start(self) -> None:
-        self.terms, self.recording = [], True
-
-    def take(self) -> torch.Tensor:
-        """Stops recording; the mean over layers of this forward's terms (a scalar with grad)."""
-        self.recording = False
-        if len(self.terms) != len(self.mlps):
-            raise RuntimeError(f"distill.mlp captured {len(self.terms)} of {len(self.mlps)} MLP outputs")
-        return torch.stack(self.terms).mean()
-
-
-
 class Plateau:
     """Stop rule: the fraction of zeros changed by less than `tolerance` (relative) over the last `window` steps."""
 
@@ -580,56 +449,3 @@ def _gate_weight(mlp: nn.Module) -> torch.Tensor:
 
 def _is_dtensor(t: torch.Tensor) -> bool:
     return type(t).__name__ == "DTensor"
-
-
-class _BlendedActivation(nn.Module):
-    """(1 - alpha) * source(x) + alpha * relu(x); alpha is a buffer shared by every MLP and moved in place, so
-    torch.compile sees an input that changes, not a constant (no recompile per step)."""
-
-    def __init__(self, source: nn.Module, alpha: torch.Tensor):
-        super().__init__()
-        self.source = source
-        self.register_buffer("alpha", alpha, persistent=False)  # not in checkpoints or the exported folder
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a = self.alpha.to(x.dtype)
-        return (1 - a) * self.source(x) + a * torch.relu(x)
-
-
-class ActivationBlend:
-    """sparsity.blend_steps: the MLP activation moves from the source's (SiLU, GELU...) to ReLU over the first
-    `steps` optimizer steps, alpha = step / steps, instead of the bare swap at step 0 (which costs the model
-    most of its ability at once: SmolLM2-135M's held-out perplexity went from 19 to ~7000). From step `steps`
-    on, every MLP has its own ReLU back (one recompile under torch.compile) and the model is the converted one.
-    """
-
-    ACT_NAMES = ("act_fn", "activation_fn")  # Llama-style MLPs; Phi-3
-
-    def __init__(self, model: nn.Module, source_activation: str, steps: int, device: torch.device):
-        from transformers.activations import ACT2FN
-
-        self.steps = steps
-        self.alpha = torch.zeros((), device=device)
-        self.slots: list[tuple[nn.Module, str, nn.Module]] = []  # (mlp, attribute, its ReLU)
-        if steps <= 0:
-            return
-        for mlp in mlp_modules(model):
-            name = next((n for n in self.ACT_NAMES if isinstance(getattr(mlp, n, None), nn.Module)), None)
-            if name is None:
-                raise ValueError(f"{type(mlp).__name__} has no act_fn / activation_fn module to blend")
-            self.slots.append((mlp, name, getattr(mlp, name)))
-            setattr(mlp, name, _BlendedActivation(ACT2FN[source_activation], self.alpha))
-
-    def active(self, step: int) -> bool:
-        return step < self.steps
-
-    def set_step(self, step: int) -> None:
-        """Before optimizer step `step` (0-based): alpha = step / steps; the ReLUs come back at step `steps`."""
-        if not self.slots:
-            return
-        if step >= self.steps:
-            for mlp, name, relu in self.slots:
-                setattr(mlp, name, relu)
-            self.slots = []
-            return
-        self.alpha.fill_(step / self.steps)

@@ -1,18 +1,17 @@
-"""Packed-activation FFN training (kernels/twell_train.py) wired into a model's gated MLPs for fine-tuning.
+"""train.kernels: which training MLPs run the packed-activation FFN kernels (kernels/train/twell_train.py), and
+with what capacity.
 
-    packed = install_packed_ffn(model, probe, mode)      # "dense" | "twell" | "auto"
+    kernels = PackedFFN(mlps.layers, mode)              # "dense" | "twell" | "auto"; mlps: train/mlp.py TrainMLPs
     ...
-    packed.update(stats.zeros, stats.nonzeros)           # at logged steps (reads device stats: host sync)
+    kernels.update(stats.zeros, stats.nonzeros)         # at logged steps (reads device stats: host sync)
 
-What it changes: each gated MLP's forward, while autograd records (training), runs
-sparse_ffn_train(x, gate_proj.weight, up_proj.weight, down_proj.weight) instead of the three Linear calls, so
-autograd keeps a bitmask and the active gate/up values instead of three dense [tokens, F] tensors (the
-gradients are those of the dense expression, to the dtype's rounding). down_proj is then not called, so the
-SparsityProbe pre-hook does not fire; the forward reports the same statistics itself through probe.record
-(l1 normalised as probe.normalization, count of h != 0, fired neurons), only when probe.in_step and
-torch.is_grad_enabled(), as the hook does. Evaluation and no-grad forwards run the model's own forward.
+A packed layer's training forward (TrainMLP.terms) runs sparse_ffn_train(x, gate, up, down) instead of the three
+Linear calls, so autograd keeps a bitmask and the active gate/up values instead of three dense [tokens, F] tensors
+(the gradients are those of the dense expression, to the dtype's rounding), and the kernel returns the L1 term,
+the count of h != 0 and the fired neurons the dense expression gives. Evaluation and no-grad forwards run the
+dense expression.
 
-Modes: "dense" patches nothing; "twell" packs every layer from the first step; "auto" packs a layer once its
+Modes: "dense" packs nothing; "twell" packs every layer from the first step; "auto" packs a layer once its
 measured zeros reach AUTO_ON and returns it to dense below AUTO_OFF (hysteresis: a layer near the threshold
 does not flip at every logged step, and every flip recompiles a compiled model).
 
@@ -27,30 +26,29 @@ slower and larger.
 Families: separate gate_proj/up_proj and Phi-3's fused gate_up_proj (its first F rows are the gate) are packed;
 an MLP with biases runs dense (logged once). LoRA-wrapped projections are refused (the adapters' own
 autograd would be bypassed). The activation must be ReLU (a converted model), or the training side's threshold
-activation: an act_fn with a float32 buffer `theta` [F], read at every forward (h = g [g > theta] * up, the
-exact gradient; a straight-through estimator is the training side's to refuse with packed kernels).
+activation: a float32 buffer `theta` [F], read at every forward (h = g [g > theta] * up, the exact gradient; a
+straight-through estimator is refused by the recipe checks with packed kernels).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from sparsify.families import mlp_modules
 from sparsify.errors import SparsifyError
-from sparsify.kernels.train.twell_train import default_capacity, sparse_ffn_train
+from sparsify.kernels.train.twell_train import default_capacity
+from sparsify.train.mlp import TrainMLP
 
 log = logging.getLogger("sparsify.train.packed_ffn")
 
 MODES = ("dense", "twell", "auto")
 # auto: a layer switches to the packed path at >= AUTO_ON zeros and back to dense below AUTO_OFF. The packed
 # path saves >= 50% of the FFN's activation memory from ~45% zeros on (bf16: (F / 8 + 4 C) / (6 F) with C ~
-# 1.3 (1 - zeros) F) but runs slower than dense (eval/bench_train_ffn.py), so auto is a memory setting (larger
+# 1.3 (1 - zeros) F) but runs slower than dense (eval/bench/bench_train_ffn.py), so auto is a memory setting (larger
 # batches or sequences), not a speed one: 0.85 packs the layers sparse enough to save most.
 AUTO_ON = 0.85
 AUTO_OFF = 0.80
@@ -67,36 +65,28 @@ def capacity_grid(need: float, f: int) -> int:
     return min(f, max(16, step * math.ceil(n / step)))
 
 
-@dataclass
-class _Layer:
-    mlp: nn.Module
-    forward: Callable  # the module's own forward (dense path)
-    width: int  # F
-    fused: bool  # Phi-3 style gate_up_proj
-    supported: bool  # False: biases, always dense
-    packed: bool = False
-    capacity: int | None = None
-    counts: torch.Tensor | None = None  # [M] int32 active slots per row of the last recorded forward
-
-
 class PackedFFN:
-    """The patched MLPs of one model and their per-layer state (packed or dense, capacity)."""
+    """The train.kernels decision of every training MLP (TrainMLP.kernel: packed or dense, capacity)."""
 
-    def __init__(self, model: nn.Module, probe: Any, mode: str):
+    def __init__(self, mlps: list[TrainMLP], mode: str):
         if mode not in MODES:
             raise SparsifyError(f"train.kernels={mode!r} is not one of {MODES}.")
         self.mode = mode
-        self.probe = probe
-        self.layers: list[_Layer] = []
+        self.layers: list[TrainMLP] = []  # every layer ([] in mode dense)
+        self.supported: list[bool] = []  # False: biases, always dense
         self.changes: list[str] = []  # what the last update() switched, for the trainer's log
         if mode == "dense":
             return
-        for i, mlp in enumerate(mlp_modules(model)):
-            self.layers.append(self._patch(i, mlp))
+        for index, mlp in enumerate(mlps):
+            supported = self._check(index, mlp)
+            mlp.kernel.packed = supported and mode == "twell"
+            self.layers.append(mlp)
+            self.supported.append(supported)
+        log.info("train.kernels=%s: %d MLPs (%d packed now)", mode, len(self.layers), len(self.packed_layers))
 
-    def _patch(self, index: int, mlp: nn.Module) -> _Layer:
-        fused = hasattr(mlp, "gate_up_proj")
-        projs = {"gate_up_proj": mlp.gate_up_proj} if fused else {"gate_proj": mlp.gate_proj, "up_proj": mlp.up_proj}
+    def _check(self, index: int, mlp: TrainMLP) -> bool:
+        """Refuses LoRA and an activation the kernels do not compute; False for an MLP with biases."""
+        projs = {"gate_up_proj": mlp.gate_up_proj} if mlp.fused else {"gate_proj": mlp.gate_proj, "up_proj": mlp.up_proj}
         projs["down_proj"] = mlp.down_proj
         for name, proj in projs.items():
             if hasattr(proj, "base_layer") or hasattr(proj, "lora_A"):
@@ -104,68 +94,45 @@ class PackedFFN:
                     f"train.kernels={self.mode!r} cannot train LoRA adapters: layer {index} {name} is LoRA-wrapped "
                     "(lora.r > 0). Set train.kernels=dense to keep LoRA, or lora.r=0 for a full fine-tune with "
                     "the packed FFN kernels.")
-        act = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)
-        if not (isinstance(act, nn.ReLU) or _theta(mlp) is not None):
+        if not (isinstance(mlp.act, nn.ReLU) or getattr(mlp.act, "theta", None) is not None):
             raise SparsifyError(
                 f"train.kernels={self.mode!r} computes relu(gate) * up (or g [g > theta] * up with a threshold "
-                f"activation), but layer {index}'s MLP activation is {type(act).__name__}; convert the model to "
+                f"activation), but layer {index}'s MLP activation is {type(mlp.act).__name__}; convert the model to "
                 "ReLU first (sparsify convert), or set train.kernels=dense.")
         supported = all(getattr(p, "bias", None) is None for p in projs.values())
         if not supported:
             log.info("train.kernels: layer %d MLP has biases; it runs the dense path", index)
-        width = mlp.down_proj.weight.shape[1]
-        layer = _Layer(mlp=mlp, forward=mlp.forward, width=width, fused=fused, supported=supported,
-                       packed=supported and self.mode == "twell")
-        mlp.forward = self._make_forward(index)  # instance attribute: nn.Module.__call__ finds it first
-        return layer
+        return supported
 
-    def _make_forward(self, index: int) -> Callable:
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            return self._forward(index, x)
-        return forward
-
-    def _forward(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        layer = self.layers[index]
-        if not (layer.packed and torch.is_grad_enabled()):
-            return layer.forward(x)
-        mlp = layer.mlp
-        if layer.fused:
-            w = mlp.gate_up_proj.weight  # [2F, d]: gate rows first, as the module's chunk(2) reads them
-            w_gate, w_up = w[: layer.width], w[layer.width:]
-        else:
-            w_gate, w_up = mlp.gate_proj.weight, mlp.up_proj.weight
-        y, l1, nnz, fired, counts = sparse_ffn_train(
-            x, w_gate, w_up, mlp.down_proj.weight, normalization=self.probe.normalization,
-            capacity=layer.capacity, row_counts=True, threshold=_theta(mlp))
-        if self.probe.in_step:  # the down_proj hook's condition (grad enabled is known here)
-            self.probe.record(l1, nnz, fired)
-            layer.counts = counts.detach()
-        return y
+    @property
+    def packed(self) -> list[bool]:
+        """Per layer: whether its next training forward runs the packed kernels."""
+        return [layer.kernel.packed for layer in self.layers]
 
     @property
     def packed_layers(self) -> list[int]:
-        return [i for i, layer in enumerate(self.layers) if layer.packed]
+        return [i for i, packed in enumerate(self.packed) if packed]
 
     @property
     def capacities(self) -> list[int]:
         """The capacity each layer's packed path uses now (the kernel's default until update() sets one)."""
-        return [layer.capacity or default_capacity(layer.width) for layer in self.layers]
+        return [layer.kernel.capacity or default_capacity(layer.width) for layer in self.layers]
 
     def update(self, zeros_per_layer: list[float], nonzeros_per_layer: list[float] | None = None) -> list[int]:
         """Per-layer decisions from a logged step's stats (StepStats.zeros / .nonzeros); returns the packed
         layers. Reads the last recorded per-row counts (a host sync: call it where the trainer syncs anyway).
         Changes are logged and kept in `self.changes`."""
         self.changes = []
-        for i, layer in enumerate(self.layers):
-            if not layer.supported:
+        for i, (layer, supported) in enumerate(zip(self.layers, self.supported)):
+            if not supported:
                 continue
-            z = zeros_per_layer[i]
-            if self.mode == "auto" and not layer.packed and z >= AUTO_ON:
-                layer.packed = True
+            z, k = zeros_per_layer[i], layer.kernel
+            if self.mode == "auto" and not k.packed and z >= AUTO_ON:
+                k.packed = True
                 self.changes.append(f"layer {i}: packed FFN ({z:.1%} zeros >= {AUTO_ON:.0%})")
-            elif self.mode == "auto" and layer.packed and z < AUTO_OFF:
-                layer.packed = False
-                layer.counts = None
+            elif self.mode == "auto" and k.packed and z < AUTO_OFF:
+                k.packed = False
+                k.counts = None
                 self.changes.append(f"layer {i}: dense FFN ({z:.1%} zeros < {AUTO_OFF:.0%})")
             mean = nonzeros_per_layer[i] if nonzeros_per_layer is not None else None
             self._set_capacity(i, layer, mean)
@@ -173,54 +140,31 @@ class PackedFFN:
             log.info("train.kernels: %s", line)
         return self.packed_layers
 
-    def _set_capacity(self, index: int, layer: _Layer, mean_nonzeros: float | None) -> None:
-        if layer.counts is not None and layer.counts.numel() > 0:
-            need = HEADROOM * float(torch.quantile(layer.counts.float(), 0.99))
+    def _set_capacity(self, index: int, layer: TrainMLP, mean_nonzeros: float | None) -> None:
+        k = layer.kernel
+        if k.counts is not None and k.counts.numel() > 0:
+            need = HEADROOM * float(torch.quantile(k.counts.float(), 0.99))
         elif mean_nonzeros is not None:
             need = MEAN_HEADROOM * mean_nonzeros + 32
         else:
             return
         want = capacity_grid(need, layer.width)
-        old = layer.capacity if layer.capacity is not None else default_capacity(layer.width)
+        old = k.capacity if k.capacity is not None else default_capacity(layer.width)
         if want > old or want <= SHRINK * old:
-            layer.capacity = want
-            if layer.packed:
+            k.capacity = want
+            if k.packed:
                 self.changes.append(f"layer {index}: capacity {old} -> {want} (need {need:.0f} per row)")
 
     def state_dict(self) -> dict:
         """Per-layer decisions, for checkpoints (a resumed run then takes the same path from its first step)."""
-        return {"mode": self.mode, "packed": [layer.packed for layer in self.layers],
-                "capacity": [layer.capacity for layer in self.layers]}
+        return {"mode": self.mode, "packed": self.packed, "capacity": [layer.kernel.capacity for layer in self.layers]}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("mode") != self.mode or len(state.get("packed", [])) != len(self.layers):
             return  # another mode or model: start from this mode's defaults
-        for layer, packed, capacity in zip(self.layers, state["packed"], state["capacity"]):
-            layer.packed = packed and layer.supported
-            layer.capacity = capacity
-
-    def remove(self) -> None:
-        """Restore every MLP's own forward."""
-        for layer in self.layers:
-            if layer.mlp.__dict__.get("forward") is not None:
-                del layer.mlp.forward
-        self.layers = []
-
-
-def _theta(mlp: nn.Module) -> torch.Tensor | None:
-    """The threshold theta [F] float32 of an MLP whose act_fn is the training side's threshold activation (its
-    buffer `theta`), read at each forward (the controller moves it); None for ReLU."""
-    return getattr(getattr(mlp, "act_fn", None), "theta", None)
-
-
-def install_packed_ffn(model: nn.Module, probe: Any, mode: str) -> PackedFFN:
-    """Patch the gated MLPs of `model` (module docstring). `probe` is the run's SparsityProbe (record(),
-    in_step, normalization); mode "dense" | "twell" | "auto"."""
-    packed = PackedFFN(model, probe, mode)
-    if mode != "dense":
-        log.info("train.kernels=%s: %d MLPs patched (%d packed now)", mode, len(packed.layers),
-                 len(packed.packed_layers))
-    return packed
+        for layer, supported, packed, capacity in zip(self.layers, self.supported, state["packed"], state["capacity"]):
+            layer.kernel.packed = packed and supported
+            layer.kernel.capacity = capacity
 
 
 def saved_bytes(fn: Callable[[], Any], exclude: tuple[torch.Tensor, ...] = ()) -> dict:
@@ -250,5 +194,5 @@ def dense_saved_bytes(m: int, f: int, element_size: int) -> int:
     return 3 * m * f * element_size
 
 
-__all__ = ["PackedFFN", "install_packed_ffn", "saved_bytes", "dense_saved_bytes", "capacity_grid", "MODES",
+__all__ = ["PackedFFN", "saved_bytes", "dense_saved_bytes", "capacity_grid", "MODES",
            "AUTO_ON", "AUTO_OFF"]

@@ -1,4 +1,4 @@
-"""One optimizer step and one evaluation pass: the run's objects (Run), the loss terms, the compute context."""
+"""One optimizer step and one evaluation pass: the run's objects (Run), the loss, the compute context."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -16,8 +16,10 @@ from torch import nn
 
 from sparsify.train.config import Recipe
 from sparsify.train.distributed import Dist
-from sparsify.train.model import load_teacher
-from sparsify.train.objective import ActivationBlend, L1Control, MlpDistill, Plateau, SparsityProbe, ThresholdControl
+from sparsify.train.mlp import TrainMLPs
+from sparsify.train.model import DecayToStart, load_teacher
+from sparsify.train.objective import L1Control, Plateau, SparsityCounts, ThresholdControl
+from sparsify.train.packed_ffn import PackedFFN
 
 
 @dataclass
@@ -30,28 +32,32 @@ class TrainState:
     stopped: str = ""  # why the run ended (budget / plateau)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Run:
-    """The objects of one run, passed around instead of a dozen arguments."""
+    """The objects of one run, by their role in it (finetune._setup builds it)."""
 
     recipe: Recipe
     dist: Dist
-    model: nn.Module  # unwrapped (peft model when LoRA)
-    train_model: nn.Module  # what forward/backward go through (DDP / FSDP / compiled)
-    teacher: nn.Module | None
-    probe: SparsityProbe
     data: Any  # sparsify.train.data.TokenData
-    opt: torch.optim.Optimizer
-    sched: Any
-    state: TrainState
-    plateau: Plateau
-    loss_fn: Any
-    l1: L1Control  # the per-layer L1 coefficients (fixed, or driven to sparsity.target)
-    ffn: Any = None  # sparsify.train.packed_ffn.PackedFFN: which layers train on the packed FFN kernels
-    blend: ActivationBlend | None = None  # sparsity.blend_steps: source activation -> ReLU over the first steps
     model_dir: Path | None = None  # the ReLU folder trained (the original dense model is rebuilt from it)
-    mlp: MlpDistill | None = None  # distill.mlp > 0: each sparse MLP against the original dense one
-    threshold: ThresholdControl | None = None  # sparsity.method=threshold: the thresholds and their controller
+    # the models
+    student: nn.Module  # the model trained, unwrapped (a peft model with LoRA); its MLPs are mlps.layers
+    wrapped: nn.Module  # what training forwards and backwards go through: the student under DDP / FSDP / compile
+    teacher: nn.Module | None = None  # the original dense model (distill.kd > 0 or distill.mlp > 0)
+    mlps: TrainMLPs  # the student's training-time MLPs: the activation, and what each forward gives the loss
+    # the objective
+    logit_losses: Callable  # (logits, targets, teacher logits, temperature) -> (ce, kd); `losses`, maybe compiled
+    l1_weights: L1Control  # the per-layer L1 coefficients (fixed, or driven to sparsity.target)
+    thresholds: ThresholdControl  # sparsity.method=threshold: theta per layer and its controller (else disabled)
+    counts: SparsityCounts  # the step's non-zeros and fired neurons, summed over its micro-batches
+    kernels: PackedFFN  # train.kernels: which MLPs train on the packed FFN kernels, and their capacity
+    # the optimizer
+    optimizer: torch.optim.Optimizer
+    schedule: Any  # the learning-rate schedule (LambdaLR)
+    decay_to_start: DecayToStart | None = None  # train.weight_decay_to=start
+    # progress
+    state: TrainState = field(default_factory=TrainState)
+    plateau: Plateau  # the stop rule on the zeros
     reference: dict[str, float] = field(default_factory=dict)  # the original model's loss per evaluated text
     verbose: bool = True  # a line per logged step (when no progress bar) and per validation, on stderr
 
@@ -102,14 +108,14 @@ def attention_order(choice: str, device: torch.device) -> list | None:
 
 def train_step(run: Run) -> dict[str, torch.Tensor]:
     """One optimizer step over grad_accum micro-batches; returns the step's mean loss terms (device tensors)."""
-    t, dist = run.recipe.train, run.dist
-    run.blend.set_step(run.state.step)
-    if run.threshold is not None and run.threshold.due(run.state.tokens):
+    t, d, dist = run.recipe.train, run.recipe.distill, run.dist
+    run.mlps.set_step(run.state.step)  # sparsity.blend_steps: the blend's alpha for this step
+    if run.thresholds.due(run.state.tokens):
         calibrate_thresholds(run)
-    coef = run.l1.coefficients(run.state.step)  # [L]
-    keys = ("loss", "ce", "l1", "kd") + (("mlp",) if run.mlp is not None else ())
+    coef = run.l1_weights.coefficients(run.state.step)  # [L]
+    keys = ("loss", "ce", "l1", "kd") + (("mlp",) if d.mlp > 0 else ())
     sums = {k: torch.zeros((), device=dist.device) for k in keys}
-    kd_on = run.teacher is not None and run.recipe.distill.kd > 0
+    kd_on = run.teacher is not None and d.kd > 0
     for micro in range(t.grad_accum):
         first = run.state.samples + (micro * dist.world + dist.rank) * t.batch_size
         batch = run.data.train_batch(first, t.batch_size)  # [B, T+1]
@@ -117,31 +123,32 @@ def train_step(run: Run) -> dict[str, torch.Tensor]:
             batch = batch.pin_memory().to(dist.device, non_blocking=True)
         inputs, targets = batch[:, :-1], batch[:, 1:]  # [B, T]
         last = micro == t.grad_accum - 1
-        sync = contextlib.nullcontext() if last or not hasattr(run.train_model, "no_sync") else run.train_model.no_sync()
+        sync = contextlib.nullcontext() if last or not hasattr(run.wrapped, "no_sync") else run.wrapped.no_sync()
         with sync, compute_context(run):
             teacher_logits = None
             if kd_on:
                 with torch.no_grad():
                     teacher_logits = run.teacher(input_ids=inputs).logits  # [B, T, V]
-            run.probe.start()
-            if run.mlp is not None:
-                run.mlp.start()
-            logits = run.train_model(input_ids=inputs).logits  # [B, T, V]
-            l1 = run.probe.take(tokens=inputs.numel())  # [L]
-            ce, kd = run.loss_fn(logits, targets, teacher_logits, run.recipe.distill.temperature)
-            loss = run.recipe.distill.ce * ce + (coef * l1).mean() + run.recipe.distill.kd * kd
-            terms = {"ce": ce, "l1": l1.mean(), "kd": kd}  # l1 logged before weighting, mean over layers
-            if run.mlp is not None:
-                terms["mlp"] = run.mlp.take()
-                loss = loss + run.recipe.distill.mlp * terms["mlp"]
+            run.mlps.start()
+            logits = run.wrapped(input_ids=inputs).logits  # [B, T, V]
+            ffn = run.mlps.take()  # per layer: l1 [L], nonzeros [L], fired [L, F], distance [L] (distill.mlp)
+            run.counts.add_forward(ffn.nonzeros, ffn.fired, tokens=inputs.numel())
+            ce, kd = run.logit_losses(logits, targets, teacher_logits, d.temperature)
+            loss = d.ce * ce + (coef * ffn.l1).mean() + d.kd * kd
+            terms = {"ce": ce, "l1": ffn.l1.mean(), "kd": kd}  # l1 logged before weighting, mean over layers
+            if d.mlp > 0:
+                terms["mlp"] = ffn.distance.mean()
+                loss = loss + d.mlp * terms["mlp"]
             (loss / t.grad_accum).backward()
         for k, v in {"loss": loss, **terms}.items():
             sums[k] += v.detach() / t.grad_accum
     if t.clip > 0:
         sums["grad_norm"] = _clip(run, t.clip)
-    run.opt.step()
-    run.sched.step()
-    run.opt.zero_grad(set_to_none=True)
+    run.optimizer.step()
+    if run.decay_to_start is not None:
+        run.decay_to_start.step(run.optimizer.param_groups[0]["lr"])  # the matrices' group
+    run.schedule.step()
+    run.optimizer.zero_grad(set_to_none=True)
     run.state.step += 1
     run.state.samples += t.batch_size * t.grad_accum * dist.world
     run.state.tokens += t.batch_size * t.grad_accum * dist.world * t.seq_len
@@ -156,34 +163,34 @@ def calibrate_thresholds(run: Run) -> None:
     batch, targets = full[:, :-1], full[:, 1:]  # [B, T]
 
     def forward() -> torch.Tensor:
-        was_training = run.model.training
-        run.model.eval()  # (no dropout in what is measured)
+        was_training = run.student.training
+        run.student.eval()  # (no dropout in what is measured)
         try:
             with compute_context(run), torch.compiler.set_stance("force_eager"):  # a compiled model runs as is
-                return run.model(input_ids=batch).logits  # [B, T, V]
+                return run.student(input_ids=batch).logits  # [B, T, V]
         finally:
-            run.model.train(was_training)
+            run.student.train(was_training)
 
     def loss() -> torch.Tensor:  # (sparsity.allocate=sensitivity: the batch's loss under trial thresholds)
         return F.cross_entropy(forward().flatten(0, 1).float(), targets.flatten())
 
-    run.threshold.calibrate(forward, dist.reduce if dist.world > 1 else None, run.state.tokens, loss=loss)
-    run.l1.stop()
+    run.thresholds.calibrate(forward, dist.reduce if dist.world > 1 else None, run.state.tokens, loss=loss)
+    run.l1_weights.stop()
     if dist.main and run.verbose:
         if run.recipe.sparsity.allocate == "sensitivity":
-            chosen = " ".join(f"{z:.3f}" for z in run.threshold.target.tolist())
-            print(f"step {run.state.step}: zeros allocated by sensitivity (mean {float(run.threshold.target.mean()):.4f}"
+            chosen = " ".join(f"{z:.3f}" for z in run.thresholds.target.tolist())
+            print(f"step {run.state.step}: zeros allocated by sensitivity (mean {float(run.thresholds.target.mean()):.4f}"
                   f"), layer 0 first: {chosen}", file=sys.stderr)
-        theta = run.threshold.theta()
+        theta = run.thresholds.theta()
         ramp = run.recipe.sparsity.threshold_ramp
-        aim = "the targets" if run.threshold.start is run.threshold.target else \
+        aim = "the targets" if run.thresholds.start is run.thresholds.target else \
             f"the warm-up's zeros, rising to the targets over {ramp:,} tokens"
         print(f"step {run.state.step}: thresholds calibrated to {aim} (theta {min(theta):.3g}..{max(theta):.3g}, "
               f"{run.recipe.sparsity.threshold} mode); the L1 penalty is off from here", file=sys.stderr)
 
 
 def _clip(run: Run, clip: float) -> torch.Tensor:
-    norm = torch.nn.utils.clip_grad_norm_([p for p in run.model.parameters() if p.requires_grad], clip)
+    norm = torch.nn.utils.clip_grad_norm_([p for p in run.student.parameters() if p.requires_grad], clip)
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
 
 
@@ -216,7 +223,7 @@ def evaluate_all(run: Run, log: Any, history: list[dict], first: bool = False) -
     """Validation loss of the model being trained, and its loss on every held-out domain (data.heldout), each
     also as a perplexity ratio to the original dense model, which is evaluated on the same text once, on the
     first call (a resumed run reads those numbers back from metrics.jsonl). `log` is the run's MetricsLog."""
-    loss = evaluate(run, run.model)
+    loss = evaluate(run, run.student)
     record = {"step": run.state.step, "tokens": run.state.tokens, "val_loss": loss, "val_ppl": math.exp(loss)}
     if first:
         record.update(_reference_record(run))
@@ -227,7 +234,7 @@ def evaluate_all(run: Run, log: Any, history: list[dict], first: bool = False) -
     if run.data.domains:
         record["heldout"] = {}
         for name in run.data.domains:
-            dl = evaluate(run, run.model, name)
+            dl = evaluate(run, run.student, name)
             record["heldout"][name] = {"loss": dl, "ppl": math.exp(dl)}
             if name in run.reference:
                 record["heldout"][name]["ratio"] = math.exp(dl - run.reference[name])

@@ -141,12 +141,12 @@ def test_local_task_with_function_helper_and_relative_data_runs(tmp_path, tiny_f
 
 
 def test_cloze_script_scores_as_lm_eval_does(tmp_path, tiny_folders, capsys):
-    """eval/cloze.py (for machines without lm_eval) gives lm-eval's own acc and perplexity on the cloze task."""
+    """eval/quality/cloze.py (for machines without lm_eval) gives lm-eval's own acc and perplexity on the cloze task."""
     import importlib.util
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    loaded = importlib.util.spec_from_file_location("cloze", TASKS.parent / "cloze.py")
+    loaded = importlib.util.spec_from_file_location("cloze", TASKS.parent / "quality" / "cloze.py")
     cloze = importlib.util.module_from_spec(loaded)
     loaded.loader.exec_module(cloze)
     model = AutoModelForCausalLM.from_pretrained(tiny_folders[0]).eval()

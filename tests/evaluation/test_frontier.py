@@ -1,11 +1,11 @@
-"""eval/frontier.py: one row per run from its metrics.jsonl, the OOD headline first, cloze accuracy beside it."""
+"""eval/quality/frontier.py: one row per run from its metrics.jsonl, the OOD headline first, cloze accuracy beside it."""
 
 import importlib.util
 import json
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "eval" / "frontier.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "eval" / "quality" / "frontier.py"
 
 
 def _run(tmp_path, name, zeros, ood, general):

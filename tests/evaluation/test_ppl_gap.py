@@ -1,4 +1,4 @@
-"""eval/ppl_gap.py on CPU: a tiny Llama folder scored as both models on a tiny token folder."""
+"""eval/quality/ppl_gap.py on CPU: a tiny Llama folder scored as both models on a tiny token folder."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from sparsify.train.config import DataSection
 
 from tests.tiny import TEXT, tiny_tokenizer
 
-SCRIPT = Path(__file__).resolve().parents[2] / "eval" / "ppl_gap.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "eval" / "quality" / "ppl_gap.py"
 
 
 def _script():

@@ -1,4 +1,4 @@
-"""The kernel benchmark and sweep scripts of eval/ on tiny shapes in the interpreter (their code paths, not timings)."""
+"""The kernel benchmark and sweep scripts of eval/bench/ on tiny shapes in the interpreter (their code paths, not timings)."""
 
 from __future__ import annotations
 
@@ -11,16 +11,39 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparsify.kernels import twell_ops, twell_reference as ref
+from sparsify.kernels import twell_reference as ref
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def test_paired_timing_rotates_the_order_and_pairs_rounds():
+    """eval/bench/timing.py, the one timing helper of the benchmarks: each round measures every function once, the
+    first one rotating; a ratio is the median of the same round's ratios; a function failing at warm-up is dropped
+    with its error kept; a CUDA graph standing for n calls is divided by n."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("timing", ROOT / "eval" / "bench" / "timing.py")
+    timing = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(timing)
+    order = []
+    t = timing.rounds_of({k: (lambda k=k: order.append(k) or float(len(order))) for k in "abc"}, 3)
+    assert "".join(order) == "abcbcacab" and t["a"] == [1.0, 6.0, 8.0]
+    assert timing.paired({"x": [2, 4, 6], "y": [1, 1, 2]}, "x", "y") == 3  # median of 2, 4, 3; not 4 / 1
+    assert timing.paired({"x": [1.0]}, "x", "y") is None
+
+    def broken():
+        raise RuntimeError("no kernel")
+
+    errors, fns = {}, {"ok": lambda: None, "broken": broken}
+    t = timing.interleaved(fns, timing.Clock(False), errors, rounds=2, per_call={"ok": 4})
+    assert set(t) == {"ok"} and len(t["ok"]) == 2 and "no kernel" in errors["broken"]
+
+
 def test_bench_decode_smoke_on_cpu(tmp_path):
-    """eval/bench_decode.py's code paths (case builder, correctness gate, timing, JSON + tables) on a tiny
+    """eval/bench/bench_decode.py's code paths (case builder, correctness gate, timing, JSON + tables) on a tiny
     shape in the interpreter."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    res = subprocess.run([sys.executable, str(ROOT / "eval" / "bench_decode.py"), "--smoke", "--out", str(tmp_path)],
+    res = subprocess.run([sys.executable, str(ROOT / "eval" / "bench" / "bench_decode.py"), "--smoke", "--out", str(tmp_path)],
                          capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = json.loads((tmp_path / "decode-bench.json").read_text())["rows"]
@@ -39,7 +62,7 @@ def test_bench_decode_k1_sweep_smoke_on_cpu(tmp_path):
     reference, the parts (cuBLAS gate GEMV, each K1, K2) are timed without an output check, and every K1 config
     gets a rate against the gate GEMV."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    res = subprocess.run([sys.executable, str(ROOT / "eval" / "bench_decode.py"), "--smoke", "--no-grid", "--sweep-k1",
+    res = subprocess.run([sys.executable, str(ROOT / "eval" / "bench" / "bench_decode.py"), "--smoke", "--no-grid", "--sweep-k1",
                           "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     (row,) = json.loads((tmp_path / "decode-bench.json").read_text())["sweep"]
@@ -56,7 +79,7 @@ def test_bench_decode_fused_sweep_smoke_on_cpu(tmp_path):
     """--sweep-fused on its tiny CPU case: every launch config of the fused decode FFN, the routed path and K1 + K2
     itself match the fp32 reference; the gate GEMV is a part (timed, not checked)."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    res = subprocess.run([sys.executable, str(ROOT / "eval" / "bench_decode.py"), "--smoke", "--no-grid",
+    res = subprocess.run([sys.executable, str(ROOT / "eval" / "bench" / "bench_decode.py"), "--smoke", "--no-grid",
                           "--sweep-fused", "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=400)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     (row,) = json.loads((tmp_path / "decode-bench.json").read_text())["sweep"]
@@ -70,7 +93,7 @@ def test_bench_decode_fused_sweep_smoke_on_cpu(tmp_path):
 def run_sweep_smoke(script: str, out: Path) -> dict:
     """One of the round-6 sweep scripts on its tiny CPU case; its first JSON row."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    res = subprocess.run([sys.executable, str(ROOT / "eval" / script), "--smoke", "--budget-s", "0.2",
+    res = subprocess.run([sys.executable, str(ROOT / "eval" / "bench" / script), "--smoke", "--budget-s", "0.2",
                           "--out", str(out)], capture_output=True, text=True, env=env, timeout=400)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return json.loads((out / script.replace("_", "-").replace(".py", ".json")).read_text())["rows"][0]
@@ -89,7 +112,7 @@ def test_k1_sweep_same_packing_bound():
     gate values left by cancellation) and one 16-bit step, and nothing more: a 1% error is caught."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("k1_sweep", ROOT / "eval" / "k1_sweep.py")
+    spec = importlib.util.spec_from_file_location("k1_sweep", ROOT / "eval" / "bench" / "k1_sweep.py")
     ks = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ks)
     gen = torch.Generator().manual_seed(3)
@@ -115,7 +138,7 @@ def test_k2_sweep_smoke_on_cpu(tmp_path):
 def test_bench_smoke_on_cpu(tmp_path):
     """The benchmark script's code paths (every section, JSON + table) on a tiny grid in the interpreter."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    res = subprocess.run([sys.executable, str(ROOT / "eval" / "bench_kernels.py"), "--smoke",
+    res = subprocess.run([sys.executable, str(ROOT / "eval" / "bench" / "bench_kernels.py"), "--smoke",
                           "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     data = json.loads((tmp_path / "kernels-bench.json").read_text())
@@ -126,24 +149,8 @@ def test_bench_smoke_on_cpu(tmp_path):
     assert "TARGETS" in res.stdout
 
 
-def test_auto_probe_smoke_on_cpu(tmp_path):
-    """eval/auto_probe.py's code paths (variants, their own dispatchers' REFRESH, interleaved rounds, profiler summary,
-    JSON + table) on tiny shapes in the interpreter."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    res = subprocess.run([sys.executable, str(ROOT / "eval" / "auto_probe.py"), "--smoke", "--out", str(tmp_path)],
-                         capture_output=True, text=True, env=env, timeout=120)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    data = json.loads((tmp_path / "auto-probe.json").read_text())
-    row = data["rows"][0]
-    want = {"dense", "twell_triton", "twell", "auto", "auto_tw", "auto_tw_norefr", "auto_tw_r16", "auto_tw_wdt"}
-    assert set(row["timing"]) == want and all(len(v) == 2 for v in row["rounds_ms"].values())
-    assert set(row["profile"]) == {"twell_triton", "twell", "auto", "auto_tw", "auto_tw_r16"}
-    assert all("api_per_call" in p for p in row["profile"].values()), row["profile"]
-    assert twell_ops.auto_dispatcher().policy.refresh == row["REFRESH"] and "| auto_tw_norefr |" in res.stdout
-
-
 def test_bench_auto_overhead_smoke_on_cpu(tmp_path):
-    """eval/bench_auto_overhead.py (dense vs auto vs auto without grants, prefill and a decode step on a
+    """eval/bench/bench_auto_overhead.py (dense vs auto vs auto without grants, prefill and a decode step on a
     cache) runs end to end on a tiny synth folder, restores the grant, and writes its JSON."""
     from sparsify.folder.synth import synth
 
@@ -151,7 +158,7 @@ def test_bench_auto_overhead_smoke_on_cpu(tmp_path):
 
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     synth(tmp_path / "config.json", tmp_path / "model", zeros=0.9, dtype="fp32", progress=False)
-    res = subprocess.run([sys.executable, str(ROOT / "eval" / "bench_auto_overhead.py"), f"tiny={tmp_path / 'model'}",
+    res = subprocess.run([sys.executable, str(ROOT / "eval" / "bench" / "bench_auto_overhead.py"), f"tiny={tmp_path / 'model'}",
                           "--prompt", "16", "--rounds", "3", "--calls", "4", "--out", str(tmp_path / "o")],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -163,11 +170,11 @@ def test_bench_auto_overhead_smoke_on_cpu(tmp_path):
 
 
 def test_bench_screen_cuda_smoke_on_cpu(tmp_path):
-    """eval/bench_screen.py --cuda --smoke: the CUDA mode's code path (every variant's default launch and a part
+    """eval/bench/bench_screen.py --cuda --smoke: the CUDA mode's code path (every variant's default launch and a part
     of the launch sweep, each checked: pass mask covers the active rows, FFN within the bf16 rule of the fp32
     reference) in the interpreter; both tables and the best config per case written."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    res = subprocess.run([sys.executable, str(ROOT / "eval" / "bench_screen.py"), "--cuda", "--smoke", "--out",
+    res = subprocess.run([sys.executable, str(ROOT / "eval" / "bench" / "bench_screen.py"), "--cuda", "--smoke", "--out",
                           str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = json.loads((tmp_path / "screen.json").read_text())["rows"]
@@ -181,9 +188,9 @@ def test_bench_screen_cuda_smoke_on_cpu(tmp_path):
 
 
 def test_bench_gendata_smoke_on_cpu(tmp_path):
-    """eval/bench_gendata.py --cpu --tiny: both paths at both batch sizes, the new one served by the sampling graph
+    """eval/bench/bench_gendata.py --cpu --tiny: both paths at both batch sizes, the new one served by the sampling graph
     loop (emulated) with its seed and row checks passing, JSON + table with the new / old ratio."""
-    res = subprocess.run([sys.executable, str(ROOT / "eval" / "bench_gendata.py"), "--cpu", "--tiny", "--batches", "1",
+    res = subprocess.run([sys.executable, str(ROOT / "eval" / "bench" / "bench_gendata.py"), "--cpu", "--tiny", "--batches", "1",
                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = json.loads((tmp_path / "gendata-bench.json").read_text())["rows"]
@@ -199,13 +206,13 @@ def test_bench_gendata_smoke_on_cpu(tmp_path):
 
 
 def test_bench_gendata_gqa_modes_smoke_on_cpu(tmp_path):
-    """eval/bench_gendata.py --gqa-modes fold,enable_gqa on --cpu --tiny: the new path once per mode (a model of its
+    """eval/bench/bench_gendata.py --gqa-modes fold,enable_gqa on --cpu --tiny: the new path once per mode (a model of its
     own each), the old path once (batch 2, GQA_DECODE fold), each row's `gqa` the mode kernels/fast_decode.py held
     while it ran. tests/tiny.py's Llama is grouped-query (4 query heads, 2 KV heads), so both models decode through
     decode_sdpa, where GQA_DECODE picks the kernel (per_gqa attention). What it covers: the flow per mode, the rows
     and the table. Not which kernel ran: the modes agree up to summation order, and `gqa` is the constant as read
     back after the batches; nor any speed (CPU, emulated graphs)."""
-    res = subprocess.run([sys.executable, str(ROOT / "eval" / "bench_gendata.py"), "--cpu", "--tiny", "--batches", "1",
+    res = subprocess.run([sys.executable, str(ROOT / "eval" / "bench" / "bench_gendata.py"), "--cpu", "--tiny", "--batches", "1",
                           "--gqa-modes", "fold,enable_gqa", "--old-batch-sizes", "2", "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -224,10 +231,10 @@ def test_bench_gendata_gqa_modes_smoke_on_cpu(tmp_path):
 
 
 def test_bench_gqa_decode_smoke_on_cpu(tmp_path):
-    """eval/bench_gqa_decode.py --smoke: the attention table (three modes, each equal to repeat_kv's output) and
+    """eval/bench/bench_gqa_decode.py --smoke: the attention table (three modes, each equal to repeat_kv's output) and
     the step table (three models, the graph loop emulated) on a tiny GQA shape; JSON + table written."""
     out = tmp_path / "gqa"
-    res = subprocess.run([sys.executable, str(ROOT / "eval" / "bench_gqa_decode.py"), "--smoke", "--out", str(out)],
+    res = subprocess.run([sys.executable, str(ROOT / "eval" / "bench" / "bench_gqa_decode.py"), "--smoke", "--out", str(out)],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     data = json.loads((out / "gqa-decode.json").read_text())

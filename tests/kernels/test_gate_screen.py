@@ -288,9 +288,9 @@ def test_overrides_checked():
 
 
 def test_bench_screen_cpu_mode_tiny(tmp_path):
-    """eval/bench_screen.py --cpu on a tiny synthetic shape (no real model): JSON and table written, every
+    """eval/bench/bench_screen.py --cpu on a tiny synthetic shape (no real model): JSON and table written, every
     rigorous bound checked inside (it asserts no active row is dropped)."""
-    res = subprocess.run([sys.executable, str(ROOT / "eval" / "bench_screen.py"), "--cpu", "--shapes", "64x256",
+    res = subprocess.run([sys.executable, str(ROOT / "eval" / "bench" / "bench_screen.py"), "--cpu", "--shapes", "64x256",
                           "--tokens", "16", "--no-real", "--out", str(tmp_path)],
                          capture_output=True, text=True, env={**os.environ}, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

@@ -33,7 +33,7 @@ def test_k2_overflow_is_lossless_on_mixed_rows():
 @pytest.mark.parametrize("m", [1, 3, 16])
 @pytest.mark.parametrize("zeros", [0.0, 0.9, 0.99])
 def test_decode_path(m, zeros):
-    """K1/K2 at M <= 16 (auto's twell path, and the old decode path of eval/bench_decode.py): narrow
+    """K1/K2 at M <= 16 (auto's twell path, and the old decode path of eval/bench/bench_decode.py): narrow
     tiles (T = 32, S = 32) and K2 split over programs with fp32 atomics."""
     x, wg, wu, wd = make_case(m, 24, 200, zeros, seed=4)
     assert tu.k2_config(m, 24)["SPLIT"] > 1 and tt.k1_config(m, 24)["T"] == ref.DECODE_TILE

@@ -87,7 +87,7 @@ def test_weight_decay_pulls_matrices_towards_zero_or_the_start_and_never_the_vec
     norms never decay."""
     from sparsify.train.config import Recipe
     from sparsify.train.distributed import Dist
-    from sparsify.train.model import build_optimizer
+    from sparsify.train.model import DecayToStart, build_optimizer
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
@@ -96,6 +96,8 @@ def test_weight_decay_pulls_matrices_towards_zero_or_the_start_and_never_the_vec
         0.1, 0.5, towards, 0
     start = {k: v.clone() for k, v in model.state_dict().items()}
     opt, _ = build_optimizer(model, recipe, total_steps=10, dist=Dist())
+    decay = DecayToStart.of(model, recipe)  # (weight_decay_to=start: after the optimizer's step, as train_step calls it)
+    assert (decay is None) == (towards == "zero")
     with torch.no_grad():  # moved away from the start after the optimizer exists, as training moves it
         for p in model.parameters():
             p.add_(1.0)
@@ -103,6 +105,8 @@ def test_weight_decay_pulls_matrices_towards_zero_or_the_start_and_never_the_vec
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     opt.step()
+    if decay is not None:
+        decay.step(opt.param_groups[0]["lr"])
     after = model.state_dict()
     target = start["0.weight"] if towards == "start" else torch.zeros_like(start["0.weight"])
     torch.testing.assert_close(after["0.weight"], moved["0.weight"] - 0.1 * 0.5 * (moved["0.weight"] - target),

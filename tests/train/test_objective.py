@@ -5,7 +5,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from sparsify.train.config import SparsitySection
-from sparsify.train.objective import L1Control, Plateau, SparsityProbe, StepStats, l1_coefficient, reinit_dead
+from sparsify.train.mlp import TrainMLPs
+from sparsify.train.objective import L1Control, Plateau, SparsityCounts, StepStats, l1_coefficient, reinit_dead
 
 
 def tiny_relu(layers=3, hidden=16, F=40):
@@ -16,7 +17,7 @@ def tiny_relu(layers=3, hidden=16, F=40):
 
 
 def hand_h(model, ids):
-    """h of every layer, captured independently of the probe: relu(gate(x)) * up(x) on the MLP input."""
+    """h of every layer, captured independently of the training MLPs: relu(gate(x)) * up(x) on the MLP input."""
     hs = []
     hooks = [layer.mlp.register_forward_pre_hook(
         lambda m, a: hs.append(torch.relu(m.gate_proj(a[0])) * m.up_proj(a[0]))) for layer in model.model.layers]
@@ -31,10 +32,12 @@ def test_l1_and_stats_match_hand_computation(normalization):
     model = tiny_relu()
     ids = torch.randint(0, 64, (2, 7))
     hs = hand_h(model, ids)
-    probe = SparsityProbe(model, normalization)
-    probe.start()
+    mlps, counts = TrainMLPs(model, SparsitySection(normalization=normalization)), SparsityCounts()
+    mlps.start()
     model(input_ids=ids)
-    l1 = probe.take(tokens=ids.numel())  # [L]: the loss weighs each layer with its own coefficient
+    terms = mlps.take()
+    counts.add_forward(terms.nonzeros, terms.fired, tokens=ids.numel())
+    l1 = terms.l1  # [L]: the loss weighs each layer with its own coefficient
     per_layer = [h.abs().sum(-1).mean() if normalization == "sum_hidden" else h.abs().mean() for h in hs]
     torch.testing.assert_close(l1, torch.stack(per_layer))
     l1 = l1.mean()
@@ -42,7 +45,7 @@ def test_l1_and_stats_match_hand_computation(normalization):
         torch.testing.assert_close(l1 / 40, torch.stack([h.abs().mean() for h in hs]).mean())
     l1.backward()  # the penalty reaches the gate and up weights
     assert model.model.layers[0].mlp.gate_proj.weight.grad.abs().sum() > 0
-    stats = probe.step_stats()
+    stats = counts.step_stats()
     for i, h in enumerate(hs):
         nz = (h != 0).float()
         assert stats.nonzeros[i] == pytest.approx(nz.sum().item() / 14)
@@ -54,26 +57,32 @@ def test_l1_and_stats_match_hand_computation(normalization):
 
 def test_dead_means_silent_in_every_micro_batch_of_the_step():
     model = tiny_relu(layers=1)
-    probe = SparsityProbe(model, "sum_hidden")
+    mlps, counts = TrainMLPs(model, SparsitySection()), SparsityCounts()
     fired = torch.zeros(40, dtype=torch.bool)
     for _ in range(3):
         ids = torch.randint(0, 64, (1, 3))
         fired |= (hand_h(model, ids)[0] != 0).flatten(0, 1).any(0)
-        probe.start()
+        mlps.start()
         model(input_ids=ids)
-        probe.take(tokens=3)
-    stats = probe.step_stats()
+        terms = mlps.take()
+        counts.add_forward(terms.nonzeros, terms.fired, tokens=3)
+    stats = counts.step_stats()
     assert torch.equal(stats.inactive[0], ~fired) and stats.dead == [int((~fired).sum())]
 
 
-def test_probe_ignores_forwards_outside_training_steps():
+def test_terms_are_kept_between_start_and_take_only():
     model = tiny_relu()
-    probe = SparsityProbe(model, "mean")
-    model(input_ids=torch.randint(0, 64, (1, 4)))  # e.g. evaluation
-    probe.start()
+    mlps = TrainMLPs(model, SparsitySection(normalization="mean"))
+    model(input_ids=torch.randint(0, 64, (1, 4)))  # a forward outside a training step: nothing kept
+    mlps.start()
+    with torch.no_grad():  # evaluation inside one: no terms computed
+        model(input_ids=torch.randint(0, 64, (1, 4)))
+    with pytest.raises(RuntimeError, match="the terms of 0 of 3 MLPs"):
+        mlps.take()
+    mlps.start()
     model(input_ids=torch.randint(0, 64, (1, 4)))
-    probe.take(tokens=4)
-    assert probe.token_sum == 4 and len(probe.l1) == 3
+    terms = mlps.take()
+    assert terms.l1.shape == (3,) and terms.fired.shape == (3, 40) and terms.distance is None
 
 
 def test_reinit_blends_only_dead_gate_rows_deterministically():
@@ -200,32 +209,6 @@ def test_target_recipe_keys_parse_and_bad_values_are_listed_together(tmp_path):
     with pytest.raises(SparsifyError, match=r"sparsity.target: 2 values, but .*model has 3 layers"):
         load_recipe(recipe, ["sparsity.target=[0.9, 0.95]"])
     assert load_recipe(recipe, ["sparsity.target=[0.9, 0.95, 0.97]"]).sparsity.target == [0.9, 0.95, 0.97]
-
-
-def test_activation_blend_moves_from_silu_to_relu_and_gives_the_relus_back():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from sparsify.train.objective import ActivationBlend
-
-    torch.manual_seed(0)
-    cfg = dict(vocab_size=64, hidden_size=16, intermediate_size=40, num_hidden_layers=2, num_attention_heads=2,
-               num_key_value_heads=1, max_position_embeddings=32)
-    silu = LlamaForCausalLM(LlamaConfig(**cfg, hidden_act="silu")).eval()
-    relu = LlamaForCausalLM(LlamaConfig(**cfg, hidden_act="relu")).eval()
-    relu.load_state_dict(silu.state_dict())
-    ids = torch.randint(0, 64, (2, 9))
-    with torch.no_grad():
-        want_silu, want_relu = silu(input_ids=ids).logits, relu(input_ids=ids).logits
-        blend = ActivationBlend(relu, "silu", 4, torch.device("cpu"))
-        blend.set_step(0)
-        torch.testing.assert_close(relu(input_ids=ids).logits, want_silu)  # step 0: the source model
-        blend.set_step(2)  # half way: (silu + relu) / 2 in every MLP
-        mlp = relu.model.layers[0].mlp
-        x = torch.randn(3, 16)
-        torch.testing.assert_close(mlp.act_fn(x), 0.5 * torch.nn.functional.silu(x) + 0.5 * torch.relu(x))
-        blend.set_step(4)
-        assert isinstance(mlp.act_fn, torch.nn.ReLU)  # the model's own ReLU modules are back
-        torch.testing.assert_close(relu(input_ids=ids).logits, want_relu)
 
 
 def test_blend_recipe_problems():

@@ -1,4 +1,4 @@
-"""Packed-activation FFN training (kernels/twell_train.py, sparsify/train_kernels.py) against dense autograd.
+"""Packed-activation FFN training (kernels/train/twell_train.py, sparsify/train/packed_ffn.py) against dense autograd.
 
 CPU: the Triton kernels run in the interpreter (fp32; conftest sets TRITON_INTERPRET=1), the torch backend is
 the same packed format in plain torch. Honest sparsity: x[:, 0] = 1 and W_gate[:, 0] holds a negative
@@ -22,10 +22,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from sparsify.errors import SparsifyError
 from sparsify.families import mlp_modules
 from sparsify.kernels.train import twell_train as tt
+from sparsify.train.config import SparsitySection
+from sparsify.train.mlp import TrainMLPs
 from sparsify.train.model import checkpoint_activations
-from sparsify.train.objective import SparsityProbe
-from sparsify.train.packed_ffn import (AUTO_OFF, AUTO_ON, capacity_grid, dense_saved_bytes, install_packed_ffn,
-                                    saved_bytes)
+from sparsify.train.objective import SparsityCounts
+from sparsify.train.packed_ffn import AUTO_OFF, AUTO_ON, PackedFFN, capacity_grid, dense_saved_bytes, saved_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 DENSE = 50.0
@@ -325,27 +326,40 @@ def tiny_llama(layers=2, hidden=16, f=48, seed=0):
     return LlamaForCausalLM(cfg)
 
 
+def packed_ffn(model, mode, normalization="sum_hidden"):
+    """The model's training MLPs, and train.kernels=`mode` over them (as finetune sets them up)."""
+    mlps = TrainMLPs(model, SparsitySection(normalization=normalization))
+    return mlps, PackedFFN(mlps.layers, mode)
+
+
+def l1_of(mlps, counts, tokens):
+    """Ends a recorded forward: its L1 terms summed over layers; its counts added to the step's."""
+    terms = mlps.take()
+    counts.add_forward(terms.nonzeros, terms.fired, tokens)
+    return terms.l1.sum()
+
+
 def train_steps(model, mode, steps=3, capacity=None, checkpointing=False, normalization="sum_hidden"):
-    """A finetune-like loop (probe, CE + coef * L1, AdamW); returns per-step (loss, grads, stats)."""
+    """A finetune-like loop (training MLPs, CE + coef * L1, AdamW); returns per-step (loss, grads, stats)."""
     if checkpointing:
         checkpoint_activations(model)  # finetune's own switch (non-reentrant)
     model.train()
-    probe = SparsityProbe(model, normalization)
-    packed = install_packed_ffn(model, probe, mode)
+    mlps, packed = packed_ffn(model, mode, normalization)
+    counts = SparsityCounts()
     for layer in packed.layers:
-        layer.capacity = capacity
+        layer.kernel.capacity = capacity
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(0)
     out = []
     for _ in range(steps):
         ids = torch.randint(0, 64, (2, 9), generator=gen)
-        probe.start()
+        mlps.start()
         logits = model(input_ids=ids[:, :-1]).logits
-        l1 = probe.take(tokens=ids[:, :-1].numel()).sum()
+        l1 = l1_of(mlps, counts, ids[:, :-1].numel())
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()) + 0.05 * l1
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        stats = probe.step_stats()
+        stats = counts.step_stats()
         out.append((loss.item(), grads, stats.nonzeros, stats.dead))
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -372,62 +386,88 @@ def test_packed_model_trains_like_dense(checkpointing):
     dense, _ = train_steps(tiny_llama(), "dense", checkpointing=checkpointing)
     packed, state = train_steps(tiny_llama(), "twell", capacity=24, checkpointing=checkpointing)
     assert state.packed_layers == [0, 1]
-    counts = state.layers[0].counts
+    counts = state.layers[0].kernel.counts
     assert (counts <= 24).any() and (counts > 24).any(), counts
     assert_trains_alike(packed, dense)
 
 
 def test_compiled_packed_model_fullgraph_matches_eager_dense():
-    """model.compile-style whole-model tracing with the patched MLP forwards (fullgraph: no graph break; the
-    probe.record and counts side effects replayed): loss, gradients and the recorded counts as eager dense."""
+    """model.compile-style whole-model tracing of the training MLPs (fullgraph: no graph break; the record and
+    counts side effects replayed): loss, gradients and the recorded counts as eager dense."""
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
     results = []
     compiled = lambda m: torch.compile(m, backend="aot_eager", fullgraph=True)  # noqa: E731
     for mode, wrap in (("dense", lambda m: m), ("twell", compiled)):
         model = tiny_llama()
-        probe = SparsityProbe(model, "sum_hidden")
-        packed = install_packed_ffn(model, probe, mode)
-        probe.start()
+        mlps, packed = packed_ffn(model, mode)
+        counts = SparsityCounts()
+        mlps.start()
         logits = wrap(model)(input_ids=ids[:, :-1]).logits
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
-        loss = loss + 0.1 * probe.take(tokens=16).sum()
+        loss = loss + 0.1 * l1_of(mlps, counts, 16)
         loss.backward()
-        results.append((loss, {n: p.grad for n, p in model.named_parameters()}, probe.step_stats().nonzeros))
-    assert [layer.counts.shape for layer in packed.layers] == [(16,), (16,)]
+        results.append((loss, {n: p.grad for n, p in model.named_parameters()}, counts.step_stats().nonzeros))
+    assert [layer.kernel.counts.shape for layer in packed.layers] == [(16,), (16,)]
     (loss_a, grads_a, nz_a), (loss_b, grads_b, nz_b) = results
     assert loss_a.item() == pytest.approx(loss_b.item(), rel=1e-5) and nz_a == pytest.approx(nz_b)
     for name in grads_a:
         assert_close(grads_b[name], grads_a[name], name, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.gpu
+def test_gpu_compiled_model_trains_on_the_packed_kernels():
+    """finetune's GPU setting on a tiny Llama: bf16 autocast, the whole model compiled in place (inductor, fullgraph:
+    no graph break). train.kernels=twell runs the packed Triton op in every layer (its per-row counts recorded on the
+    GPU); loss and gradients match the dense training MLPs' within bf16 rounding."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 64, (4, 65), generator=gen).cuda()
+    results, packed = [], None
+    for mode in ("dense", "twell"):
+        model = tiny_llama(hidden=64, f=256).cuda()
+        mlps, packed = packed_ffn(model, mode)
+        model.compile(fullgraph=True)
+        mlps.start()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(input_ids=ids[:, :-1]).logits
+        l1 = l1_of(mlps, SparsityCounts(), ids[:, :-1].numel())
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten()) + 0.05 * l1
+        loss.backward()
+        results.append((loss.item(), {n: p.grad.float() for n, p in model.named_parameters()}))
+    assert packed.packed_layers == [0, 1]
+    assert all(layer.kernel.counts is not None and layer.kernel.counts.is_cuda for layer in packed.layers)
+    (loss_d, grads_d), (loss_p, grads_p) = results
+    assert loss_p == pytest.approx(loss_d, rel=1e-2)
+    for name, g in grads_d.items():
+        err = (grads_p[name] - g).abs().max().item()
+        assert err <= 3e-2 * g.abs().max().item() + 1e-6, f"{name}: max |packed - dense| {err:.3g}"
+
+
 def test_auto_mode_hysteresis_capacity_and_refusals():
     model = tiny_llama(layers=3, f=400)
-    probe = SparsityProbe(model, "sum_hidden")
-    packed = install_packed_ffn(model, probe, "auto")
+    mlps, packed = packed_ffn(model, "auto")
     assert packed.packed_layers == []
     assert packed.update([AUTO_ON, AUTO_ON - 0.01, 0.99], [10.0, 20.0, 1.0]) == [0, 2]
     assert packed.update([AUTO_OFF + 0.01, 0.5, 0.99]) == [0, 2]  # between the thresholds: no flip
     assert packed.update([AUTO_OFF - 0.01, 0.5, 0.99]) == [2]
     assert any("layer 0: dense FFN" in c for c in packed.changes)
     # from the mean: 1.5 x 10 + 32 = 47 -> 48 (<= half of the default 112: shrunk); 62 -> 64 (kept 112)
-    assert [layer.capacity for layer in packed.layers] == [48, None, 48]
+    assert [layer.kernel.capacity for layer in packed.layers] == [48, None, 48]
     assert packed.capacities == [48, 112, 48]
     layer = packed.layers[2]  # measured per-row counts take over (1.25 x p99)
     for count, want in ((10, 16), (18, 32), (14, 32), (100, 128), (52, 128), (40, 64)):
-        layer.counts = torch.full((100,), count, dtype=torch.int32)
+        layer.kernel.counts = torch.full((100,), count, dtype=torch.int32)
         packed.update([0.5, 0.5, 0.99])
-        assert layer.capacity == want, f"count {count}: capacity {layer.capacity} != {want} (grow now, shrink at half)"
+        assert layer.kernel.capacity == want, \
+            f"count {count}: capacity {layer.kernel.capacity} != {want} (grow now, shrink at half)"
     grid = [capacity_grid(n, 10**6) for n in (1, 16, 17, 33, 50, 100, 200, 1121, 5221)]
     assert grid == [16, 16, 32, 48, 64, 112, 224, 1280, 6144] and capacity_grid(5221, 5000) == 5000
-    packed.remove()
-    assert "forward" not in model.model.layers[0].mlp.__dict__
-    assert install_packed_ffn(model, probe, "dense").layers == []
+    assert PackedFFN(mlps.layers, "dense").layers == []
     with pytest.raises(SparsifyError, match="not one of"):
-        install_packed_ffn(model, probe, "sparse")
+        PackedFFN(mlps.layers, "sparse")
     silu = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=48, num_hidden_layers=1,
                                         num_attention_heads=2, num_key_value_heads=1, hidden_act="silu"))
     with pytest.raises(SparsifyError, match="convert the model to ReLU"):
-        install_packed_ffn(silu, SparsityProbe(silu, "mean"), "twell")
+        packed_ffn(silu, "twell")
 
 
 class ThetaAct(torch.nn.Module):
@@ -479,7 +519,7 @@ def test_lora_is_refused_with_the_settings_named():
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(tiny_llama(layers=1), peft.LoraConfig(r=2, target_modules=["gate_proj", "up_proj"]))
     with pytest.raises(SparsifyError, match=r"train.kernels='twell'.*LoRA.*lora.r"):
-        install_packed_ffn(model, SparsityProbe(model, "mean"), "twell")
+        packed_ffn(model, "twell")
 
 
 def test_fused_gate_up_family_matches_dense():
@@ -509,24 +549,22 @@ distributed_worker({mode!r}, {out!r})
 """
 
 
-def train_full_batch(model, batches, probe_mode):
+def train_full_batch(model, batches, mode):
     """Two AdamW steps on full batches (the single-process reference of the distributed test)."""
-    probe = SparsityProbe(model, "sum_hidden")
-    install_packed_ffn(model, probe, probe_mode)
+    mlps, _ = packed_ffn(model, mode)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    adamw_steps(model, probe, opt, batches)
+    adamw_steps(model, mlps, opt, batches)
     return model
 
 
-def adamw_steps(train, probe, opt, batches) -> None:
-    """One AdamW step per batch of `train` (the model, or its DDP / FSDP wrapper): CE + 0.05 x the probe's L1."""
+def adamw_steps(train, mlps, opt, batches) -> None:
+    """One AdamW step per batch of `train` (the model, or its DDP / FSDP wrapper): CE + 0.05 x the MLPs' L1."""
     for ids in batches:
-        probe.start()
+        mlps.start()
         logits = train(input_ids=ids[:, :-1]).logits
-        l1 = probe.take(tokens=ids[:, :-1].numel()).sum()
+        l1 = l1_of(mlps, SparsityCounts(), ids[:, :-1].numel())
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()) + 0.05 * l1
         loss.backward()
-        probe.reset()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -540,21 +578,18 @@ def distributed_worker(mode, out):
     model = tiny_llama()
     batches = [torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(s)) for s in range(2)]
     halves = [b[2 * rank: 2 * rank + 2] for b in batches]
+    mlps, _ = packed_ffn(model, "twell")
     if mode == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        probe = SparsityProbe(model, "sum_hidden")
-        install_packed_ffn(model, probe, "twell")
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model)
         train = model
     else:
-        probe = SparsityProbe(model, "sum_hidden")
-        install_packed_ffn(model, probe, "twell")
         train = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    adamw_steps(train, probe, opt, halves)
+    adamw_steps(train, mlps, opt, halves)
     state = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
              for n, p in model.named_parameters()}
     if rank == 0:
@@ -584,9 +619,9 @@ def test_packed_ffn_under_ddp_and_fsdp2(mode, tmp_path):
 
 
 def test_bench_smoke(tmp_path):
-    """eval/bench_train_ffn.py --smoke: every code path of the benchmark on tiny CPU shapes."""
+    """eval/bench/bench_train_ffn.py --smoke: every code path of the benchmark on tiny CPU shapes."""
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "eval" / "bench_train_ffn.py"), "--smoke", "--out", str(out)],
+    proc = subprocess.run([sys.executable, str(ROOT / "eval" / "bench" / "bench_train_ffn.py"), "--smoke", "--out", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -14,7 +14,8 @@ import torch
 from safetensors import safe_open
 
 from sparsify.train.config import SparsitySection
-from sparsify.train.objective import StepStats, ThresholdControl, ThresholdReLU, neuron_shape
+from sparsify.train.mlp import ThresholdReLU, TrainMLPs
+from sparsify.train.objective import StepStats, ThresholdControl, neuron_shape
 
 from .test_finetune import metrics, recipe_dict, tiny_silu, tokens  # noqa: F401  (fixtures)
 
@@ -49,6 +50,11 @@ def _tiny_model(layers=2, d=16, f=64):
                                         num_attention_heads=2, num_key_value_heads=1, hidden_act="relu"))
 
 
+def _control(model, cfg: SparsitySection) -> ThresholdControl:
+    """The thresholds of `model`'s training MLPs (ThresholdReLU activations) and their controller."""
+    return ThresholdControl(TrainMLPs(model, cfg), cfg, torch.device("cpu"))
+
+
 def _zeros(model, ids):
     from sparsify.families import mlp_modules
 
@@ -66,7 +72,7 @@ def _zeros(model, ids):
 def test_calibration_puts_every_layer_at_its_target_and_the_controller_follows(mode):
     model = _tiny_model()
     cfg = SparsitySection(method="threshold", threshold=mode, target=[0.9, 0.75], threshold_gain=1.0)
-    control = ThresholdControl(model, cfg, torch.device("cpu"))
+    control = _control(model, cfg)
     ids = torch.randint(0, 128, (4, 64))
     relu_zeros = _zeros(model, ids)  # theta = 0 until calibrated: the ReLU model
     assert all(z < 0.7 for z in relu_zeros) and control.theta() == [0.0, 0.0]
@@ -95,7 +101,7 @@ def test_threshold_ramp_calibrates_at_the_warmup_zeros_then_raises_the_target_li
     model = _tiny_model()
     cfg = SparsitySection(method="threshold", target=[0.9, 0.6], warmup_target=0.7, warmup_tokens=100,
                           threshold_ramp=1000)
-    control = ThresholdControl(model, cfg, torch.device("cpu"))
+    control = _control(model, cfg)
     ids = torch.randint(0, 128, (4, 64))
     control.calibrate(lambda: model(input_ids=ids), tokens=200)
     assert _zeros(model, ids) == pytest.approx([0.7, 0.6], abs=0.01)  # layer 1's warm-up 0.7 capped at its 0.6
@@ -109,12 +115,11 @@ def test_threshold_ramp_calibrates_at_the_warmup_zeros_then_raises_the_target_li
     after = control.theta()
     assert after[0] == pytest.approx(before[0] * math.exp(0.02), rel=1e-4) and after[1] == pytest.approx(before[1])
     state = control.state_dict()  # --resume: the ramp restarts where it was (its start is in the checkpoint)
-    again = ThresholdControl(_tiny_model(), cfg, torch.device("cpu"))
+    again = _control(_tiny_model(), cfg)
     again.load_state_dict(state)
     assert again.calibrated_at == 200 and again.target_at(700).tolist() == pytest.approx([0.8, 0.6])
-    no_ramp = ThresholdControl(_tiny_model(), SparsitySection(method="threshold", target=[0.9, 0.6],
-                                                                warmup_target=0.7, warmup_tokens=100),
-                               torch.device("cpu"))
+    no_ramp = _control(_tiny_model(), SparsitySection(method="threshold", target=[0.9, 0.6], warmup_target=0.7,
+                                                      warmup_tokens=100))
     assert no_ramp.target_at(0).tolist() == pytest.approx([0.9, 0.6])
 
 

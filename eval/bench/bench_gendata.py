@@ -14,9 +14,9 @@ grouped-query decode-attention mode (kernels/fast_decode.py GQA_DECODE).
   runs until every row has one (or --seq-len). Run once per --old-batch-sizes entry, not per mode, always with
   GQA_DECODE "fold" (on the fold model when "fold" is among the modes, else on a model of its own).
 
-The next GPU lease (one H200; not timed yet: eval/h200_threshold.sh gendata-bench runs it with a 480 s limit):
+The next GPU lease (one H200; not timed yet: eval/device/h200_threshold.sh gendata-bench runs it with a 480 s limit):
 
-    python eval/bench_gendata.py --batch-sizes 1024,2048,4096 --gqa-modes fold,enable_gqa --old-batch-sizes "" \
+    python eval/bench/bench_gendata.py --batch-sizes 1024,2048,4096 --gqa-modes fold,enable_gqa --old-batch-sizes "" \
         --out eval/results/gendata-bench-h200
 
 (--old-batch-sizes 1024 adds the old path at batch 1024, a few minutes more; "" skips it.)
@@ -30,7 +30,7 @@ and prints the table (one line per batch size and mode; ratio = new / old tokens
 one measurement repeated on each mode's line). The target: new >= 100,000 tokens/s at batch 1024 (gendata measured
 ~15,900 with the old path, batch 1024, --seq-len 512, temperature 0.8, top-p 0.95).
 
-    python eval/bench_gendata.py --cpu --tiny --out /tmp/gb   # smoke: a two-layer random Llama (tests/tiny.py)
+    python eval/bench/bench_gendata.py --cpu --tiny --out /tmp/gb   # smoke: a two-layer random Llama (tests/tiny.py)
                                                                # on CPU, the graph flow emulated (cpu_emulation)
 """
 
@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GQA_MODES = ("fold", "enable_gqa", "crop")  # kernels/fast_decode.py GQA_DECODE values
 
 

@@ -6,7 +6,7 @@ weights); tokens/s and MFU are the medians of the logged windows after WARM step
 steps excluded). MFU counts (6 N_linear + 12 L d T) FLOPs per token against 989 TFLOP/s (H200/H100 bf16
 dense), as `sparsify finetune` logs it. Target (issue 4): >= 35% on the H200.
 
-    python eval/bench_train.py --tokens TOKENS_DIR --tokenizer TOKENIZER_DIR --out DIR \
+    python eval/bench/bench_train.py --tokens TOKENS_DIR --tokenizer TOKENIZER_DIR --out DIR \
         [--steps 50] [--variants "flash:train.attention=flash" "cudnn:train.attention=cudnn" ...]
 
 TOKENIZER_DIR: any folder with the SmolLM2 tokenizer files (tokenizer.json ...). Full logs, metrics and the
@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 WARM = 20  # logged windows ending at or before this step are excluded (compile, profiler)
 
 SMOLLM2_135M = {  # config.json of HuggingFaceTB/SmolLM2-135M (architecture fields), ReLU already swapped in

@@ -1,18 +1,18 @@
 """Benchmark: training FFN with packed saved activations (kernels/twell_train.py) against dense autograd.
 
-On the H200 (eval/device_env.sh makes `sparsify.kernels` importable):
-  cd repo && source eval/device_env.sh
-  PYTHONPATH=$PWD PYTHONUNBUFFERED=1 python eval/bench_train_ffn.py --tests --out $OUT/train-ffn.json
+On the H200 (eval/device/device_env.sh makes `sparsify.kernels` importable):
+  cd repo && source eval/device/device_env.sh
+  PYTHONPATH=$PWD PYTHONUNBUFFERED=1 python eval/bench/bench_train_ffn.py --tests --out $OUT/train-ffn.json
   (--tests: the GPU tests of tests/test_train_kernels.py first, results in the JSON; --part op / --part model
   run one half; --no-sweep skips the kernel block sweep)
 CPU dry run of every code path (Triton interpreter, fp32, tiny shapes):
-  python eval/bench_train_ffn.py --smoke --out /tmp/b.json
+  python eval/bench/bench_train_ffn.py --smoke --out /tmp/b.json
 
 Part "op": one FFN layer, d x F in {576x1536, 2048x8192}, M = 16384 tokens, bf16 (x and weights bf16 leaves),
 zeros in --zeros with a skewed pattern: per-neuron firing rates log-normal (sparsify.folder.synth.neuron_rates, sigma
 --skew), made by the GEMM itself (x[:, 0] = 1, W_gate[:, 0] = -b_j with b_j = |W_gate[j, 1:]| ndtri(1 - p_j),
 x Gaussian: neuron j fires with probability p_j). Functions, forward + backward of loss = <y, dy> + c l1:
-  dense           the dense expression under autograd with the L1 term and SparsityProbe's stats (nnz,
+  dense           the dense expression under autograd with the L1 term and the training MLP's stats (nnz,
                   fired): what `sparsify finetune` runs per layer today (eager)
   dense_compiled  the same under torch.compile (finetune's train.compile=true)
   dense_ffn       y only (no L1, no stats), eager: the floor of what dense autograd must do
@@ -26,8 +26,8 @@ fastest for the rest of the run (reported).
 
 Part "model": a SmolLM2-135M-shaped Llama (30 layers, d 576, F 1536, 9 heads / 3 kv heads, vocab 49152; random
 weights made sparse by sparsify.folder.synth at --model-zeros, or --model FOLDER) trained --steps steps (after
---warm steps: compile, capacity update) with and without install_packed_ffn(mode="twell"), bf16 autocast, the
-same torch.compile setting, AdamW, CE + 1e-4 x L1 through SparsityProbe, random tokens [--batch, --seq]:
+--warm steps: compile, capacity update) with and without PackedFFN(mode="twell"), bf16 autocast, the same
+torch.compile setting, AdamW, CE + 1e-4 x L1 from the training MLPs (sparsify.train.mlp), random tokens [--batch, --seq]:
 tokens/s (median step time) and peak memory (torch.cuda.max_memory_allocated over the timed steps).
 
 Prints a table last (TABLE) and writes every row with its conditions to --out (JSON).
@@ -40,14 +40,13 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 if "--smoke" in sys.argv and shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
@@ -55,7 +54,8 @@ if "--smoke" in sys.argv and shutil.which("nvidia-smi") is None:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import bench_kernels as _kernel_bench  # noqa: E402  (eval/, this script's folder, is on sys.path)
+from bench_kernels import git_commit  # noqa: E402  (eval/bench/, this script's folder, is on sys.path)
+from timing import Clock, interleaved, med, paired  # noqa: E402
 
 SHAPES = "576x1536,2048x8192"
 ZEROS = "0.5,0.75,0.9,0.99"
@@ -68,41 +68,8 @@ TINY = {**SMOLLM2_135M, "hidden_size": 64, "intermediate_size": 192, "num_hidden
 
 
 # --------------------------------------------------------------------------------------------------- timing
-Clock = _kernel_bench.Clock  # eval/bench_kernels.py's: CUDA events on GPU (loop_ms), perf_counter on CPU
-
-
-def _gpu_loop():
-    from sparsify.kernels.dispatch import loop_ms
-
-    return loop_ms
-
-
-def interleaved(fns: dict, clock: Clock, rounds: int, target_ms: float, errors: dict) -> dict:
-    """{name: [ms per call, one per round]}: every round times each fn once (a loop of n calls making about
-    target_ms), in a rotating order. A fn failing at warm-up is dropped and its error kept."""
-    calls = {}
-    for name, fn in list(fns.items()):
-        try:
-            fn()
-            fn()  # warm: compile, allocator
-            clock.sync()
-            calls[name] = max(1, min(50, round(target_ms / max(clock.loop_ms(fn, 1), 1e-3))))
-        except Exception as e:  # noqa: BLE001 - keep timing the others
-            errors[name] = f"{type(e).__name__}: {e}"[:500]
-            fns.pop(name)
-    names = list(fns)
-    out = {k: [] for k in names}
-    for r in range(rounds):
-        for i in range(len(names)):
-            k = names[(i + r) % len(names)]
-            out[k].append(clock.loop_ms(fns[k], calls[k]))
-    return out
-
-
-def paired(t: dict, num: str, den: str) -> float | None:
-    if num not in t or den not in t:
-        return None
-    return statistics.median(a / b for a, b in zip(t[num], t[den]))
+# timing.interleaved's measurement here: two warm calls (compile, allocator), loops of ~--target-ms, <= 50 calls
+TIMING = dict(max_calls=50, warm=2)
 
 
 def peak_mb(fn, cuda: bool) -> float | None:
@@ -126,7 +93,7 @@ def env_info() -> dict:
         triton_version = None
     import transformers
 
-    commit = _kernel_bench.git_commit()
+    commit = git_commit()
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (Triton interpreter)"
     return {"gpu": gpu, "torch": torch.__version__, "triton": triton_version, "transformers": transformers.__version__,
             "python": platform.python_version(), "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -199,8 +166,8 @@ def op_case(d, f, m, zeros, args, ctx) -> dict:
     if ctx["compiled"] is not None:
         fns["dense_compiled"] = step_fn(ctx["compiled"], x, weights, dy, coef)
     errors: dict = {}
-    t = interleaved(fns, clock, args.rounds, args.target_ms, errors)
-    row.update({f"{k}_ms": statistics.median(v) for k, v in t.items()})
+    t = interleaved(fns, clock, errors, rounds=args.rounds, target_ms=args.target_ms, **TIMING)
+    row.update({f"{k}_ms": med(v) for k, v in t.items()})
     for base in ("dense", "dense_compiled", "dense_ffn"):
         r = paired(t, "packed", base)
         if r is not None:
@@ -293,8 +260,9 @@ def sweep(args, ctx) -> dict:
                 target.update(cfg)
                 return step()
             fns[name] = run
-        t = interleaved(fns, ctx["clock"], max(3, args.rounds // 2), args.target_ms, errors)
-        ranked = sorted((statistics.median(v), k) for k, v in t.items())
+        t = interleaved(fns, ctx["clock"], errors, rounds=max(3, args.rounds // 2), target_ms=args.target_ms,
+                        **TIMING)
+        ranked = sorted((med(v), k) for k, v in t.items())
         result[which] = [{"config": json.loads(k), "ms": ms} for ms, k in ranked]
         if errors:
             result[f"{which}_errors"] = errors
@@ -348,8 +316,10 @@ def build_model_folder(args, ctx) -> Path:
 def train_variant(folder: Path, mode: str, args, ctx) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from sparsify.train.objective import SparsityProbe
-    from sparsify.train.packed_ffn import install_packed_ffn
+    from sparsify.train.config import SparsitySection
+    from sparsify.train.mlp import TrainMLPs
+    from sparsify.train.objective import SparsityCounts
+    from sparsify.train.packed_ffn import PackedFFN
 
     device, clock, cuda = ctx["device"], ctx["clock"], ctx["cuda"]
     torch.manual_seed(0)
@@ -364,8 +334,8 @@ def train_variant(folder: Path, mode: str, args, ctx) -> dict:
     model.train()
     if args.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    probe = SparsityProbe(model, "sum_hidden")
-    packed = install_packed_ffn(model, probe, mode)
+    mlps, counts = TrainMLPs(model, SparsitySection(normalization="sum_hidden")), SparsityCounts()
+    packed = PackedFFN(mlps.layers, mode)
     if args.compile and not args.smoke:
         model.compile(backend=args.compile_backend)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **({"fused": True} if cuda else {}))
@@ -379,14 +349,16 @@ def train_variant(folder: Path, mode: str, args, ctx) -> dict:
         nonlocal zeros
         batch = batches[i % len(batches)].to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-            probe.start()
+            mlps.start()
             logits = model(input_ids=batch[:, :-1]).logits
-            l1 = probe.take(tokens=batch[:, :-1].numel()).mean()
+            terms = mlps.take()
+            counts.add_forward(terms.nonzeros, terms.fired, tokens=batch[:, :-1].numel())
+            l1 = terms.l1.mean()
             loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten()) + 1e-4 * l1
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        stats = probe.step_stats()
+        stats = counts.step_stats()
         return loss, stats
 
     for i in range(args.warm):
@@ -402,14 +374,14 @@ def train_variant(folder: Path, mode: str, args, ctx) -> dict:
         times.append(clock.loop_ms(lambda: step(args.warm + i), 1))
     if cuda:
         peak = torch.cuda.max_memory_allocated() / 2**30
-    ms = statistics.median(times)
+    ms = med(times)
     row = {"part": "model", "mode": mode, "tokens_per_s": args.batch * args.seq / ms * 1e3, "step_ms": ms,
            "peak_gb": peak, "loss_first": losses[0], "loss_warm_last": losses[-1],
            "zeros_mean": sum(zeros) / len(zeros), "zeros_min": min(zeros), "packed_layers": len(packed.packed_layers),
            "capacity": sorted(set(packed.capacities)) if packed.layers else None,
            "batch": args.batch, "seq": args.seq, "compile": args.compile and not args.smoke,
            "checkpointing": args.checkpointing}
-    packed.remove()
+    mlps.restore()
     del model, opt
     torch._dynamo.reset()
     if cuda:
@@ -537,7 +509,7 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     args.warm = max(1, args.warm)
     ctx = {"cuda": cuda, "device": torch.device("cuda" if cuda else "cpu"),
-           "dtype": torch.bfloat16 if cuda else torch.float32, "clock": Clock(cuda, _gpu_loop() if cuda else None)}
+           "dtype": torch.bfloat16 if cuda else torch.float32, "clock": Clock(cuda)}
     report = {"env": env_info(), "args": vars(args), "rows": []}
     tic = time.perf_counter()
     if args.tests:

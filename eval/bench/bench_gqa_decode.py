@@ -9,8 +9,8 @@
    `sparsify gendata` runs it), one model per mode with the same weights, rounds interleaved; decode tokens/s =
    batch x steps / decode seconds (prefill excluded), and whether each mode's tokens equal stock sdpa's.
 
-    source eval/device_env.sh
-    PYTHONPATH=$PWD python eval/bench_gqa_decode.py --out $OUT/gqa --batch-sizes 1,8,256,1024,2048 --compile
+    source eval/device/device_env.sh
+    PYTHONPATH=$PWD python eval/bench/bench_gqa_decode.py --out $OUT/gqa --batch-sizes 1,8,256,1024,2048 --compile
 
 Measured before it was written (one H200, torch 2.11, transformers 5.17, eager, ad hoc): SmolLM2-135M shape,
 batch 1024, 512 cached positions: repeat_kv + SDPA 1.63 ms per layer, fold 0.22 ms, enable_gqa 0.12 ms; the
@@ -27,10 +27,12 @@ from pathlib import Path
 
 import torch
 
+from timing import loop_ms  # eval/bench/timing.py (this script's folder is on sys.path)
+
 # what --overwrite may replace: this script's own results folder (or an empty one)
 RESULTS = ("this script's results folder (gqa-decode.json)", lambda d: (d / "gqa-decode.json").is_file())
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHAPES = {  # config fields of the models whose decode steps are timed (random weights)
     "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                          num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True),
@@ -145,10 +147,7 @@ def step_table(shape: str, layers: int | None, batches: list[int], prompt: int, 
 
 
 def _cpu_ms(graph, n: int = 3) -> float:
-    t0 = time.perf_counter()
-    for _ in range(n):
-        graph.replay()
-    return (time.perf_counter() - t0) / n * 1e3
+    return loop_ms(graph.replay, n, False)
 
 
 def main(argv=None) -> int:

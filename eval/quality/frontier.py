@@ -1,12 +1,12 @@
 """Zeros vs quality kept, from finetune runs' metrics.jsonl: a table (frontier.md) and a plot (frontier.png).
 
-    python eval/frontier.py RUN_DIR_OR_METRICS [...] --out DIR [--trajectory]
+    python eval/quality/frontier.py RUN_DIR_OR_METRICS [...] --out DIR [--trajectory]
 
 One point per run (its last evaluation, with the zeros of the training step logged nearest before it): mean
 zeros over layers, the least sparse layer, the headline `ood_ratio` (geometric mean over the out-of-distribution
 domains, data.ood) and `id_ratio` (over the other held-out domains), and the perplexity ratio to the original
 SiLU model on the validation text and on every held-out domain (data.heldout), as `sparsify finetune` logs them.
---cloze cloze.json (eval/cloze.py over the same runs, named as the run folders, plus the original) adds the
+--cloze cloze.json (eval/quality/cloze.py over the same runs, named as the run folders, plus the original) adds the
 cloze accuracy and its difference from the first model in that file (--cloze again for runs scored in another
 file, e.g. an earlier lease's). With
 --trajectory every evaluation of every run is a point too (a run's path through the plane: how quality comes
@@ -14,7 +14,7 @@ back as training goes on at the sparsity its target holds).
 
 The choice it gives a user (issue 30): each run's method (`l1`, `threshold` with its mode, or the `no-L1` control:
 its recipe.yaml says), --recorded JSON (points measured earlier whose runs are not at hand: a list of rows with
-the same keys, plus "source"), and --speed decode-bench.json (eval/bench_decode.py at several zeros levels): what
+the same keys, plus "source"), and --speed decode-bench.json (eval/bench/bench_decode.py at several zeros levels): what
 each measured zeros level buys in decode FFN speed, dense / sparse at M = 1 and 8 under CUDA graphs, per shape,
 as a table of its own and a second panel (synthetic activation patterns at that level of zeros, not the runs').
 """
@@ -88,11 +88,11 @@ def main() -> int:
     p.add_argument("--out", required=True, help="folder for frontier.md, frontier.json, frontier.png")
     p.add_argument("--trajectory", action="store_true", help="every evaluation of a run is a point")
     p.add_argument("--cloze", type=Path, action="append", default=[],
-                   help="cloze.json of eval/cloze.py over the same runs (adds acc columns); again for runs scored in "
+                   help="cloze.json of eval/quality/cloze.py over the same runs (adds acc columns); again for runs scored in "
                         "another file (a run named in several: the last file's score)")
     p.add_argument("--recorded", type=Path, action="append", default=[],
                    help="JSON list of points measured earlier (keys as frontier.json's rows, plus 'source')")
-    p.add_argument("--speed", type=Path, help="decode-bench.json of eval/bench_decode.py at several --zeros levels")
+    p.add_argument("--speed", type=Path, help="decode-bench.json of eval/bench/bench_decode.py at several --zeros levels")
     args = p.parse_args()
     rows = []
     for run in map(Path, args.runs):

@@ -1,9 +1,9 @@
 """Benchmark TwELL kernels against the dense cuBLAS FFN in the same run (round 6).
 
-Usage on the H200 (eval/device_env.sh makes `sparsify.kernels` importable):
-  cd repo && source eval/device_env.sh
-  PYTHONPATH=$PWD PYTHONUNBUFFERED=1 python eval/bench_kernels.py --tests --out $OUT/kernels
-CPU dry run of every code path (Triton interpreter, tiny grid):  python eval/bench_kernels.py --smoke --out /tmp/b
+Usage on the H200 (eval/device/device_env.sh makes `sparsify.kernels` importable):
+  cd repo && source eval/device/device_env.sh
+  PYTHONPATH=$PWD PYTHONUNBUFFERED=1 python eval/bench/bench_kernels.py --tests --out $OUT/kernels
+CPU dry run of every code path (Triton interpreter, tiny grid):  python eval/bench/bench_kernels.py --smoke --out /tmp/b
 
 What runs:
   --tests  pytest -m gpu tests/kernels first (time-limited; a failure does not stop the bench).
@@ -40,7 +40,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -48,11 +47,13 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from sparsify.kernels import twell_updown as tu  # noqa: E402  (K2 and twell_ffn_triton)
 from sparsify.kernels.dispatch import CudaClock  # noqa: E402
+
+from timing import Clock, interleaved, med, paired  # noqa: E402,F401  (eval/bench/timing.py)
 
 SHAPES = [(576, 1536), (2048, 8192), (4096, 14336)]
 MS = [1, 16, 256, 4096, 16384]
@@ -113,26 +114,6 @@ def env_info() -> dict:
 
 
 # ------------------------------------------------------------------------------------------- timing
-class Clock:
-    """Per-call milliseconds of a loop of n calls (CUDA events on GPU, perf_counter on CPU)."""
-
-    def __init__(self, cuda: bool, gpu_loop=None):
-        self.cuda = cuda
-        self.gpu_loop = gpu_loop  # dispatch.loop_ms: the same event loop auto's calibration uses
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def loop_ms(self, fn, n: int) -> float:
-        if not self.cuda:
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            return (time.perf_counter() - t0) * 1e3 / n
-        return self.gpu_loop(fn, n)
-
-
 def print_tables(header: str, row_lines, more_lines, tail: str) -> None:
     """The end of a bench run: the row table, the summary lines, then the totals and where the JSON is."""
     print("\n" + header)
@@ -152,44 +133,6 @@ def as_graph(fn, calls: int = GRAPH_CALLS):
 
 
 MAX_ROUNDS = 25  # --max-rounds: the cap on interleaved rounds per case (the budget binds below it)
-
-
-def interleaved(fns: dict, clock: Clock, budget_ms: float, errors: dict, per_call: dict | None = None,
-                max_rounds: int | None = None, min_rounds: int = 3) -> dict:
-    """{name: [per-call ms per round]}; each round times every fn once, in a rotating order.
-
-    A fn that raises while warming up is dropped (its error goes to `errors`). n (calls per
-    measurement) makes a measurement ~1 ms or 1 call; rounds fill `budget_ms` within [min, max]."""
-    est = {}
-    for name, fn in list(fns.items()):
-        try:
-            fn()  # warm-up: compiles, autotunes, calibrates the dispatcher
-            clock.sync()
-            est[name] = max(clock.loop_ms(fn, 1), 1e-4)
-        except Exception as e:  # noqa: BLE001 - record and keep the other functions
-            errors[name] = f"{type(e).__name__}: {e}"[:400]
-            fns.pop(name)
-    calls = {k: max(1, min(200, int(1.0 / v))) for k, v in est.items()}
-    round_ms = sum(calls[k] * est[k] for k in fns) or 1.0
-    rounds = int(max(min_rounds, min(max_rounds or MAX_ROUNDS, budget_ms / round_ms)))
-    names = list(fns)
-    out = {k: [] for k in names}
-    for r in range(rounds):
-        for i in range(len(names)):
-            k = names[(i + r) % len(names)]
-            out[k].append(clock.loop_ms(fns[k], calls[k]) / (per_call or {}).get(k, 1))
-    return out
-
-
-def med(xs: list[float]) -> float:
-    return statistics.median(xs)
-
-
-def paired(t: dict, num: str, den: str) -> float | None:
-    """Median over rounds of t[num] / t[den] (same round: paired, drift cancels)."""
-    if num not in t or den not in t:
-        return None
-    return med([a / b for a, b in zip(t[num], t[den])])
 
 
 # ------------------------------------------------------------------------------------------- cases
@@ -280,7 +223,7 @@ def run_case(x, layer, w_down_t, sparsity, pattern, ctx) -> dict:
                "twell_r6": lambda: tu.twell_ffn_triton(x, w_gate, w_up, w_down_t, variant="r6c"),
                "auto": lambda: twell_ops.twell_ffn(x, w_gate, w_up, w_down, backend="auto")}
     graph_on = clock.cuda and m <= GRAPH_M
-    t = interleaved(fns, clock, budget_ms * (0.6 if graph_on else 1.0), errors)
+    t = interleaved(fns, clock, errors, budget_ms=budget_ms * (0.6 if graph_on else 1.0), max_rounds=MAX_ROUNDS)
     row.update(summarize(t))
     row["auto_backend"] = twell_ops.last_backend()
     row["k1_config"] = tt.k1_best_config(d, w_gate.shape[0], m)
@@ -304,7 +247,8 @@ def graph_case(fns: dict, clock: Clock, budget_ms: float, errors: dict) -> dict:
                 graphs[k] = as_graph(fns[k]).replay
             except Exception as e:  # noqa: BLE001
                 errors[f"graph_{k}"] = f"{type(e).__name__}: {e}"[:400]
-    t = interleaved(graphs, clock, budget_ms, errors, per_call={k: GRAPH_CALLS for k in graphs})
+    t = interleaved(graphs, clock, errors, budget_ms=budget_ms, per_call={k: GRAPH_CALLS for k in graphs},
+                    max_rounds=MAX_ROUNDS)
     out = summarize(t, "graph_")
     del graphs
     return out
@@ -442,7 +386,6 @@ def main(argv=None) -> int:
         meta["tests"] = run_tests(args.tests_timeout_s)
         sections["gpu tests"] = time.time() - start
     from sparsify.kernels import twell_ops, twell_triton as tt
-    from sparsify.kernels.dispatch import loop_ms
     from sparsify.kernels.twell_reference import ffn_dense
 
     cuda = torch.cuda.is_available()
@@ -464,7 +407,7 @@ def main(argv=None) -> int:
         left = max(0.0, deadline - time.time())
         return 1000 * 0.6 * left / max(1, total - done[0]) if cuda else 1.0
 
-    ctx = {"tt": tt, "ops": twell_ops, "dense": ffn_dense, "clock": Clock(cuda, loop_ms), "budget": budget_ms}
+    ctx = {"tt": tt, "ops": twell_ops, "dense": ffn_dense, "clock": Clock(cuda), "budget": budget_ms}
     rows: list[dict] = []
     for d, f in shapes:
         t0 = time.time()

@@ -1,7 +1,7 @@
 """Where one decode step's GPU time goes: CUDA-event time of the captured greedy step (graph replay) and a
 torch.profiler table of the same step run eagerly, per FFN variant of a sparsify folder (CUDA only).
 
-    PYTHONPATH=. python eval/profile_decode.py FOLDER [--batch 1] [--prompt 512] [--rows 12] [--[no-]compile]
+    PYTHONPATH=. python eval/bench/profile_decode.py FOLDER [--batch 1] [--prompt 512] [--rows 12] [--[no-]compile]
 
 --compile / --no-compile: the step through torch.compile before capture or not (default: the folder's
 setting, compiled unless its config says otherwise). With compile on, each layer's "FFN path at capture"
@@ -17,10 +17,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from sparsify.evaluation.loading import installed_modeling, load_model, parse_models  # noqa: E402
 from sparsify.kernels import fast_decode  # noqa: E402
+from timing import loop_ms  # noqa: E402  (eval/bench/timing.py: this script's folder is on sys.path)
 
 
 def main() -> None:
@@ -44,15 +45,9 @@ def main() -> None:
         fast.drop_graphs()  # each variant captures its own step
         model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)
         loop = next(iter(fast._loops.values()))
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         for _ in range(10):
             loop.graph.replay()
-        a.record()
-        for _ in range(100):
-            loop.graph.replay()
-        b.record()
-        b.synchronize()
-        print(f"{variant}: graph replay {a.elapsed_time(b) / 100:.3f} ms per decode step "
+        print(f"{variant}: graph replay {loop_ms(loop.graph.replay, 100, True):.3f} ms per decode step "
               f"(batch {args.batch}, cache {fast.cache_key}, compiled {fast.compile})")
         paths = [m.last_path for m in model.modules() if hasattr(m, "last_path")]
         print(f"{variant}: FFN path per layer at capture {paths}; step checks {fast.step_checks}")

@@ -1,28 +1,28 @@
 #!/usr/bin/env bash
-# The threshold frontier (issue 30) on one lease of an H200, on top of eval/h200_long.sh (stage, sweep, levers, detach,
+# The threshold frontier (issue 30) on one lease of an H200, on top of eval/device/h200_long.sh (stage, sweep, levers, detach,
 # wait, cloze): threshold runs of recipes/smollm2-135m.yaml (its default method now), then what the zeros buy in decode
 # speed, gendata's rate, the cloze task, and one frontier table over these runs and the recorded L1 ones.
 #
 # From the repository root on the GPU machine, one call each (a call sends at most 64 MiB: the inputs in 6 parts,
-# made on the CPU machine by `bash eval/make_carry.sh`):
-#   bash eval/h200_long.sh stage .carry/p1          (carry .carry/p1), then p2, p3, p4 (p5, p6: raw text, for levers)
-#   bash eval/h200_threshold.sh gqa-bench           decode attention: transformers' repeat_kv vs the KV heads as they
-#                                                   are (eval/bench_gqa_decode.py; needs no staged input), ~2 min
-#   bash eval/h200_threshold.sh gendata-bench       gendata's tokens/s alone on the GPU (eval/bench_gendata.py) per GQA
+# made on the CPU machine by `bash eval/device/make_carry.sh`):
+#   bash eval/device/h200_long.sh stage .carry/p1          (carry .carry/p1), then p2, p3, p4 (p5, p6: raw text, for levers)
+#   bash eval/device/h200_threshold.sh gqa-bench           decode attention: transformers' repeat_kv vs the KV heads as they
+#                                                   are (eval/bench/bench_gqa_decode.py; needs no staged input), ~2 min
+#   bash eval/device/h200_threshold.sh gendata-bench       gendata's tokens/s alone on the GPU (eval/bench/bench_gendata.py) per GQA
 #                                                   decode mode (GEN_BENCH_GQA, default fold,enable_gqa; or crop) and batch
 #                                                   size (GEN_BENCH_BATCHES, default 1024,2048,4096), the old path
 #                                                   only at GEN_BENCH_OLD's sizes (default none); after the sampler's
 #                                                   GPU test (up to 240 s), the bench up to GEN_BENCH_S (480 s)
-#   bash eval/h200_threshold.sh levers              detached: gendata (GEN_TOKENS) alone on the GPU, then the LEVERS
+#   bash eval/device/h200_threshold.sh levers              detached: gendata (GEN_TOKENS) alone on the GPU, then the LEVERS
 #                                                   runs, the gendata mixture tokenised beside them, then the
 #                                                   GEN_LEVERS runs, then cloze
-#   bash eval/h200_threshold.sh sweep               or: the ARMS below side by side, detached
-#   bash eval/h200_threshold.sh gpu-tests           the GPU tests of the thresholded kernel paths (beside a run)
-#   RESULTS=$OUT bash eval/h200_threshold.sh speed2  two GPUs, after the sweep: gendata-bench and the real model's
+#   bash eval/device/h200_threshold.sh sweep               or: the ARMS below side by side, detached
+#   bash eval/device/h200_threshold.sh gpu-tests           the GPU tests of the thresholded kernel paths (beside a run)
+#   RESULTS=$OUT bash eval/device/h200_threshold.sh speed2  two GPUs, after the sweep: gendata-bench and the real model's
 #                                                   bench on one, the fused decode sweep and e2e synth decode on the
 #                                                   other (~9 min)
-#   bash eval/h200_long.sh wait 540; PACK=$OUT bash eval/h200_threshold.sh pack    until it ends; metrics so far
-#   PACK=$OUT bash eval/h200_threshold.sh after     cloze on every finished run, the frontier (ZEROS=...: decode speed
+#   bash eval/device/h200_long.sh wait 540; PACK=$OUT bash eval/device/h200_threshold.sh pack    until it ends; metrics so far
+#   PACK=$OUT bash eval/device/h200_threshold.sh after     cloze on every finished run, the frontier (ZEROS=...: decode speed
 #                                                   per zeros level too; SPEED_AT=... gendata's rate)
 # Knobs: ARMS ("name=override ...;...", or 2 .. 7 for ARMS2 .. ARMS7 below), TOKENS (default 20M each), LEVERS / GEN_LEVERS, GEN_TOKENS / GEN_BATCH, ZEROS.
 set -euo pipefail
@@ -74,35 +74,35 @@ case "${1:-}" in
   sweep)
     n=$(awk -F';' '{print NF}' <<< "$ARMS")
     SLOTS=${SLOTS:-$n} SWEEP=$ARMS EXTRA="train.batch_size=8 train.grad_accum=2 ${EXTRA:-}" \
-        bash eval/h200_long.sh detach sweep
+        bash eval/device/h200_long.sh detach sweep
     ;;
   levers)  # the next lease's 100M-token levers, one run at a time on the GPU (h200_long.sh levers): gendata, thr at 90%
     # zeros (issue 30's ">= 90% at <= 1.20x"), then the default (95.5%) with a 25% share of gendata text
     LEVERS=${LEVERS:-"thr090_100M=sparsity.target=0.90"} \
     GEN_LEVERS=${GEN_LEVERS:-"gen25_100M=data.weights=[0.25,0.5,0.25]"} \
     GEN_TOKENS=${GEN_TOKENS:-12_000_000} GEN_BATCH=${GEN_BATCH:-1024} TOKENS=${LEVER_TOKENS:-100_000_000} \
-    EVAL_EVERY=610 bash eval/h200_long.sh detach levers
+    EVAL_EVERY=610 bash eval/device/h200_long.sh detach levers
     ;;
   gqa-bench)  # grouped-query decode attention, no staging needed (random weights): the attention call and the
-    # uncompiled graph-loop step at batch 1, 8, 1024, transformers' sdpa vs fold vs enable_gqa (eval/bench_gqa_decode.py)
-    source eval/device_env.sh
+    # uncompiled graph-loop step at batch 1, 8, 1024, transformers' sdpa vs fold vs enable_gqa (eval/bench/bench_gqa_decode.py)
+    source eval/device/device_env.sh
     mkdir -p "$OUT_DIR"
-    PYTHONPATH=$PWD timeout "${GQA_BENCH_S:-300}" python eval/bench_gqa_decode.py --out "$OUT_DIR/gqa-$(date +%s)" \
+    PYTHONPATH=$PWD timeout "${GQA_BENCH_S:-300}" python eval/bench/bench_gqa_decode.py --out "$OUT_DIR/gqa-$(date +%s)" \
         --batch-sizes "${GQA_BATCHES:-1,8,1024}" --prompt 32 --new-tokens 224 --rounds 2 2>&1 | tail -22
     ;;
   gendata-bench)  # gendata's tokens/s alone on the GPU: the graph-loop sampler against transformers' loop, after the
     # GPU test of that sampler (seeded, draws from the nucleus: tests/kernels/test_fast_decode_gpu.py)
     mkdir -p "$OUT_DIR"
-    bash eval/h200_long.sh inputs > "$OUT_DIR/inputs.log" 2>&1 || { echo "assembling the staged parts failed (stage \
+    bash eval/device/h200_long.sh inputs > "$OUT_DIR/inputs.log" 2>&1 || { echo "assembling the staged parts failed (stage \
 .carry/p1..p4 first): $OUT_DIR/inputs.log" >&2; exit 2; }
-    source eval/device_env.sh
+    source eval/device/device_env.sh
     if [ "${GEN_BENCH_TEST:-1}" = 1 ]; then  # (GEN_BENCH_TEST=0: not again; it passed in lease 5)
         PYTHONPATH=$PWD:$WORK/pydeps timeout 240 python -m pytest -q -ra -m gpu tests/kernels/test_fast_decode_gpu.py \
             2>&1 | tee "$OUT_DIR/gpu-tests-sampling.log" | tail -4
     fi
     # GEN_BENCH_OLD: batch sizes (of GEN_BENCH_BATCHES) the old path also runs at; empty (the default): it is skipped
     PYTHONPATH=$PWD:$WORK/pydeps HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 timeout "${GEN_BENCH_S:-480}" python \
-        eval/bench_gendata.py --model "$WORK/smollm2.gguf" --batch-sizes "${GEN_BENCH_BATCHES:-1024,2048,4096}" \
+        eval/bench/bench_gendata.py --model "$WORK/smollm2.gguf" --batch-sizes "${GEN_BENCH_BATCHES:-1024,2048,4096}" \
         --gqa-modes "${GEN_BENCH_GQA:-fold,enable_gqa}" --old-batch-sizes "${GEN_BENCH_OLD-}" \
         --out "$OUT_DIR/gendata-bench" 2>&1 | tail -22
     ;;
@@ -110,13 +110,13 @@ case "${1:-}" in
     # device's folder). GPU 0: the crop attention's GPU test (90 s at most), gendata-bench (here GEN_BENCH_GQA
     # crop,enable_gqa,fold, GEN_BENCH_BATCHES 1024,2048, GEN_BENCH_S 340, not the sampler's test; it writes after each
     # mode, so a cut keeps the first ones), then `sparsify bench` on the real fine-tuned folder (SPEED_MODEL, default the sweep's rec_100M: issue 31's real model,
-    # batch 1 and 8, held-out prompts). GPU 1: the fused decode FFN's sweep (M = 1, eval/bench_decode.py --sweep-fused)
-    # and end-to-end decode of synthetic 1B and 8B folders at 95.7% zeros (eval/h200_generate.sh recipe-zeros, ~300 s)
+    # batch 1 and 8, held-out prompts). GPU 1: the fused decode FFN's sweep (M = 1, eval/bench/bench_decode.py --sweep-fused)
+    # and end-to-end decode of synthetic 1B and 8B folders at 95.7% zeros (eval/device/h200_generate.sh recipe-zeros, ~300 s)
     mkdir -p "$OUT_DIR"
     export PYTHONPATH=$PWD:$WORK/pydeps HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
     model=${SPEED_MODEL:-rec_100M=$WORK/sweep/rec_100M/model}
     (export CUDA_VISIBLE_DEVICES=0
-     source eval/device_env.sh  # the crop attention's GPU test first: its speed counts only if its numbers are right
+     source eval/device/device_env.sh  # the crop attention's GPU test first: its speed counts only if its numbers are right
      timeout 90 python -m pytest -q -m gpu tests/kernels/test_decode_attention.py > "$OUT_DIR/gpu-tests-crop.log" 2>&1 \
          || echo "crop attention GPU test rc $?"
      GEN_BENCH_GQA=${GEN_BENCH_GQA:-crop,enable_gqa,fold} GEN_BENCH_BATCHES=${GEN_BENCH_BATCHES:-1024,2048} \
@@ -128,10 +128,10 @@ case "${1:-}" in
              2>&1 || echo "real model's bench rc $?"
      else echo "no folder ${model#*=}: the real model's bench skipped" > "$OUT_DIR/bench-real.log"; fi) &
     (export CUDA_VISIBLE_DEVICES=1
-     source eval/device_env.sh
-     timeout 100 python eval/bench_decode.py --no-grid --sweep-fused --sweep-budget-s 60 --out "$OUT_DIR/fused2" \
+     source eval/device/device_env.sh
+     timeout 100 python eval/bench/bench_decode.py --no-grid --sweep-fused --sweep-budget-s 60 --out "$OUT_DIR/fused2" \
          > "$OUT_DIR/fused2.log" 2>&1 || echo "fused sweep rc $?"
-     RESULTS=$OUT_DIR/generate timeout 440 bash eval/h200_generate.sh recipe-zeros > "$OUT_DIR/recipe-zeros.log" 2>&1 \
+     RESULTS=$OUT_DIR/generate timeout 440 bash eval/device/h200_generate.sh recipe-zeros > "$OUT_DIR/recipe-zeros.log" 2>&1 \
          || echo "recipe-zeros rc $?") &
     wait
     { tail -1 "$OUT_DIR/gpu-tests-crop.log"; grep "^sweep" "$OUT_DIR/fused2.log" | cut -c1-400
@@ -139,25 +139,25 @@ case "${1:-}" in
       grep -h "x " "$OUT_DIR"/generate/bench-*/report.md | tail -12; } 2>/dev/null || true
     ;;
   gpu-tests)
-    source eval/device_env.sh
+    source eval/device/device_env.sh
     mkdir -p "$OUT_DIR"  # the thresholded paths first (-k), then every GPU test (TESTS_K="")
     PYTHONPATH=$PWD:$WORK/pydeps timeout "${TESTS_S:-300}" python -m pytest -q -ra -m gpu tests \
         ${TESTS_K-"-k" "threshold or theta"} 2>&1 | tee "$OUT_DIR/gpu-tests${TESTS_K+-all}.log" | tail -25
     ;;
   after)
-    source eval/device_env.sh
+    source eval/device/device_env.sh
     export PYTHONPATH=$PWD:$WORK/pydeps HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
     mkdir -p "$OUT_DIR"
     speed=""  # decode speed per zeros level: measured in lease 2 (threshold-frontier-h200/lease2/zeros-speed.json)
     if [ -n "${ZEROS:-}" ]; then
-        python eval/bench_decode.py --zeros "$ZEROS" --ms 1,8 --no-split --budget-s 100 \
+        python eval/bench/bench_decode.py --zeros "$ZEROS" --ms 1,8 --no-split --budget-s 100 \
             --shapes 2048x8192,4096x14336,8192x28672 --out "$OUT_DIR/zeros-speed" 2>&1 | tail -12 || echo "bench_decode failed"
         speed="$OUT_DIR/zeros-speed/decode-bench.json"
     fi
     [ -f "$WORK/gen/gendata.json" ] && cp "$WORK/gen/gendata.json" "$OUT_DIR/"
-    bash eval/h200_long.sh cloze || true
+    bash eval/device/h200_long.sh cloze || true
     # this lease's runs, lease 2's (their cloze: lease2/cloze.json) and the L1 default at 100M beside them
-    python eval/frontier.py "$OUT_DIR"/sweep/*/ eval/results/threshold-frontier-h200/lease2/runs/*/ \
+    python eval/quality/frontier.py "$OUT_DIR"/sweep/*/ eval/results/threshold-frontier-h200/lease2/runs/*/ \
         eval/results/ood-frontier-h200/runs/base-100M/ --out "$OUT_DIR/frontier" \
         --cloze eval/results/threshold-frontier-h200/lease2/cloze.json --cloze "$OUT_DIR/cloze/cloze.json" \
         --speed "${speed:-eval/results/threshold-frontier-h200/lease2/zeros-speed.json}" \

@@ -5,22 +5,22 @@ against the fraction really active, at M = 1 (per token) and M = 8 (union over 8
 row passes), the extra memory, and the implied bytes of a decode FFN at M = 1 / 8 (screen copy + passed rows of
 W_gate + active rows of W_up and W_down^T) against today's TwELL (all of W_gate + active rows) and dense (3 F d),
 i.e. the roofline speed-up bound vs dense. Cases:
-  synthetic: eval/bench_kernels.py's make_layer + set_sparsity(skewed, 0.957) (the decode benchmark's layers: a
+  synthetic: eval/bench/bench_kernels.py's make_layer + set_sparsity(skewed, 0.957) (the decode benchmark's layers: a
     bias channel 0 with x[:, 0] = 1), bf16, --tokens random inputs, on the three shapes;
   real: the SmolLM2-135M ReLU conversion (--model, fp32 weights cast to bf16), MLP inputs captured with hooks over
     --real-tokens tokens of held-out text (--data); the exact channels are chosen on the first half of the tokens
     and every fraction is measured on the second half.
-  PYTHONPATH=$PWD python eval/bench_screen.py --cpu --out eval/results/gate-screen-cpu
+  PYTHONPATH=$PWD python eval/bench/bench_screen.py --cpu --out eval/results/gate-screen-cpu
   (tiny: --cpu --shapes 64x256 --tokens 16 --no-real)
 CUDA mode (H200): dense / today's twell (twell_ffn_triton) / screened twell (twell_ffn_screened, each screen
 variant) FFN at M = 1, 8 on the three shapes at 0.957 zeros, timed side by side under CUDA graphs in interleaved
-rounds (eval/bench_decode.py's time_graphs: ratios are medians of per-round paired ratios), with the screen's
+rounds (eval/bench/bench_decode.py's time_graphs: ratios are medians of per-round paired ratios), with the screen's
 measured pass fraction per case:
-  source eval/device_env.sh; PYTHONPATH=$PWD python eval/bench_screen.py --cuda --out $OUT/screen --budget-s 420
+  source eval/device/device_env.sh; PYTHONPATH=$PWD python eval/bench/bench_screen.py --cuda --out $OUT/screen --budget-s 420
   The same run sweeps the screened K1's launch parameters (SWEEP: BK1 / BK2 / CP / CVT / warps / stages, per M
   bucket, on the variants of SWEEP_VARIANTS) beside each variant's default: a second table with every config's
   ratio to dense and to twell, the best per case and variant in bold (--no-sweep: defaults only).
-  CPU dry run of that code path: TRITON_INTERPRET=1 python eval/bench_screen.py --cuda --smoke --out /tmp/scr
+  CPU dry run of that code path: TRITON_INTERPRET=1 python eval/bench/bench_screen.py --cuda --smoke --out /tmp/scr
 Writes DIR/screen.json and DIR/screen.md.
 """
 
@@ -35,9 +35,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "eval"))
+sys.path.insert(0, str(ROOT / "eval" / "bench"))
 
 from sparsify.kernels import gate_screen as gs  # noqa: E402
 
@@ -232,7 +232,8 @@ def cuda_mode(shapes, ms, budget_s: float, sweep: bool = True, smoke: bool = Fal
     """Per (shape, M): dense, today's twell and every screened variant (its default launch and, with sweep, the
     SWEEP configs) checked against the fp32 reference, then timed side by side under CUDA graphs (smoke: the
     interpreter on CPU, fp32, eager timing: the code path only)."""
-    from bench_decode import check, paired, time_eager, time_graphs
+    from bench_decode import check, time_eager, time_graphs
+    from timing import paired
 
     from sparsify.kernels import twell_updown as tu
     from sparsify.kernels.twell_reference import ffn_dense

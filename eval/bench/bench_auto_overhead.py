@@ -3,11 +3,11 @@
 density refresh: the FFN runtime's grants), and "auto" without grants (`ffn_runtime.grants = False`: every call
 through the kernels' entry and the dispatcher's lookup), timed side by side in one run.
 
-    python eval/bench_auto_overhead.py MODEL_FOLDER... [--batch 1] [--prompt 512] [--rounds 7] [--out DIR]
+    python eval/bench/bench_auto_overhead.py MODEL_FOLDER... [--batch 1] [--prompt 512] [--rounds 7] [--out DIR]
 
 Per model: the prefill forward of a [batch, prompt] prompt (no cache), and one decode step (a 1-token forward
 on a cache holding the prompt, cropped back after each call). Each round times every variant once as a loop of
-calls, in an order that flips every round; the table gives the medians of the per-round ratios. A folder written
+calls, in an order that rotates every round; the table gives the medians of the per-round ratios. A folder written
 by `sparsify synth` is a fine input (speed, not quality). On CPU every variant runs the torch path (a smoke run).
 Writes auto-overhead.json and prints a markdown table.
 """
@@ -16,27 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from sparsify.evaluation.loading import load_model, parse_models, pick_device
-from sparsify.kernels.dispatch import loop_ms as cuda_loop_ms
 from sparsify.kernels.fast_decode import cache_kwarg
-
-
-def loop_ms(fn, n: int, cuda: bool) -> float:
-    """ms per call of n back-to-back calls (CUDA events on a GPU, as auto's calibration times; the wall clock
-    elsewhere)."""
-    if cuda:
-        return cuda_loop_ms(fn, n)
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - t) * 1e3 / n
+from timing import loop_ms, med, paired, rounds_of  # eval/bench/timing.py (this script's folder is on sys.path)
 
 
 def variants(model) -> dict:
@@ -55,20 +42,20 @@ def variants(model) -> dict:
     return {"dense": use("dense", False), "auto": use("auto", True), "auto_no_grant": use("auto", False)}
 
 
-def paired(fn, prep: dict, calls: int, rounds: int, cuda: bool) -> dict[str, list[float]]:
-    """{variant: [ms per call of fn, one per round]}, each variant set by its prep(); the order flips every round."""
-    names = list(prep)
-    for name in names:  # warm: auto calibrates each layer's bucket on its first calls
+def variant_rounds(fn, prep: dict, calls: int, rounds: int, cuda: bool) -> dict[str, list[float]]:
+    """{variant: [ms per call of fn, one per round]}, each variant set by its prep() before its loop; the order
+    rotates every round (timing.rounds_of)."""
+    for name in prep:  # warm: auto calibrates each layer's bucket on its first calls
         prep[name]()
         for _ in range(3):
             fn()
-    out: dict[str, list[float]] = {k: [] for k in names}
-    for r in range(rounds):
-        for k in names if r % 2 == 0 else names[::-1]:
-            prep[k]()
-            fn()  # the first call after a switch takes the grant (not timed)
-            out[k].append(loop_ms(fn, calls, cuda))
-    return out
+
+    def measure(k: str) -> float:
+        prep[k]()
+        fn()  # the first call after a switch takes the grant (not timed)
+        return loop_ms(fn, calls, cuda)
+
+    return rounds_of({k: (lambda k=k: measure(k)) for k in prep}, rounds)
 
 
 def bench_model(source: str, device: str, batch: int, prompt: int, rounds: int, calls: int) -> dict:
@@ -98,13 +85,10 @@ def bench_model(source: str, device: str, batch: int, prompt: int, rounds: int, 
             cache.crop(-1)  # (transformers 5: a negative count removes that many tokens)
 
         for case, fn in (("prefill", lambda: model(ids, use_cache=False)), ("decode", decode)):
-            times = paired(fn, prep, calls if case == "decode" else max(1, calls // 4), rounds, cuda)
-            row["cases"][case] = {
-                "ms": {k: statistics.median(v) for k, v in times.items()},
-                "dense_over_auto": statistics.median(d / a for d, a in zip(times["dense"], times["auto"])),
-                "dense_over_auto_no_grant": statistics.median(
-                    d / a for d, a in zip(times["dense"], times["auto_no_grant"])),
-            }
+            times = variant_rounds(fn, prep, calls if case == "decode" else max(1, calls // 4), rounds, cuda)
+            row["cases"][case] = {"ms": {k: med(v) for k, v in times.items()},
+                                  "dense_over_auto": paired(times, "dense", "auto"),
+                                  "dense_over_auto_no_grant": paired(times, "dense", "auto_no_grant")}
     prep["auto"]()
     del model
     if cuda:

@@ -1,7 +1,7 @@
 """Cloze accuracy without lm-eval: lm-eval's `loglikelihood` acc (is the target the greedy continuation?) and
 perplexity, computed the way lm-eval's HF model computes them, for machines without lm_eval (the GPU machines).
 
-    python eval/cloze.py original=smollm2-135m-gguf run=RUN/model [--data eval/tasks/cloze_austen.jsonl] \
+    python eval/quality/cloze.py original=smollm2-135m-gguf run=RUN/model [--data eval/tasks/cloze_austen.jsonl] \
         [--limit N] [--device cuda] [--out DIR] [-q]
 
 The data is a task's jsonl ({"context": ..., "target": ...} per line, as eval/tasks/ holds). Each item is scored
@@ -29,7 +29,7 @@ from sparsify.errors import SparsifyError
 from sparsify.evaluation.accuracy import proportion_stderr
 from sparsify.evaluation.loading import ffn_backend, load_model, parse_models, pick_device
 
-DEFAULT = Path(__file__).parent / "tasks" / "cloze_austen.jsonl"
+DEFAULT = Path(__file__).resolve().parents[1] / "tasks" / "cloze_austen.jsonl"
 
 
 def encode_pair(tok, context: str, target: str) -> tuple[list[int], list[int]]:

@@ -1,16 +1,16 @@
 """Decode FFN benchmark (M = 1..32 rows): the TwELL decode path (K1 + split or chunked K2) against dense cuBLAS.
 
-Usage on the H200 (eval/device_env.sh makes `sparsify.kernels` importable):
-  cd repo && source eval/device_env.sh
-  PYTHONPATH=$PWD PYTHONUNBUFFERED=1 python eval/bench_decode.py --out $OUT/decode   (~3.5 min)
+Usage on the H200 (eval/device/device_env.sh makes `sparsify.kernels` importable):
+  cd repo && source eval/device/device_env.sh
+  PYTHONPATH=$PWD PYTHONUNBUFFERED=1 python eval/bench/bench_decode.py --out $OUT/decode   (~3.5 min)
 Registers and spills of the sm_90 builds of the two decode K2s (no GPU needed: Triton compiles for sm_90
 and ptxas -v reports; run it on the H200 too for its Triton version):
-  python eval/bench_decode.py --compile-report --out /tmp/dec
+  python eval/bench/bench_decode.py --compile-report --out /tmp/dec
 CPU dry run of every code path (Triton interpreter, tiny shape, fp32, eager timing):
-  TRITON_INTERPRET=1 python eval/bench_decode.py --smoke --out /tmp/dec
+  TRITON_INTERPRET=1 python eval/bench/bench_decode.py --smoke --out /tmp/dec
 
 Grid: d x F in {576x1536, 2048x8192, 4096x14336, 8192x28672}, M in {1, 2, 4, 8, 16, 32}, zeros 0.85 /
-0.90 / 0.95 / 0.99, skewed pattern with honest sparsity (eval/bench_kernels.py: make_layer + set_sparsity),
+0.90 / 0.95 / 0.99, skewed pattern with honest sparsity (eval/bench/bench_kernels.py: make_layer + set_sparsity),
 bf16. Per case:
   1. correctness of every function against ffn_dense on the fp32-upcast tensors: rel err = max |err| /
      max |ref|, which must be <= 2 x the plain bf16 dense FFN's rel err + 1e-3 (the tests' bf16 rule);
@@ -28,7 +28,7 @@ bf16. Per case:
   3. measured zeros and the union U of neurons active in some row.
 --sweep-chunked: updown_decode_chunked's E, d chunk, warps and SPLIT on six cases at 90% zeros, beside dense
 and the split K2. --no-grid runs only the sweep:
-  PYTHONPATH=$PWD python eval/bench_decode.py --no-grid --sweep-chunked --out $OUT/chunked
+  PYTHONPATH=$PWD python eval/bench/bench_decode.py --no-grid --sweep-chunked --out $OUT/chunked
 --sweep-k1: where the decode FFN's time goes at 95.7% zeros (M = 1 on the three large shapes, M = 8 at
 4096 x 14336). Beside dense, each case times the parts alone ("part:" names: no output check, they are not
 FFNs): the cuBLAS gate GEMV on the same W_gate (F.linear, the rate K1 could reach: both read all of W_gate),
@@ -36,10 +36,10 @@ the decode K1 (gate_pack with decode tiles) under K1_DECODE's block shapes, warp
 GEMV-shaped K1, variant "gemv", at M = 1), and the chunked
 K2 on a packed input; then the whole FFN with each K1 config (that K1 + the chunked K2). The table line per
 case gives every K1 config's rate as cuBLAS gate GEMV time / K1 time:
-  PYTHONPATH=$PWD python eval/bench_decode.py --no-grid --sweep-k1 --out $OUT/k1dec
+  PYTHONPATH=$PWD python eval/bench/bench_decode.py --no-grid --sweep-k1 --out $OUT/k1dec
 --sweep-fused: twell_ffn_decode_fused (K1's GEMV and K2 in one launch) under FUSED's launch configs at M = 1 on
 the three large shapes, 95.7% zeros, beside the routed K1 + K2 and the cuBLAS gate GEMV alone:
-  PYTHONPATH=$PWD python eval/bench_decode.py --no-grid --sweep-fused --out $OUT/fused
+  PYTHONPATH=$PWD python eval/bench/bench_decode.py --no-grid --sweep-fused --out $OUT/fused
 Writes DIR/decode-bench.json and DIR/decode-bench.md; prints the ratio tables last.
 """
 
@@ -58,13 +58,14 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "eval"))
+sys.path.insert(0, str(ROOT / "eval" / "bench"))
 
 from sparsify.kernels import twell_updown as tu  # noqa: E402  (K2 and twell_ffn_triton)
 
-from bench_kernels import as_graph, env_info, make_layer, med, print_tables, set_sparsity  # noqa: E402
+from bench_kernels import as_graph, env_info, make_layer, print_tables, set_sparsity  # noqa: E402
+from timing import loop_ms, med, paired, rounds_of  # noqa: E402
 
 SHAPES = [(576, 1536), (2048, 8192), (4096, 14336), (8192, 28672)]
 MS = [1, 2, 4, 8, 16, 32]
@@ -137,46 +138,28 @@ def check(fns: dict, ref: torch.Tensor, row: dict) -> dict:
 # ------------------------------------------------------------------------------------------- timing
 def time_graphs(fns: dict, budget_ms: float, errors: dict, max_rounds: int = 60) -> tuple[dict, dict]:
     """{name: [ms per call, one per round]} of CUDA-graph replays in interleaved rounds; {name: calls}."""
-    from sparsify.kernels.dispatch import loop_ms  # CUDA events around n back-to-back calls
     graphs, calls, reps = {}, {}, {}
     for k, fn in fns.items():
         try:
-            est = max(loop_ms(fn, 3), 1e-3)  # eager: launch overhead included, so calls err low
+            est = max(loop_ms(fn, 3, True), 1e-3)  # eager: launch overhead included, so calls err low
             calls[k] = max(2, min(MAX_CALLS, int(GRAPH_MS / est)))
             graphs[k] = as_graph(fn, calls[k])
-            one = max(loop_ms(graphs[k].replay, 1), 1e-3)
+            one = max(loop_ms(graphs[k].replay, 1, True), 1e-3)
             reps[k] = max(1, min(8, math.ceil(1.0 / one)))  # >= ~1 ms per measurement: a replay's launch gap < 1%
         except Exception as e:  # noqa: BLE001 - one function failing must not lose the case
             errors[k] = f"{type(e).__name__}: {e}"[:300]
     if not graphs:
         return {}, calls
-    round_ms = sum(reps[k] * loop_ms(g.replay, 1) for k, g in graphs.items())
+    round_ms = sum(reps[k] * loop_ms(g.replay, 1, True) for k, g in graphs.items())
     rounds = int(max(5, min(max_rounds, budget_ms / max(round_ms, 1e-3))))
-    names = list(graphs)
-    out = {k: [] for k in names}
-    for r in range(rounds):
-        for i in range(len(names)):
-            k = names[(i + r) % len(names)]
-            out[k].append(loop_ms(graphs[k].replay, reps[k]) / calls[k])
+    out = rounds_of({k: (lambda k=k: loop_ms(graphs[k].replay, reps[k], True) / calls[k]) for k in graphs}, rounds)
     del graphs
     return out, calls
 
 
 def time_eager(fns: dict, rounds: int = 2) -> dict:
-    """CPU (interpreter) stand-in: perf_counter per call, interleaved."""
-    out = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            out[k].append((time.perf_counter() - t0) * 1e3)
-    return out
-
-
-def paired(t: dict, num: str, den: str) -> float | None:
-    if num not in t or den not in t or not t[num] or not t[den]:
-        return None
-    return med([a / b for a, b in zip(t[num], t[den])])
+    """CPU (interpreter) stand-in: the wall clock per call, interleaved."""
+    return rounds_of({k: (lambda fn=fn: loop_ms(fn, 1, False)) for k, fn in fns.items()}, rounds)
 
 
 # --------------------------------------------------------------------------------------------- cases

@@ -1,6 +1,6 @@
 """Why `sparsify finetune`'s held-out ratio (finetuned/original perplexity) and `sparsify eval`'s differ.
 
-    python eval/ppl_gap.py --original smollm2-135m-gguf --finetuned RUN/model --tokens TOKFOLDER \
+    python eval/quality/ppl_gap.py --original smollm2-135m-gguf --finetuned RUN/model --tokens TOKFOLDER \
         --text general=general.txt --text docs=docs.txt [--max-tokens N] [--out DIR]
 
 Scores both models (fp32, the finetuned FFN forced dense) on each domain under several measures:
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from sparsify.evaluation.evaluate import provenance  # noqa: E402
 from sparsify.evaluation.loading import ffn_backend_of, load_model, parse_models, pick_device  # noqa: E402
 from sparsify.evaluation.perplexity import model_window, text_pass, tokenize_text  # noqa: E402

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The carried inputs of a GPU lease (eval/h200_long.sh, eval/h200_threshold.sh), made on the CPU machine from
+# The carried inputs of a GPU lease (eval/device/h200_long.sh, eval/device/h200_threshold.sh), made on the CPU machine from
 # nothing but this repository and the package registries, in six parts a device call can carry (<= 36 MB each,
 # beside the tree's ~23 MB of tracked files: one call sends at most 64 MiB; three 47 MB parts stopped fitting when
 # the tree passed 17 MB):
@@ -12,10 +12,10 @@
 # folder (`sparsify finetune --prepare-data`, ~3 min on 2 cores), the parts (~2 min). About 8 minutes in all.
 #
 # Usage, from the repository root, in the virtual environment of the README's first line:
-#   bash eval/make_carry.sh            then, on the GPU machine, one call per part:
-#   bash eval/h200_long.sh stage .carry/p1      (run's carry: [".carry/p1"]), then p2, p3, p4 (and p5, p6 when needed)
+#   bash eval/device/make_carry.sh            then, on the GPU machine, one call per part:
+#   bash eval/device/h200_long.sh stage .carry/p1      (run's carry: [".carry/p1"]), then p2, p3, p4 (and p5, p6 when needed)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 CARRY=${CARRY:-.carry}
 RECIPE=recipes/smollm2-135m.yaml
 PREP=${PREP:-runs/prep}
@@ -58,4 +58,4 @@ tar -cf - data/docs data/general data/ood/text | xz -T0 -6 > "$work/text.tar.xz"
 split -n 2 -d "$work/text.tar.xz" "$work/text.tar.xz.part."
 for i in 0 1; do mv "$work/text.tar.xz.part.0$i" "$CARRY/p$((i + 5))/"; done
 ls -la "$CARRY"/p*
-echo "make_carry: done; each part is one device call's carry (bash eval/h200_long.sh stage $CARRY/pN)"
+echo "make_carry: done; each part is one device call's carry (bash eval/device/h200_long.sh stage $CARRY/pN)"

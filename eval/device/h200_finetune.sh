@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # SmolLM2-135M on one H200: SiLU -> ReLU conversion + L1 continued pretraining on Debian documentation text,
 # fixed l1 at lr 3e-4 (the recipe's mixture weights, held-out domains, targets and lr 3e-3 are switched off here; the default
-# recipe's own long run is eval/h200_long.sh).
+# recipe's own long run is eval/device/h200_long.sh).
 #
 # Usage, from the repository root on the GPU machine (each mode fits one 10-minute device command):
-#   bash eval/h200_finetune.sh bench    # ~2 min: dense training path, no teacher, 60 steps: tokens/s and MFU
-#   bash eval/h200_finetune.sh main     # ~7 min: 50M tokens, L1=${L1:-6e-2}, KD=${KD:-1}: the headline run
-#   bash eval/h200_finetune.sh sweep    # ~8 min: short runs over SWEEP="l1:kd ..." (the quality/sparsity trade-off),
+#   bash eval/device/h200_finetune.sh bench    # ~2 min: dense training path, no teacher, 60 steps: tokens/s and MFU
+#   bash eval/device/h200_finetune.sh main     # ~7 min: 50M tokens, L1=${L1:-6e-2}, KD=${KD:-1}: the headline run
+#   bash eval/device/h200_finetune.sh sweep    # ~8 min: short runs over SWEEP="l1:kd ..." (the quality/sparsity trade-off),
 #                                       #   spread over the GPUs (one run per GPU at a time)
-#   bash eval/h200_finetune.sh ddp      # the main run under torchrun on every GPU (DDP; DIST=fsdp for FSDP2);
+#   bash eval/device/h200_finetune.sh ddp      # the main run under torchrun on every GPU (DDP; DIST=fsdp for FSDP2);
 #                                       #   L1=from-sweep takes l1 from a sweep's summary in $OUT (pick_l1)
-#   bash eval/h200_finetune.sh trainbench  # dense training path variants (attention backend, batch): eval/bench_train.py
+#   bash eval/device/h200_finetune.sh trainbench  # dense training path variants (attention backend, batch): eval/bench/bench_train.py
 # Knobs (environment): L1, KD, TOKENS (main, default 50_000_000), SWEEP (default "3e-2:1 1e-1:1 1e-1:0"),
 #   SWEEP_TOKENS (default 12_000_000), BATCH (default 16 x 2048 tokens per step), COMPILE (default true),
 #   EXTRA (more recipe overrides, e.g. EXTRA="sparsity.reinit_dead=false").
@@ -54,7 +54,7 @@ if [ -n "$WHEELS" ] && [ ! -e "$PYDEPS/.done" ]; then
     python -m pip install -q --no-deps --no-index --target "$PYDEPS" $WHEELS && touch "$PYDEPS/.done"
 fi
 export PYTHONPATH="$PWD:$PYDEPS:${PYTHONPATH:-}"
-source eval/device_env.sh  # sparsify.kernels importable without installing the repo
+source eval/device/device_env.sh  # sparsify.kernels importable without installing the repo
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export TORCHINDUCTOR_CACHE_DIR=$WORK/inductor-cache   # compiled kernels reused by the next mode
 python - <<'EOF'
@@ -209,7 +209,7 @@ case "$MODE" in
         train.max_tokens="${TOKENS:-50_000_000}" train.eval_every="${EVAL_EVERY:-0}" train.save_every="${SAVE_EVERY:-0}"
     ;;
   trainbench)
-    python eval/bench_train.py --tokens "$DATA" --tokenizer "${TOKENIZER:-.carry/smol-tok}" --out "$WORK/trainbench" \
+    python eval/bench/bench_train.py --tokens "$DATA" --tokenizer "${TOKENIZER:-.carry/smol-tok}" --out "$WORK/trainbench" \
         ${VARIANTS:+--variants $VARIANTS}
     cp "$WORK"/trainbench/summary.* "$WORK"/trainbench/*.profile.txt "$OUT/" 2>/dev/null || true
     exit 0

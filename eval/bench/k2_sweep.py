@@ -1,7 +1,7 @@
 """K2 sweep: the compacted up/down kernel (r6c's K2) over gather chunk sizes E and warps, timed interleaved.
 
-Usage on the H200:  cd repo && source eval/device_env.sh && PYTHONPATH=$PWD python eval/k2_sweep.py --out $OUT/k2
-CPU dry run (Triton interpreter, tiny shapes):  python eval/k2_sweep.py --smoke --out /tmp/k2
+Usage on the H200:  cd repo && source eval/device/device_env.sh && PYTHONPATH=$PWD python eval/bench/k2_sweep.py --out $OUT/k2
+CPU dry run (Triton interpreter, tiny shapes):  python eval/bench/k2_sweep.py --smoke --out /tmp/k2
 
 Per case (skewed, bf16, M = 16384, honest sparsity as in bench_kernels.py): one r6 packing, then
 updown(compact=True) with each (E, num_warps), against the default config's output (max |difference|:
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "eval"))
+sys.path.insert(0, str(ROOT / "eval" / "bench"))
 
 from sparsify.kernels import twell_updown as tu  # noqa: E402  (K2 and twell_ffn_triton)
 

@@ -4,25 +4,25 @@
 # (outside the repo copy, so it survives between the 10-minute calls while the machine stays warm).
 #
 # Usage, from the repository root on the GPU machine:
-#   bash eval/h200_long.sh stage DIR...  copy carried inputs into $WORK/in (a carried path is gone from the tree
+#   bash eval/device/h200_long.sh stage DIR...  copy carried inputs into $WORK/in (a carried path is gone from the tree
 #                                        at the next call): GGUF split parts gguf.part.*, wheels (gguf), the
 #                                        token folder tok/ (train.bin.xz or train.bin split as train.bin.xz.*,
 #                                        meta.json, validation.bin, heldout-*.bin), heldout.tar.xz (the held-out
 #                                        text files, for sparsify eval); or all of these as one tar split in parts,
 #                                        bundle.tar.part.* (one part per call: a call sends at most 64 MiB)
-#   bash eval/h200_long.sh train         start, or resume, the run; stops after LEG_S seconds (default 530) or at
+#   bash eval/device/h200_long.sh train         start, or resume, the run; stops after LEG_S seconds (default 530) or at
 #                                        its token budget, whichever comes first; prints the last logged steps
-#   bash eval/h200_long.sh sweep         short experiment runs side by side (SLOTS at a time) from the same inputs:
+#   bash eval/device/h200_long.sh sweep         short experiment runs side by side (SLOTS at a time) from the same inputs:
 #                                        SWEEP="name=OVERRIDE OVERRIDE;name2=..." (each run gets TOKENS, default
 #                                        40_000_000, and the recipe's other keys); a run cut at LEG_S checkpoints
 #                                        and the next sweep call resumes it; each finished run's cloze into
 #                                        cloze-NAME/ (SWEEP_CLOZE=0: none); then frontier.md/.png over the runs'
 #                                        last evaluations in sweep/, with their cloze
-#   bash eval/h200_long.sh gendata       text sampled from the original model into $WORK/gen (GEN_TOKENS, default 6M)
-#   bash eval/h200_long.sh prepare       a token folder from the carried raw text (text.tar.xz of data/) and EXTRA
+#   bash eval/device/h200_long.sh gendata       text sampled from the original model into $WORK/gen (GEN_TOKENS, default 6M)
+#   bash eval/device/h200_long.sh prepare       a token folder from the carried raw text (text.tar.xz of data/) and EXTRA
 #                                        overrides (e.g. a gendata share) into $WORK/prep-$NAME/data; the train and
 #                                        sweep modes read TOK=that folder (default $WORK/tok)
-#   bash eval/h200_long.sh levers        one lease's lever runs from the carried raw text, chained (run it detached):
+#   bash eval/device/h200_long.sh levers        one lease's lever runs from the carried raw text, chained (run it detached):
 #                                        gendata alone on the GPU while the recipe's token folder is prepared on
 #                                        the CPU, then the LEVERS runs one at a time on it (default "lr1e3=train.lr=
 #                                        1e-3") while a folder of docs, general and the gendata text is prepared
@@ -31,16 +31,16 @@
 #                                        data.weights=[0.25,0.5,0.25]"); each run TOKENS (default 100M) with
 #                                        EVAL_EVERY (default 610) into $WORK/sweep/NAME, one run at a time on GPU 0
 #                                        (SLOTS=1: a lever's speed is not shared with another run); then cloze
-#   bash eval/h200_long.sh cloze         the cloze task (eval/cloze.py: lm-eval's acc, without lm_eval) on the
+#   bash eval/device/h200_long.sh cloze         the cloze task (eval/quality/cloze.py: lm-eval's acc, without lm_eval) on the
 #                                        original and every finished sweep run; frontier.md gains its columns
-#   bash eval/h200_long.sh detach MODE   MODE (train, sweep, ...) in its own process session from a copy of the tree:
+#   bash eval/device/h200_long.sh detach MODE   MODE (train, sweep, ...) in its own process session from a copy of the tree:
 #                                        it runs on across calls while the machine is held (LEG_S default 1 day);
-#   bash eval/h200_long.sh wait [S]      in the next calls, waits up to S seconds (default 540) for it to end; copies
+#   bash eval/device/h200_long.sh wait [S]      in the next calls, waits up to S seconds (default 540) for it to end; copies
 #                                        the runs' metrics so far into $RESULTS (PACK=$OUT: they come back every call)
-#   bash eval/h200_long.sh finish        after the run or sweep: sparsify bench (generate speed, sparse vs dense
-#                                        FFN), eval/ppl_gap.py (the finetune log's measure vs sparsify eval's),
+#   bash eval/device/h200_long.sh finish        after the run or sweep: sparsify bench (generate speed, sparse vs dense
+#                                        FFN), eval/quality/ppl_gap.py (the finetune log's measure vs sparsify eval's),
 #                                        sparsify eval original vs the fine-tuned models on the held-out text,
-#                                        and eval/bench_train_ffn.py with BENCH_FFN=1
+#                                        and eval/bench/bench_train_ffn.py with BENCH_FFN=1
 # Knobs: EXTRA (recipe overrides for every leg, e.g. train.max_tokens=200_000_000), GPUS (default: all), SLOTS
 # (sweep runs at a time, default GPUS: more share a GPU), TOKENS and EVAL_EVERY (sweep), FINISH / BENCH_MODEL
 # (finish: "name=folder ..." to evaluate, the one to bench), BENCH_BATCH / BENCH_PROMPT / BENCH_REGIMES. Measured on one H200: four 16M-token sweep runs side
@@ -58,7 +58,7 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHO
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
 export TORCHINDUCTOR_CACHE_DIR=$WORK/inductor  # a resumed leg reuses the compiled kernels
 export PYTHONPATH="$PWD:$WORK/pydeps:${PYTHONPATH:-}"
-source eval/device_env.sh  # sparsify.kernels importable without installing the repo
+source eval/device/device_env.sh  # sparsify.kernels importable without installing the repo
 GPUS=${GPUS:-$(python -c "import torch; print(max(1, torch.cuda.device_count()))")}
 RUN=$WORK/run
 
@@ -157,7 +157,7 @@ case "${1:-}" in
     sweep_cloze() {  # the finished run's cloze in its slot, unless scored (SWEEP_CLOZE=0: never; up to CLOZE_S,
         # 240 s): lease 5's runs ended with 2 minutes of device time left and a separate cloze call did not fit
         if [ "${SWEEP_CLOZE:-1}" = 1 ] && [ -f "$dir/model/config.json" ] && [ ! -f "$OUT/cloze-$name/cloze.json" ]; then
-            CUDA_VISIBLE_DEVICES=$((s % GPUS)) timeout "${CLOZE_S:-240}" python eval/cloze.py -q \
+            CUDA_VISIBLE_DEVICES=$((s % GPUS)) timeout "${CLOZE_S:-240}" python eval/quality/cloze.py -q \
                 original="$WORK/smollm2.gguf" "$name=$dir/model" --out "$OUT/cloze-$name" >> "$OUT/sweep-$name.log" 2>&1 \
                 || echo "$name: cloze failed or cut (see sweep-$name.log)"
         fi
@@ -187,7 +187,7 @@ case "${1:-}" in
     wait
     cloze=()
     for f in "$OUT"/cloze/cloze.json "$OUT"/cloze-*/cloze.json; do [ -f "$f" ] && cloze+=(--cloze "$f"); done
-    python eval/frontier.py "$OUT"/sweep/*/ --out "$OUT/sweep" "${cloze[@]}" || true  # the table: run, zeros, ratios
+    python eval/quality/frontier.py "$OUT"/sweep/*/ --out "$OUT/sweep" "${cloze[@]}" || true  # the table: run, zeros, ratios
     ;;
   gendata)  # text sampled from the original model (a data.train entry): GEN_TOKENS (default 6M) into $WORK/gen
     inputs
@@ -229,14 +229,14 @@ case "${1:-}" in
     TOK=$gen SWEEP=${GEN_LEVERS:-gen25=data.weights=[0.25,0.5,0.25]} bash "$0" sweep
     bash "$0" cloze  # the original and every finished run; frontier.md gains the column
     ;;
-  cloze)  # eval/cloze.py (lm-eval's cloze acc without lm_eval) on the original and every finished sweep run
+  cloze)  # eval/quality/cloze.py (lm-eval's cloze acc without lm_eval) on the original and every finished sweep run
     inputs
     models="original=$WORK/smollm2.gguf"
     for d in "$WORK"/sweep/*/model; do
         [ -f "$d/config.json" ] && models="$models $(basename "$(dirname "$d")")=$d"
     done
-    python eval/cloze.py $models --out "$OUT/cloze" 2>&1 | tail -12 || echo "cloze failed"
-    [ -d "$OUT/sweep" ] && python eval/frontier.py "$OUT"/sweep/*/ --out "$OUT/sweep" --cloze "$OUT/cloze/cloze.json" \
+    python eval/quality/cloze.py $models --out "$OUT/cloze" 2>&1 | tail -12 || echo "cloze failed"
+    [ -d "$OUT/sweep" ] && python eval/quality/frontier.py "$OUT"/sweep/*/ --out "$OUT/sweep" --cloze "$OUT/cloze/cloze.json" \
         >/dev/null || true
     ;;
   finish)
@@ -257,15 +257,15 @@ case "${1:-}" in
     python -m sparsify bench "$bench" --batch "${BENCH_BATCH:-1,8,32}" --prompt "${BENCH_PROMPT:-512}" \
         --regimes "${BENCH_REGIMES:-compiled}" ${general:+--text "$general"} --new-tokens 256 --out "$OUT/bench" --overwrite -q \
         2>&1 | tail -15 || echo "bench failed"
-    if [ -f eval/ppl_gap.py ] && [ -n "$texts" ]; then
-        python eval/ppl_gap.py --original "$WORK/smollm2.gguf" --finetuned "${bench#*=}" --tokens "${TOK:-$WORK/tok}" \
+    if [ -f eval/quality/ppl_gap.py ] && [ -n "$texts" ]; then
+        python eval/quality/ppl_gap.py --original "$WORK/smollm2.gguf" --finetuned "${bench#*=}" --tokens "${TOK:-$WORK/tok}" \
             --text general="$WORK/heldout/general.txt" --text docs="$WORK/heldout/docs.txt" --out "$OUT/gap" 2>&1 \
             | tail -20 || echo "ppl_gap failed"
     fi
     python -m sparsify eval original="$WORK/smollm2.gguf" $models --tasks none \
         ${texts:+--text $texts} --text-tokens 0 --out "$OUT/eval" --overwrite -q 2>&1 | tail -14 || echo "eval failed"
-    if [ "${BENCH_FFN:-0}" = 1 ] && [ -f eval/bench_train_ffn.py ]; then
-        python eval/bench_train_ffn.py --out "$OUT/train_ffn" 2>&1 | tail -25 || echo "bench_train_ffn failed"
+    if [ "${BENCH_FFN:-0}" = 1 ] && [ -f eval/bench/bench_train_ffn.py ]; then
+        python eval/bench/bench_train_ffn.py --out "$OUT/train_ffn" 2>&1 | tail -25 || echo "bench_train_ffn failed"
     fi
     ;;
   detach)  # run another mode in its own process session, from a copy of this tree (a later call's tree may differ),
@@ -282,7 +282,7 @@ case "${1:-}" in
         | tar -x -C "$WORK/tree"
     cd "$WORK/tree"
     # the session leader records its own pid, runs the mode, then records its exit status (what `wait` reads)
-    LEG_S=${LEG_S:-86400} setsid nohup bash -c 'echo $$ > "$0/detached.pid"; bash eval/h200_long.sh "$@";
+    LEG_S=${LEG_S:-86400} setsid nohup bash -c 'echo $$ > "$0/detached.pid"; bash eval/device/h200_long.sh "$@";
         echo $? > "$0/detached.rc"' "$WORK" "$@" > "$WORK/detached.log" 2>&1 < /dev/null &
     sleep 1
     echo "detached: $mode (pid $(cat "$WORK/detached.pid" 2>/dev/null)), log $WORK/detached.log; then: bash $0 wait SECONDS"

@@ -5,7 +5,7 @@ alternating order, `--reps` times each, after an os.sync() so one run's
 writeback does not land on the next; we report median wall time and the peak RSS of each child
 (os.wait4). Targets (issue 2): convert time <= 1.5x cp -r, peak RSS <= 1.5 GB.
 
-    python eval/bench_convert.py [--work /tmp/bench-convert] [--reps 5] [--out eval/results/convert-cpu.json]
+    python eval/bench/bench_convert.py [--work /tmp/bench-convert] [--reps 5] [--out eval/results/convert-cpu.json]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 # config.json of meta-llama/Llama-3.2-1B, as `sparsify synth` uses it
-LLAMA_32_1B = json.loads((Path(__file__).parent / "configs" / "llama-3.2-1b.json").read_text())
+LLAMA_32_1B = json.loads((Path(__file__).resolve().parents[1] / "configs" / "llama-3.2-1b.json").read_text())
 
 
 def make_checkpoint(folder: Path) -> int:

@@ -1,10 +1,10 @@
 """K1 sweep: the round-6 gate kernel (`_k1_r6`) over block shapes, against the cuBLAS gate GEMM and
 round 5's K1 (r5, r6's fallback), timed interleaved in one run.
 
-Usage on the H200 (eval/device_env.sh makes `sparsify.kernels` importable):
-  cd repo && source eval/device_env.sh
-  PYTHONPATH=$PWD python eval/k1_sweep.py --out $OUT/k1
-CPU dry run (Triton interpreter, tiny shapes):  python eval/k1_sweep.py --smoke --out /tmp/k1
+Usage on the H200 (eval/device/device_env.sh makes `sparsify.kernels` importable):
+  cd repo && source eval/device/device_env.sh
+  PYTHONPATH=$PWD python eval/bench/k1_sweep.py --out $OUT/k1
+CPU dry run (Triton interpreter, tiny shapes):  python eval/bench/k1_sweep.py --smoke --out /tmp/k1
 
 Per case (skewed pattern, bf16; honest sparsity as in bench_kernels.py) it
   1. checks every config packs what the r5 K1 packs (counts and columns equal, values within one 16-bit
@@ -26,13 +26,14 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "eval"))
+sys.path.insert(0, str(ROOT / "eval" / "bench"))
 
 from sparsify.kernels import twell_updown as tu  # noqa: E402  (K2 and twell_ffn_triton)
 
-from bench_kernels import Clock, env_info, interleaved, make_layer, med, paired, set_sparsity  # noqa: E402
+from bench_kernels import env_info, make_layer, set_sparsity  # noqa: E402
+from timing import Clock, interleaved, med, paired  # noqa: E402
 
 # (BLOCK_M, BLOCK_K, NSUB, num_warps, num_stages); the first is the default (R6_TUNE[0]): 128 x 256 tiles
 CONFIGS = [(128, 64, 2, 8, 4), (128, 64, 2, 8, 3), (128, 128, 1, 8, 3), (64, 64, 1, 4, 4), (64, 128, 1, 4, 3)]
@@ -95,7 +96,7 @@ def run_case(d, f, m, sparsity, configs, clock, tt, ffn_dense, budget_ms, device
             row["mismatch"][name(c)] = why
             continue
         k1[name(c)] = lambda kw=kw: tt.gate_pack(x, w_gate, variant="r6", **kw)
-    t = interleaved(k1, clock, budget_ms, row["errors"])
+    t = interleaved(k1, clock, row["errors"], budget_ms=budget_ms)
     row["k1_ms"] = {k: med(v) for k, v in t.items()}
     row["k1_over_gate"] = {k: paired(t, k, "gate") for k in t}
     full = [k for k in t if k.startswith("bm")]
@@ -121,7 +122,7 @@ def run_case(d, f, m, sparsity, configs, clock, tt, ffn_dense, budget_ms, device
 
 def time_vs_dense(fns: dict, clock, budget_ms: float, errors: dict) -> tuple[dict, dict]:
     """Median ms of each fn (interleaved rounds) and dense / fn paired ratios (fns holds "dense")."""
-    t = interleaved(fns, clock, budget_ms, errors)
+    t = interleaved(fns, clock, errors, budget_ms=budget_ms)
     return {k: med(v) for k, v in t.items()}, {k: paired(t, "dense", k) for k in t if k != "dense"}
 
 
@@ -156,11 +157,10 @@ def sweep_main(doc: str, json_name: str, cases: list, smoke_cases: list, run_one
     ap.add_argument("--budget-s", type=float, default=5.0, help="timing budget per interleaved set")
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.smoke
-    from sparsify.kernels.dispatch import loop_ms
     from sparsify.kernels import twell_triton as tt
     from sparsify.kernels.twell_reference import ffn_dense
 
-    ctx = {"tt": tt, "ffn_dense": ffn_dense, "clock": Clock(cuda, loop_ms if cuda else None),
+    ctx = {"tt": tt, "ffn_dense": ffn_dense, "clock": Clock(cuda),
            "budget_ms": args.budget_s * 1e3, "device": "cuda" if cuda else "cpu",
            "dtype": torch.bfloat16 if cuda else torch.float16, "smoke": not cuda}
     rows = []
