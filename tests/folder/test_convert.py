@@ -368,9 +368,10 @@ def test_hub_download_fetches_only_the_weights_transformers_loads(files, expecte
 
 
 def test_an_unresolvable_hub_reads_the_cache_at_once(tmp_path, monkeypatch):
-    """No DNS for the Hub (and no proxy): convert asks only the local cache, so a missing model is reported at
-    once, not after huggingface_hub's ~24 s of retries; a local folder never triggers the lookup; the failed
-    lookup is remembered for a while, a proxy means nothing changes."""
+    """No DNS for the Hub (and no proxy): convert asks only the local cache, so a missing model is reported at once
+    (before any download call), not after huggingface_hub's ~24 s of retries, and a cached one is read from the
+    cache alone; a local folder never triggers the lookup; the failed lookup is remembered for a while, a proxy
+    means nothing changes."""
     import socket
 
     import huggingface_hub
@@ -399,8 +400,13 @@ def test_an_unresolvable_hub_reads_the_cache_at_once(tmp_path, monkeypatch):
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot)
     monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", lambda *a, **kw: pytest.fail("asked the Hub"))
+    monkeypatch.setattr(huggingface_hub, "HfApi", lambda *a, **kw: pytest.fail("asked the Hub"))
     with pytest.raises(SparsifyError, match="not reachable .* not in the local cache"):
-        convert("someone/model", tmp_path / "out")
+        convert("someone/model", tmp_path / "out")  # not in the cache: refused at once, before any download
+    assert calls == []
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *a, **kw: str(tmp_path / "config.json"))
+    with pytest.raises(SparsifyError, match="not reachable .* not in the local cache"):
+        convert("someone/model", tmp_path / "out")  # in the cache (its config at least): read from it alone
     assert calls and calls[0]["local_files_only"] is True
     monkeypatch.setattr(sources, "_UNREACHABLE", [])
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy:3128")

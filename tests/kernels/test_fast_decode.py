@@ -605,20 +605,26 @@ def test_nucleus_keeps_every_token_tied_at_the_boundary():
 def test_nucleus_at_top_p_near_one_resolves_a_long_tail_of_tiny_probabilities():
     """Top-p near 1 on a long tail of tiny, distinct probabilities: the boundary lies where the mass below is
     about 1 - top_p; as a mass above (~1) fp32 cannot tell hundreds of tail tokens apart there, as a mass below
-    it can, so the kept set is the float64 one and TopPLogitsWarper's, token for token. At top_p 1 every token
-    stays although a float cumsum of the sorted probabilities reaches 1 before the tail ends."""
-    from sparsify.kernels.fast_decode import nucleus
+    it can, so the kept set is the exact one, token for token. The tail's probabilities are distinct multiples of
+    2^-40, so every sum of them below 2^-16 (each one nucleus_keep takes near the boundary) is exact in fp32, in
+    whatever order torch's CPU kernels add (issue 40: a softmax tail, as this test had, put the boundary token
+    ~2e-11 from 1 - top_p, under the rounding of a fp32 sum). At top_p 1 every token stays although a float cumsum
+    of the sorted probabilities reaches 1 before the tail ends."""
+    from sparsify.kernels.fast_decode import nucleus, nucleus_keep
 
     one = torch.tensor(1.0)
-    logits = torch.cat([torch.zeros(1, 2), torch.linspace(-22.0, -18.0, 49152)[None]], 1)  # [1, 49154]
-    top_p = torch.tensor(0.99999)
-    keep = nucleus(logits, one, top_p)[1]
-    exact = torch.softmax(logits[0].double(), -1)
-    below = exact.sort().values.cumsum(0)  # [V] ascending: mass at or below each (all distinct)
-    want = exact >= exact.sort().values[int((below <= 1 - float(top_p)).sum())]
-    assert 1000 < int((~keep).sum()) < 48000  # the boundary inside the tail: part of it kept
-    assert torch.equal(keep[0], want) and torch.equal(keep, warper_keeps(logits, 1.0, top_p))
-    boundary = int((below <= 1 - float(top_p)).sum())  # the smallest kept token's rank from the bottom
+    tail = torch.arange(1, 49153, dtype=torch.float64) * 2.0**-40  # [V-2] ascending, distinct, exact in fp32
+    head = (1 - tail.sum()) / 2  # two tokens hold the rest
+    probs = torch.cat([head.expand(2), tail])  # [V] float64
+    top_p = torch.tensor(0.999999)
+    cut = 1 - float(top_p)  # = the fp32 1 - top_p nucleus_keep compares with (exact: Sterbenz)
+    keep = nucleus_keep(probs.float()[None], top_p)[0]
+    below = torch.cumsum(tail, 0)  # [V-2] mass at or below each tail token, exact in float64
+    want = torch.cat([torch.ones(2, dtype=torch.bool), below > cut])
+    assert 1000 < int((~want).sum()) < 48000  # the boundary inside the tail: part of it kept
+    assert bool((below[~want[2:]] < 2.0**-16).all())  # (the sums that decide it are exact in fp32)
+    assert torch.equal(keep, want), (~keep).sum() - (~want).sum()
+    boundary = int((~want).sum())  # the smallest kept tail token's index
     above = (1 - below[boundary - 300: boundary + 300]).float()  # as masses above, in fp32
     assert above.unique().numel() < 600 // 20  # (what a fp32 "mass above < top_p" test would have to separate)
     tail = torch.cat([torch.zeros(1, 2), torch.full((1, 49152), -9.0)], 1)
