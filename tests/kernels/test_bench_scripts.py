@@ -162,24 +162,6 @@ def test_bench_auto_overhead_smoke_on_cpu(tmp_path):
     assert "| tiny | decode |" in res.stdout
 
 
-def test_bench_screen_cuda_smoke_on_cpu(tmp_path):
-    """eval/bench_screen.py --cuda --smoke: the CUDA mode's code path (every variant's default launch and a part
-    of the launch sweep, each checked: pass mask covers the active rows, FFN within the bf16 rule of the fp32
-    reference) in the interpreter; both tables and the best config per case written."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    res = subprocess.run([sys.executable, str(ROOT / "eval" / "bench_screen.py"), "--cuda", "--smoke", "--out",
-                          str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    rows = json.loads((tmp_path / "screen.json").read_text())["rows"]
-    assert [r["M"] for r in rows] == [1, 8]
-    for r in rows:
-        assert not r["errors"] and "bad" not in r, (r["errors"], r.get("bad"))
-        assert len([c for c in r["configs"].values() if c["variant"] == "int8-row+ex"]) == 3
-        assert set(r["best"]) == {"int8-row+ex", "int8-g128+ex", "fp8-row+ex", "int8-row"}
-    md = (tmp_path / "screen.md").read_text()
-    assert "Launch sweep of the screened K1" in md and "Best per case" in md
-
-
 def test_bench_gendata_smoke_on_cpu(tmp_path):
     """eval/bench_gendata.py --cpu --tiny: both paths at both batch sizes, the new one served by the sampling graph
     loop (emulated) with its seed and row checks passing, JSON + table with the new / old ratio."""

@@ -66,14 +66,15 @@ same order: the kernels here mirror `_k1_gate_pack` (M > 1) and `_k1_gemv` (M = 
 How tight: for Gaussian weights and inputs the Cauchy-Schwarz radius is ~ (s / sqrt(12)) sqrt(d) ||x|| against a
 gate spread ||w|| ||x|| / sqrt(d): their ratio is ~ 0.009 sqrt(d) for per-row int8 absmax (0.4 at d = 2048, 0.8
 at d = 8192) and ~4x that for e4m3. A weight outlier (the synth bias channel) blows up the per-row absmax scale:
-hold such channels exactly (`exact_cols`, `outlier_columns`) or use groups. eval/bench_screen.py measures the
+hold such channels exactly (`exact_cols`, `outlier_columns`) or use groups. eval/research/bench_screen.py measures the
 pass fraction against the active fraction.
 
 Memory (`ScreenWeights.nbytes`): the copy is F d bytes (half of bf16 W_gate), + 12 bytes per (row, group)
 (scale, R, m: fp32), + 4 bytes per row (C), + the exact channels (F k x 2 bytes).
 
-Flat file: imports torch, the standard library and its siblings (triton through twell_triton, which imports it
-in try/except).
+Research code, not shipped: no backend runs it (eval/research/README.md has what it measured and why it stays
+out). It builds on the shipped kernels (sparsify.kernels: twell_triton's epilogue and helpers, the layout of
+twell_reference) and is imported as `gate_screen` with this folder on sys.path (bench_screen.py, the tests).
 """
 
 from __future__ import annotations
@@ -83,13 +84,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .twell_reference import DECODE_SLOTS, DECODE_TILE, TwellPacked, n_tiles
-from .twell_triton import (
+from sparsify.kernels.twell_reference import DECODE_SLOTS, DECODE_TILE, TwellPacked, n_tiles
+from sparsify.kernels.twell_triton import (
     ENT_CODES, GEMV_BLOCK_K, HAS_TRITON, default_entries, next_pow2, require_triton, theta_args, tl, triton,
 )
 
 if HAS_TRITON:
-    from .twell_triton import _k1_epilogue
+    from sparsify.kernels.twell_triton import _k1_epilogue
 
 U_ACC = 2.0**-23  # assumed unit roundoff of every fp32 operation of the gate / screen GEMMs (see 3. above)
 SLACK = 2.0**-6  # relative slack on every evaluated norm and on the radius
@@ -584,7 +585,7 @@ if HAS_TRITON:
                      ENT, HAS_THETA, RND)
 
 
-# The screened K1's launch parameters (gate_pack_screened's overrides; eval/bench_screen.py --cuda sweeps them):
+# The screened K1's launch parameters (gate_pack_screened's overrides; eval/research/bench_screen.py --cuda sweeps them):
 # BK1 phase-1 columns per step (per-row screens; grouped: the group), BK2 phase-2 columns per step, CP passed
 # rows (M = 1) / columns (M > 1, >= 16; T: masked, no gather) per phase-2 chunk, CVT int8 conversion (1: integer
 # trick, 0: cast), num_warps, num_stages. The defaults keep the exact gates bitwise those of today's decode K1
@@ -663,7 +664,7 @@ def twell_ffn_screened(x2d: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tens
                        sw: ScreenWeights, threshold: torch.Tensor | None = None, **overrides) -> torch.Tensor:
     """The decode TwELL FFN with the screened K1: gate_pack_screened (overrides: SCREEN_KEYS), then the same K2
     as twell_ffn_triton (launches per call: K1, then K2's zero-fill, kernel and output cast, as twell's)."""
-    from .twell_updown import updown
+    from sparsify.kernels.twell_updown import updown
 
     packed = gate_pack_screened(x2d, w_gate, sw, threshold, **overrides)
     return updown(x2d, packed, w_gate, w_up, w_down_t, compact=True, threshold=threshold)
