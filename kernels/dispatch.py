@@ -30,11 +30,10 @@ import torch
 from torch.utils.weak import WeakIdRef
 
 from .twell_reference import ffn_dense, threshold_act, transpose_down
-from .twell_triton import DEFAULT_VARIANT, gate_pack, split_variant
+from .twell_triton import DEFAULT_VARIANT, gate_pack
 from .twell_updown import k2_spills, twell_ffn_k1k2, twell_ffn_triton
 
 log = logging.getLogger("sparsify.kernels")
-K1_VARIANT = split_variant(DEFAULT_VARIANT)[0]  # the K1 that count() runs, as auto's sparse path does
 
 
 @dataclass(frozen=True)
@@ -148,7 +147,7 @@ class TwellPath:
     @staticmethod
     def count(x2d: torch.Tensor, w_gate: torch.Tensor, threshold: torch.Tensor | None = None) -> torch.Tensor:
         """Active gate values, g > 0 or g > theta (int64 scalar tensor, on x2d's device)."""
-        return gate_pack(x2d, w_gate, variant=K1_VARIANT, threshold=threshold).cnt.sum()
+        return gate_pack(x2d, w_gate, variant=DEFAULT_VARIANT, threshold=threshold).cnt.sum()
 
     @staticmethod
     def __call__(x2d, w_gate, w_up, w_down_t, on_count=None, threshold=None) -> torch.Tensor:

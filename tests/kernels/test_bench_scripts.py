@@ -68,7 +68,7 @@ def test_bench_decode_fused_sweep_smoke_on_cpu(tmp_path):
 
 
 def run_sweep_smoke(script: str, out: Path) -> dict:
-    """One of the round-6 sweep scripts on its tiny CPU case; its first JSON row."""
+    """One of the K1 / K2 sweep scripts on its tiny CPU case; its first JSON row."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     res = subprocess.run([sys.executable, str(ROOT / "eval" / script), "--smoke", "--budget-s", "0.2",
                           "--out", str(out)], capture_output=True, text=True, env=env, timeout=400)
@@ -78,10 +78,10 @@ def run_sweep_smoke(script: str, out: Path) -> dict:
 
 @pytest.mark.slow  # the interpreter runs every config (72 s on 2 busy cores)
 def test_k1_sweep_smoke_on_cpu(tmp_path):
-    """The K1 sweep (correctness gate against the r5 K1, interleaved timing, JSON)."""
+    """The K1 sweep (correctness gate against the tiled K1, interleaved timing, JSON)."""
     row = run_sweep_smoke("k1_sweep.py", tmp_path)
     assert not row["mismatch"] and not row["errors"], (row["mismatch"], row["errors"])
-    assert {"gate", "k1_r5"} < row["k1_ms"].keys() and row["best_r6"] and "r6c" in row["ffn_ms"]
+    assert {"gate", "k1_tiled"} < row["k1_ms"].keys() and row["best_tma"] and "tma" in row["ffn_ms"]
 
 
 def test_k1_sweep_same_packing_bound():
@@ -121,7 +121,7 @@ def test_bench_smoke_on_cpu(tmp_path):
     data = json.loads((tmp_path / "kernels-bench.json").read_text())
     rows = data["rows"]
     assert rows and not [r for r in rows if "error" in r], [r.get("error") for r in rows]
-    assert {"twell_r6_ms", "twell_c_ms", "k2_c_ms", "auto_ms", "k1_ms", "k1_r6_ms", "k2_ms",
+    assert {"twell_tma_ms", "twell_tiled_ms", "k2_c_ms", "auto_ms", "k1_ms", "k1_tma_ms", "k2_ms",
             "x_auto", "noise_med", "k1_over_gate"} <= rows[-1].keys()  # rows[-1]: M = 20 (prefill: K1 + K2)
     assert "TARGETS" in res.stdout
 

@@ -26,7 +26,7 @@ from tests.kernels.helpers import FP32, assert_close, make_case
 from tests.kernels.test_dispatch import ALL_DENSE, EAGER_TWELL, Kernels, dispatcher, state
 
 ROOT = Path(__file__).resolve().parents[2]
-R6_SMALL = dict(BLOCK_M=32, BLOCK_K=32, num_warps=4, num_stages=2)  # interpreter-sized r6 blocks
+TMA_SMALL = dict(BLOCK_M=32, BLOCK_K=32, num_warps=4, num_stages=2)  # interpreter-sized TMA K1 blocks
 
 
 def dyadic_case(m, d, f, seed=0, dtype=torch.float32):
@@ -129,19 +129,19 @@ def test_pack_unpack_round_trip_with_threshold(entries):
 
 
 # ------------------------------------------------------------------------------------ K1 / K2 (interpreter)
-K1_CASES = {  # name: (rows, gate_pack kwargs); fp32 "r6" runs r5 (split entries), as it does in use
-    "r5": (37, dict(BLOCK_M=32, T=64, S=8)),
+K1_CASES = {  # name: (rows, gate_pack kwargs); fp32 "tma" runs the tiled K1 (split entries), as it does in use
+    "tiled": (37, dict(BLOCK_M=32, T=64, S=8)),
     "decode": (5, {}),
     "gemv": (1, dict(variant="gemv")),
-    "r6": (37, dict(variant="r6", **R6_SMALL)),
+    "tma": (37, dict(variant="tma", **TMA_SMALL)),
 }
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("k1", list(K1_CASES))
 def test_k1_packs_exactly_the_columns_above_theta(k1, dtype):
-    """Every K1 (r5 tiled GEMM with overflowing tiles, decode tiles, the GEMV at M = 1, r6's slot-major
-    epilogue) packs the torch packer's columns and values on g as the input dtype holds it."""
+    """Every K1 (the plain-tiled GEMM with overflowing tiles, decode tiles, the GEMV at M = 1, the TMA K1's
+    slot-major epilogue) packs the torch packer's columns and values on g as the input dtype holds it."""
     m, kw = K1_CASES[k1]
     x, wg, _, _ = dyadic_case(m, 48, 200, seed=5, dtype=dtype)
     g, g_dt = gate_as(x, wg)
@@ -149,9 +149,9 @@ def test_k1_packs_exactly_the_columns_above_theta(k1, dtype):
     assert midpoints(g, g_dt, th) >= (5 if dtype == torch.float16 else 0), "the case has no midpoint thetas"
     packed = tt.gate_pack(x, wg, threshold=th, **kw)
     expect_pack(packed, g_dt, th)
-    if k1 == "r5":
+    if k1 == "tiled":
         assert packed.overflowed().any() and not packed.overflowed().all()
-    if k1 == "r6" and dtype == torch.float16:
+    if k1 == "tma" and dtype == torch.float16:
         assert packed.entries == "fp16" and packed.tile == ref.TILE
 
 
@@ -226,12 +226,12 @@ def test_fused_decode_ffn_keeps_exactly_the_gates_above_theta(dtype):
 
 
 def test_theta_zero_is_relu_bit_for_bit_in_the_kernels():
-    """theta = 0 through K1 (r5, r6) and K2 (overflowing tiles) gives exactly the relu path's packing and
+    """theta = 0 through K1 (tiled, tma) and K2 (overflowing tiles) gives exactly the relu path's packing and
     output (fp32 and fp16; no gate value here rounds to zero in fp16)."""
-    for dtype, k1 in ((torch.float32, "r5"), (torch.float16, "r6")):
+    for dtype, k1 in ((torch.float32, "tiled"), (torch.float16, "tma")):
         x, wg, wu, wd = dyadic_case(37, 48, 300, seed=9, dtype=dtype)
         zero, wdt = torch.zeros(300), ref.transpose_down(wd)
-        kw = dict(BLOCK_M=32, T=64, S=8) if k1 == "r5" else dict(variant="r6", **R6_SMALL)
+        kw = dict(BLOCK_M=32, T=64, S=8) if k1 == "tiled" else dict(variant="tma", **TMA_SMALL)
         a, b = tt.gate_pack(x, wg, threshold=zero, **kw), tt.gate_pack(x, wg, **kw)
         kept = torch.arange(a.slots) < a.cnt.clamp(max=a.slots).unsqueeze(-1)
         assert torch.equal(a.cnt, b.cnt) and torch.equal(a.columns()[kept], b.columns()[kept]), k1
@@ -403,7 +403,7 @@ def test_gpu_theta_twell_auto_dense_match_oracle(m):
         got = twell_ops.twell_ffn(x, wg, wu, wd, backend=backend, threshold=th)
         want = bf16_rule_theta(got, x, wg, wu, wd, th, f"{backend} m={m}")
     assert (want - ref.ffn_reference(x, wg, wu, wd)).abs().max() > 0.2 * want.abs().max(), "theta does nothing"
-    packed = tt.gate_pack(x, wg, variant="r6", threshold=th)
+    packed = tt.gate_pack(x, wg, variant="tma", threshold=th)
     g = torch.nn.functional.linear(x, wg)  # bf16, as the dense path has it
     dense_active = int((g.float() > th).sum())
     assert abs(int(packed.cnt.sum()) - dense_active) <= max(2, dense_active // 1000), (int(packed.cnt.sum()), dense_active)
@@ -418,7 +418,7 @@ def test_gpu_theta_zero_is_relu_and_graphs_replay(m):
     x, wg, wu, wd, th = gpu_case(m, seed=41)
     zero = torch.zeros_like(th)
     wdt = ref.transpose_down(wd)
-    a, b = tt.gate_pack(x, wg, variant="r6", threshold=zero), tt.gate_pack(x, wg, variant="r6")
+    a, b = tt.gate_pack(x, wg, variant="tma", threshold=zero), tt.gate_pack(x, wg, variant="tma")
     kept = torch.arange(a.slots, device="cuda") < a.cnt.clamp(max=a.slots).unsqueeze(-1)
     assert torch.equal(a.cnt, b.cnt) and torch.equal(a.ent[kept], b.ent[kept])
     if m > tu.K2_SPLIT_MAX_M:

@@ -150,8 +150,8 @@ def _same_packing(got, want, what):
 
 
 def _k1(x, wg, th):
-    """The decode K1 that twell_ffn_triton runs: the GEMV K1 at M = 1, r5's _k1_gate_pack above."""
-    return tt.gate_pack(x, wg, variant="gemv" if x.shape[0] == 1 else "r5", threshold=th)
+    """The decode K1 that twell_ffn_triton runs: the GEMV K1 at M = 1, the plain-tiled _k1_tiled above."""
+    return tt.gate_pack(x, wg, variant="gemv" if x.shape[0] == 1 else "tiled", threshold=th)
 
 
 CASES = [(1, 128, 256, torch.float32), (1, 96, 200, torch.bfloat16), (5, 128, 256, torch.float32),
