@@ -17,13 +17,10 @@ argument checks, no store lookup. The next call through auto first reports how m
 Where graph replay chose TwELL for the bucket, the grant covers eager calls only: a call captured into a CUDA
 graph goes to auto, which runs the graph decision.
 
-The registry: sys.modules[REGISTRY], a module object holding one slot per API version (`api1`): the first copy
-of the bundle imported in a process (sparsify.kernels, or a model folder's copy that transformers loads as
-transformers_modules.<folder>.ffn_runtime) fills it with its FFNRuntime / FFNLayer classes, and every later copy
-of the same API version uses those (`_shared`): one copy of the runtime code per process, whichever folder a
-model came from. The slot also holds the live runtimes by key (weakly), the process runtime (twell_ffn calls
-made outside a model), and the log-once memory. It is the only module-level mutable state of the bundle's FFN
-files (tests/kernels/test_ffn_runtime.py checks it).
+The registry (registry.py): the first copy of the bundle imported in a process fills its slot with its FFNRuntime /
+FFNLayer classes, and every later copy of the same API version uses those (`_shared`): one copy of the runtime
+code per process, whichever folder a model came from. The slot also holds the live runtimes by key (weakly), the
+process runtime (twell_ffn calls made outside a model), and the log-once memory.
 
 The custom op `sparsify::ffn` (what torch.compile traces; eager calls skip the op dispatch, ~20 us) is
 registered once per process by whichever copy comes first, and takes the calling runtime's integer key: its
@@ -31,56 +28,30 @@ body looks the runtime up in the slot and runs that runtime's `impl`. Folders wr
 ops `sparsify::twell_ffn` / `twell_ffn_threshold`, their dispatcher published as sys.modules
 ["sparsify_twell_ffn_auto"]) never meet these names, and these never read theirs.
 
-API: bump it when the op schema, the slot's fields or the runtime <-> SparseMLP interface change (SparseMLP's
-`runtime`, `_ffn`, `_weights`, `_torch_ffn`, `_projections`, `gate_weight`, `threshold`): the new version gets
-its own slot and registers `sparsify::ffn_<API>`.
+API (registry.py): bump it when the op schema, a slot field's meaning or the runtime <-> SparseMLP interface
+change (SparseMLP's `runtime`, `_ffn`, `_weights`, `_torch_ffn`, `_projections`, `gate_weight`, `threshold`): the
+new version gets its own slot and registers `sparsify::ffn_<API>`.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
-import sys
-import types
-import weakref
 
 import torch
 import torch.nn as nn
 
 from .dispatch import CudaClock, Dispatcher, WeightStore
+from .registry import SLOT as _SLOT
 from .twell_reference import ffn_dense
 from .twell_triton import HAS_TRITON
 from .twell_updown import twell_ffn_triton
 
-REGISTRY = "sparsify_ffn_registry"  # the sys.modules entry every copy of the bundle finds the registry by
-API = 1
 OP = "ffn"  # sparsify::ffn (FFNRuntime.call names it; API 2 would register "ffn_2")
 BACKENDS = ("auto", "twell", "dense")
 TWIN = "the step check's all-dense twin of a decode step"
 _KERNELS_MISSING = "" if HAS_TRITON else "triton is not installed"
 logger = logging.getLogger("sparsify")
-
-
-def _registry_slot() -> types.SimpleNamespace:
-    """This API version's slot of the process registry; the first copy of the bundle that asks makes it."""
-    registry = sys.modules.get(REGISTRY)
-    if registry is None:
-        registry = sys.modules.setdefault(REGISTRY, types.ModuleType(REGISTRY, "sparsify's FFN runtimes (ffn_runtime.py)"))
-    slot = getattr(registry, f"api{API}", None)
-    if slot is None:
-        slot = types.SimpleNamespace(
-            classes={},  # name -> the first copy's class (FFNRuntime, FFNLayer)
-            runtimes=weakref.WeakValueDictionary(),  # key -> live FFNRuntime (the op's argument)
-            keys=itertools.count(),
-            process=None,  # the runtime of twell_ffn calls made outside a model
-            announced=set(),  # FFN paths logged once per process
-        )
-        setattr(registry, f"api{API}", slot)
-    return slot
-
-
-_SLOT = _registry_slot()
 
 
 def _shared(cls: type) -> type:

@@ -45,6 +45,7 @@ Defaults: prefill T = 128, C = 8 (S = 16); decode (M <= 16) T = 32, S = 32 (C = 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
@@ -54,7 +55,7 @@ DECODE_TILE = 32
 DECODE_SLOTS = 32
 
 
-ENTRY_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+ENTRY_DTYPES = MappingProxyType({"bf16": torch.bfloat16, "fp16": torch.float16})
 
 
 @dataclass

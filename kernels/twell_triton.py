@@ -22,6 +22,8 @@ kernels/NOTES.md has the history (the benchmark rounds that produced each) and t
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import torch
 
 from .twell_reference import DECODE_SLOTS, DECODE_TILE, SLOTS, TILE, TwellPacked, n_tiles
@@ -285,7 +287,7 @@ def require_triton() -> None:
         raise RuntimeError("triton is not installed: use backend='dense' (or install triton>=3.6).")
 
 
-ENT_CODES = {"split": 0, "bf16": 1, "fp16": 2}
+ENT_CODES = MappingProxyType({"split": 0, "bf16": 1, "fp16": 2})
 # twell_ffn_triton's variants, named by their K1 (K2 reads compacted lists in both): "tma" = _k1_tma where it
 # applies (else the GEMV K1 at M = 1, the plain-tiled one elsewhere), "tiled" = _k1_tiled everywhere
 VARIANTS = ("tma", "tiled")
@@ -311,9 +313,9 @@ def k1_config(m: int, d: int) -> dict:
 
 
 # _k1_tiled's autotune configs for M > 16 (keyed on d, F and the M bucket); k1_config's blocks first
-K1_TILED_TUNE = [
+K1_TILED_TUNE = (
     (64, 64, 4, 4), (128, 64, 8, 3), (128, 64, 4, 4), (64, 128, 4, 3), (128, 32, 8, 4), (32, 128, 4, 4),
-]  # (BLOCK_M, BLOCK_K, num_warps, num_stages)
+)  # (BLOCK_M, BLOCK_K, num_warps, num_stages)
 
 
 def _even_k(a) -> bool:
@@ -322,9 +324,6 @@ def _even_k(a) -> bool:
 
 def _even_mn(a) -> bool:
     return a["M"] % a["BLOCK_M"] == 0 and a["F"] % a["T"] == 0
-
-
-_k1_tiled_tuned = None
 
 
 def _tma_blocks(nargs) -> None:
@@ -337,17 +336,6 @@ def _tma_ok(x2d: torch.Tensor, w_gate: torch.Tensor) -> bool:
     """Descriptors need 16-byte aligned bases and row strides."""
     return TensorDescriptor is not None and all(
         t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (x2d, w_gate))
-
-
-def k1_tiled_autotuner():
-    """The autotuned K1 (built lazily: triton.autotune benchmarks on the GPU, never in the interpreter)."""
-    global _k1_tiled_tuned
-    if _k1_tiled_tuned is None:
-        configs = [triton.Config({"BLOCK_M": bm, "BLOCK_K": bk}, num_warps=w, num_stages=st)
-                   for bm, bk, w, st in K1_TILED_TUNE]
-        heur = triton.heuristics({"EVEN_K": _even_k, "EVEN_MN": _even_mn})(_k1_tiled)
-        _k1_tiled_tuned = triton.autotune(configs=configs, key=["D", "F", "MB"])(heur)
-    return _k1_tiled_tuned
 
 
 def theta_args(x2d: torch.Tensor, threshold: torch.Tensor | None) -> dict:
@@ -411,7 +399,7 @@ def gate_pack(
     common = dict(T=t, S=s, MB=min(next_pow2(m), 1 << 16) if tuned else 16, GROUP_M=8, IEEE=(x2d.dtype == torch.float32),
                   ENT=ENT_CODES[entries], **th)
     if tuned:
-        k1_tiled_autotuner()[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * nt,)](*args, **common)
+        k1_tiled_autotuned[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * nt,)](*args, **common)
     else:
         bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
         _k1_tiled[(triton.cdiv(m, bm) * nt,)](
@@ -430,18 +418,18 @@ def _packed(cnt, col, val, t: int, f: int, entries: str) -> TwellPacked:
 
 # The TMA K1 sweep's fastest at M = 16384 (kernels/NOTES.md, eval/k1_sweep.py): 128 x 256 tiles, 8 warps, 4
 # stages; K1_TMA_TUNE adds shapes for smaller M that the autotuner picks per (d, F, M bucket).
-K1_TMA_DEFAULT = dict(BLOCK_M=128, BLOCK_K=64, NSUB=2, num_warps=8, num_stages=4)
-K1_TMA_TUNE = [(128, 64, 2, 8, 4), (128, 64, 2, 8, 3), (128, 128, 1, 8, 3), (64, 64, 1, 4, 4), (64, 128, 1, 4, 3)]
-_k1_tma_tuned = None
+K1_TMA_DEFAULT = MappingProxyType(dict(BLOCK_M=128, BLOCK_K=64, NSUB=2, num_warps=8, num_stages=4))
+K1_TMA_TUNE = ((128, 64, 2, 8, 4), (128, 64, 2, 8, 3), (128, 128, 1, 8, 3), (64, 64, 1, 4, 4), (64, 128, 1, 4, 3))
 
-
-def k1_tma_autotuner():
-    global _k1_tma_tuned
-    if _k1_tma_tuned is None:
-        configs = [triton.Config({"BLOCK_M": bm, "BLOCK_K": bk, "NSUB": nsub}, num_warps=w, num_stages=st,
-                                 pre_hook=_tma_blocks) for bm, bk, nsub, w, st in K1_TMA_TUNE]
-        _k1_tma_tuned = triton.autotune(configs=configs, key=["D", "F", "MB"])(_k1_tma)
-    return _k1_tma_tuned
+if HAS_TRITON:  # the autotuned K1s: Triton kernel objects like the kernels they wrap, their picks in their caches
+    # (made here, benchmarking only at a launch on the GPU; tests drive them with a stand-in benchmark)
+    k1_tiled_autotuned = triton.autotune(key=["D", "F", "MB"], configs=[
+        triton.Config({"BLOCK_M": bm, "BLOCK_K": bk}, num_warps=w, num_stages=st) for bm, bk, w, st in K1_TILED_TUNE
+    ])(triton.heuristics({"EVEN_K": _even_k, "EVEN_MN": _even_mn})(_k1_tiled))
+    k1_tma_autotuned = triton.autotune(key=["D", "F", "MB"], configs=[
+        triton.Config({"BLOCK_M": bm, "BLOCK_K": bk, "NSUB": nsub}, num_warps=w, num_stages=st, pre_hook=_tma_blocks)
+        for bm, bk, nsub, w, st in K1_TMA_TUNE
+    ])(_k1_tma)
 
 
 def _gate_pack_tma(x2d, w_gate, cnt, ent, entries, overrides: dict, autotune: bool | None = None,
@@ -457,7 +445,7 @@ def _gate_pack_tma(x2d, w_gate, cnt, ent, entries, overrides: dict, autotune: bo
     th_ptr = common.pop("th_ptr")
     if autotune or (autotune is None and x2d.is_cuda and not K1_TMA_DEFAULT.keys() & overrides.keys()):
         descs = (TensorDescriptor.from_tensor(x2d, [64, 64]), TensorDescriptor.from_tensor(w_gate, [TILE, 64]))
-        return k1_tma_autotuner()[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(nt, meta["NSUB"]),)](
+        return k1_tma_autotuned[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(nt, meta["NSUB"]),)](
             *descs, cnt, ent, th_ptr, m, f, d, nt, MB=min(next_pow2(m), 1 << 16), **common)
     cfg = {**K1_TMA_DEFAULT, **overrides}
     bm, bk, nsub = cfg["BLOCK_M"], cfg["BLOCK_K"], cfg["NSUB"]
@@ -470,9 +458,9 @@ def _gate_pack_tma(x2d, w_gate, cnt, ent, entries, overrides: dict, autotune: bo
 
 def k1_best_config(d: int, f: int, m: int, variant: str = "tiled") -> dict | None:
     """The autotuner's pick for (d, F, M bucket), if it has tuned that key (for the benchmark log)."""
-    tuner = _k1_tma_tuned if variant == "tma" else _k1_tiled_tuned
-    if tuner is None:
+    if not HAS_TRITON:
         return None
+    tuner = k1_tma_autotuned if variant == "tma" else k1_tiled_autotuned
     for key, cfg in tuner.cache.items():
         if tuple(key[:3]) == (d, f, min(next_pow2(m), 1 << 16)):
             return {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}

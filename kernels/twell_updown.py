@@ -25,6 +25,7 @@ from types import MappingProxyType
 
 import torch
 
+from .registry import SLOT
 from .twell_reference import TwellPacked
 from .twell_triton import (ENT_CODES, DEFAULT_VARIANT, HAS_TRITON, VARIANTS, default_entries, gate_pack, next_pow2,
                            require_triton, theta_args, tl, triton)
@@ -47,18 +48,16 @@ def k2_spills(m: int, d: int) -> bool:
     return m > K2_SPLIT_MAX_M and d >= DECODE_CHUNKED_MIN_D
 
 
-_SMS: dict[int, int] = {}
-
-
 def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (cached); 132 (the H200) elsewhere, so CPU runs pick the
-    same configs as the GPU."""
+    """Streaming multiprocessors of a CUDA device (kept in the process registry); 132 (the H200) elsewhere, so CPU
+    runs pick the same configs as the GPU."""
     if device.type != "cuda":
         return 132
     i = device.index if device.index is not None else torch.cuda.current_device()
-    if i not in _SMS:
-        _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
-    return _SMS[i]
+    sms = SLOT.sms
+    if i not in sms:
+        sms[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return sms[i]
 
 
 if HAS_TRITON:
@@ -379,7 +378,7 @@ def updown_decode_chunked(
     return out.to(x2d.dtype)
 
 
-FUSED_DEFAULT = dict(T=32, BLOCK_K=256, E=4, BD=1024, num_warps=4)  # T, BLOCK_K: the GEMV K1's; E, BD: K2's
+FUSED_DEFAULT = MappingProxyType(dict(T=32, BLOCK_K=256, E=4, BD=1024, num_warps=4))  # T, BLOCK_K: the GEMV K1's; E, BD: K2's
 # (d, F) -> the fused launch that twell_ffn_triton runs at M = 1 in place of K1 + K2: only the shapes where it beat
 # K1 + K2 side by side under CUDA graphs (H200, 95.7% zeros; the table: eval/results/decode-fused-h200/). The
 # larger decode shapes (4096x14336, 8192x28672) lost at every launch there and stay K1 + K2.

@@ -19,14 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparsify.kernels import ffn_runtime as fr, modeling_sparsify as ms, twell_ops, twell_reference as ref
+from sparsify.folder.format import shipped_code_files
+from sparsify.kernels import ffn_runtime as fr, modeling_sparsify as ms, registry, twell_ops, twell_reference as ref
 from sparsify.kernels.dispatch import Policy
 
 from tests.kernels.helpers import make_case
 from tests.kernels.test_dispatch import ALL_DENSE, GRAPH_ONLY_TWELL, dispatcher, state
 
 KERNEL_DIR = Path(fr.__file__).parent
-# the bundle's FFN-backend files (the kernel files keep their Triton compile caches: not backend state)
 FFN_FILES = ("ffn_runtime", "twell_ops", "dispatch", "modeling_sparsify", "decode_capture", "fast_decode")
 
 
@@ -40,22 +40,26 @@ def _immutable(value) -> bool:
 
 def mutable_globals(module) -> list[str]:
     """Module-level names of `module` bound to something that can hold state, other than the registry and what
-    it holds: modules, classes, functions, loggers and immutable values pass; anything else (a dict, a set, an
-    object, a method bound to one) is listed."""
-    registry = sys.modules[fr.REGISTRY]
-    slots = [v for v in vars(registry).values() if isinstance(v, types.SimpleNamespace)]
-    held = {id(registry), *(id(s) for s in slots), *(id(v) for s in slots for v in vars(s).values())}
+    it holds: modules, classes, functions, loggers, immutable values and Triton's kernel objects (JIT functions,
+    autotuners: their compile and tuning caches are Triton's) pass; anything else (a dict, a set, an object, a
+    method bound to one) is listed."""
+    reg = sys.modules[registry.REGISTRY]
+    slots = [v for v in vars(reg).values() if isinstance(v, types.SimpleNamespace)]
+    held = {id(reg), *(id(s) for s in slots), *(id(v) for s in slots for v in vars(s).values())}
     plain = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, logging.Logger,
              __future__._Feature)
     return [name for name, v in vars(module).items()
             if not name.startswith("__") and id(v) not in held and not isinstance(v, plain) and not _immutable(v)
-            and type(v).__module__ != "typing"]
+            and type(v).__module__ != "typing" and not type(v).__module__.startswith("triton.")]
 
 
 def test_no_module_level_mutable_state_but_the_registry():
-    """The FFN files hold no state of their own at module level: no mutable values, no `global` rebinding."""
+    """No file of the bundle (every one a model folder ships) holds state of its own at module level: no mutable
+    values, no `global` rebinding; the registry is the one process-wide store."""
     bad = {}
-    for name in FFN_FILES:
+    names = [f.stem for f in shipped_code_files()]
+    assert {"registry", "twell_triton", "twell_updown", "decode_attention", *FFN_FILES} <= set(names), names
+    for name in names:
         module = importlib.import_module(f"sparsify.kernels.{name}")
         found = mutable_globals(module)
         tree = ast.parse(inspect.getsource(module))
@@ -210,7 +214,7 @@ def test_compiled_calls_reach_their_own_runtime_through_the_op():
     assert a.dispatcher.decisions(mlp_a.gate_weight()) == {} and a.last_backend is None
     assert b.decisions(mlp_b)[32]["eager"] == "dense" and b.last_backend == "dense"
     assert torch.equal(y, ref.ffn_dense(x, *mlp_b._weights()))
-    assert fr._SLOT.runtimes[b.key] is b
+    assert registry.SLOT.runtimes[b.key] is b
 
 
 def test_a_copied_model_gets_a_runtime_of_its_own():
@@ -220,7 +224,7 @@ def test_a_copied_model_gets_a_runtime_of_its_own():
     model.ffn_runtime = runtime
     twin = copy.deepcopy(model)
     rt = twin.ffn_runtime
-    assert rt is not runtime and rt.key != runtime.key and fr._SLOT.runtimes[rt.key] is rt
+    assert rt is not runtime and rt.key != runtime.key and registry.SLOT.runtimes[rt.key] is rt
     assert rt.layers == [twin.mlp] and twin.mlp.runtime is rt and twin.mlp._ffn is not model.mlp._ffn
     ms.set_ffn_backend(twin, "dense")
     assert (model.mlp.ffn_backend, twin.mlp.ffn_backend) == ("auto", "dense")
@@ -255,10 +259,11 @@ def test_a_second_copy_of_the_bundle_reuses_the_first_ones_runtime_code(tmp_path
     second = importlib.import_module("second_bundle_copy.ffn_runtime")
     ops = importlib.import_module("second_bundle_copy.twell_ops")
     modeling = importlib.import_module("second_bundle_copy.modeling_sparsify")
-    assert second is not fr and second._SLOT is fr._SLOT
+    second_registry = importlib.import_module("second_bundle_copy.registry")
+    assert second is not fr and second_registry is not registry and second_registry.SLOT is registry.SLOT
     assert second.FFNRuntime is fr.FFNRuntime and second.FFNLayer is fr.FFNLayer
     assert ops.auto_dispatcher() is twell_ops.auto_dispatcher()
     assert modeling.SparseMLP is not ms.SparseMLP
     _, mlp = sparse_layer(None, cls=modeling.SparseMLP)
-    assert type(mlp.runtime) is fr.FFNRuntime and fr._SLOT.runtimes[mlp.runtime.key] is mlp.runtime
+    assert type(mlp.runtime) is fr.FFNRuntime and registry.SLOT.runtimes[mlp.runtime.key] is mlp.runtime
     assert second.runtime_of(types.SimpleNamespace(ffn_runtime=mlp.runtime)) is mlp.runtime

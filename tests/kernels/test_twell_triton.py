@@ -113,7 +113,7 @@ def test_k1_autotuned_launch_in_interpreter(monkeypatch):
     key) with a stand-in benchmark (the real one needs a GPU driver): every config runs once, the first
     wins, the output is exact."""
     x, wg, _, _ = make_case(40, 24, 200, 0.9, seed=23)
-    tuner = tt.k1_tiled_autotuner()
+    tuner = tt.k1_tiled_autotuned
     ran = []
     monkeypatch.setattr(tuner, "_do_bench", lambda call, quantiles: ran.append(1) or call() or [float(len(ran))] * 3)
     monkeypatch.setattr(tuner, "cache", {})
@@ -165,7 +165,7 @@ def test_tma_tune_configs_and_autotuned_launch(monkeypatch):
         packed = tt.gate_pack(x, wg, variant="tma", BLOCK_M=bm, BLOCK_K=bk, NSUB=nsub, num_warps=warps,
                               num_stages=stages)
         check_tma_packing(packed, x, wg, f"K1_TMA_TUNE {bm, bk, nsub}")
-    tuner = tt.k1_tma_autotuner()
+    tuner = tt.k1_tma_autotuned
     ran = []
     monkeypatch.setattr(tuner, "_do_bench", lambda call, quantiles: ran.append(1) or call() or [float(len(ran))] * 3)
     monkeypatch.setattr(tuner, "cache", {})
