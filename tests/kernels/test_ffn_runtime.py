@@ -46,6 +46,8 @@ def mutable_globals(module) -> list[str]:
     reg = sys.modules[registry.REGISTRY]
     slots = [v for v in vars(reg).values() if isinstance(v, types.SimpleNamespace)]
     held = {id(reg), *(id(s) for s in slots), *(id(v) for s in slots for v in vars(s).values())}
+    interpreter = sys.modules.get("triton.runtime.interpreter")  # copies its globals into a module it runs
+    held |= {id(v) for v in vars(interpreter).values()} if interpreter is not None else set()
     plain = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, logging.Logger,
              __future__._Feature)
     return [name for name, v in vars(module).items()
