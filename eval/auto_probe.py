@@ -61,18 +61,20 @@ API = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize",
 
 def variants(x, w_gate, w_up, w_down, w_down_t, ops, tt, ffn_dense) -> dict:
     """{name: (fn, the dispatcher its calls use or None, its own W_gate copy or None)}. On CUDA each forced
-    variant has its own Dispatcher (its own policy: REFRESH) called as twell_ffn(backend="auto") calls it;
+    variant has its own runtime and Dispatcher (its own policy: REFRESH), called as a model's layer calls it;
     on CPU (the smoke run) every auto variant is twell_ffn(backend="auto"), which runs dense there."""
     from sparsify.kernels.dispatch import Dispatcher, Policy
+    from sparsify.kernels.ffn_runtime import FFNRuntime
 
     policies = {"auto_tw": Policy(), "auto_tw_norefr": Policy(refresh=10**9, refresh_dense=10**9),
                 "auto_tw_r16": Policy(refresh=16), "auto_tw_wdt": Policy()}
     own = {k: w_gate.clone() for k in ("auto", *FORCED)}  # separate dispatcher states and call counters
-    disp = {"auto": ops.auto_dispatcher(), **{k: Dispatcher(policy=p) for k, p in policies.items()}}
+    runtimes = {k: FFNRuntime("auto", dispatcher=Dispatcher(policy=p)) for k, p in policies.items()}
+    disp = {"auto": ops.auto_dispatcher(), **{k: rt.dispatcher for k, rt in runtimes.items()}}
 
     def auto(name, wdt=None):
-        if x.is_cuda and name != "auto":
-            return lambda: disp[name].run(x, own[name], w_up, w_down, wdt)
+        if x.is_cuda and name != "auto":  # (a runtime's run: the question, then the answer's row, no checks)
+            return lambda: runtimes[name].run(x, own[name], w_up, w_down, wdt)
         return lambda: ops.twell_ffn(x, own[name], w_up, w_down, backend="auto", w_down_t=wdt)
 
     return {

@@ -253,7 +253,7 @@ def fused_variants(tt, x, layer, w_down_t) -> dict:
     w_gate, w_up = layer[0], layer[1]
     fns = {f"{PART}gate-gemv": lambda: torch.nn.functional.linear(x, w_gate),
            "routed": lambda: tu.twell_ffn_triton(x, w_gate, w_up, w_down_t),
-           "k1+k2": lambda: tu.twell_ffn_k1k2(x, w_gate, w_up, w_down_t)}
+           "k1+k2": lambda: tu.twell_ffn_triton(x, w_gate, w_up, w_down_t, fused=False)}
     for name, cfg in FUSED.items():
         fns[name] = lambda cfg=cfg: tu.twell_ffn_decode_fused(x, w_gate, w_up, w_down_t, **cfg)
     return fns

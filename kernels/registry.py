@@ -25,7 +25,7 @@ import types
 import weakref
 
 REGISTRY = "sparsify_ffn_registry"  # the sys.modules entry every copy of the bundle finds the registry by
-API = 1
+API = 2  # 2: issue 42's runtime <-> SparseMLP interface (ffn_layer, weights, torch_ffn, projections), op ffn_2
 
 
 def registry_slot(api: int = API) -> types.SimpleNamespace:

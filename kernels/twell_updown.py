@@ -415,25 +415,17 @@ def twell_ffn_decode_fused(
 
 def twell_ffn_triton(
     x2d: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down_t: torch.Tensor,
-    variant: str = DEFAULT_VARIANT, threshold: torch.Tensor | None = None,
+    variant: str = DEFAULT_VARIANT, threshold: torch.Tensor | None = None, on_count=None, fused: bool = True,
 ) -> torch.Tensor:
     """The whole sparse FFN on [M, d]: K1 (gate + pack) then K2 (fused up/down). variant: VARIANTS, named by K1.
     threshold: theta [F] float32 (h = g [g > theta] * up), or None (relu). At M = 1 on a FUSED_ROUTE shape (with
-    the default variant and contiguous weights) the fused decode FFN instead: the same kept neurons and h, one
-    launch."""
-    if x2d.shape[0] == 1 and variant == DEFAULT_VARIANT:
+    the default variant, contiguous weights and `fused`) the fused decode FFN instead: the same kept neurons and
+    h, one launch. on_count: called with K1's count of kept gate values (int64 scalar tensor; auto's density
+    refresh), which only K1 + K2 make: the fused route is skipped then."""
+    if x2d.shape[0] == 1 and variant == DEFAULT_VARIANT and fused and on_count is None:
         launch = FUSED_ROUTE.get((x2d.shape[1], w_gate.shape[0]))
         if launch is not None and all(t.is_contiguous() for t in (x2d, w_gate, w_up, w_down_t)):
             return twell_ffn_decode_fused(x2d, w_gate, w_up, w_down_t, threshold, **launch)
-    return twell_ffn_k1k2(x2d, w_gate, w_up, w_down_t, variant, threshold)
-
-
-def twell_ffn_k1k2(
-    x2d: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down_t: torch.Tensor,
-    variant: str = DEFAULT_VARIANT, threshold: torch.Tensor | None = None, on_count=None,
-) -> torch.Tensor:
-    """K1 (gate + pack) then K2 at every M, never the fused route (twell_ffn_triton's path off FUSED_ROUTE).
-    on_count: called with K1's count of kept gate values (int64 scalar tensor), for auto's density refresh."""
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r} is not one of {VARIANTS}")
     packed = gate_pack(x2d, w_gate, variant=variant, threshold=threshold)

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparsify.kernels import twell_ops, twell_reference as ref, twell_triton as tt, twell_updown as tu
-from sparsify.kernels.dispatch import Policy, TwellPath
+from sparsify.kernels import ffn_runtime as fr, twell_ops, twell_reference as ref, twell_triton as tt, twell_updown as tu
+from sparsify.kernels.dispatch import Policy, TwellProbe
 
 from tests.kernels.helpers import FP32, assert_close, make_case
 from tests.kernels.test_dispatch import ALL_DENSE, EAGER_TWELL, Kernels, dispatcher, state
@@ -272,7 +272,7 @@ def test_compiled_call_passes_theta_through_the_op():
     x, wg, wu, wd = dyadic_case(5, 48, 200, seed=11)
     g, _ = gate_as(x, wg)
     th = make_theta(g, g, scale=0.3)
-    assert any(a.name == "threshold" for a in torch.ops.sparsify.ffn.default._schema.arguments)
+    assert any(a.name == "threshold" for a in getattr(torch.ops.sparsify, fr.OP).default._schema.arguments)
     fn = torch.compile(lambda a: twell_ops.twell_ffn(a, wg, wu, wd, backend="twell", threshold=th),
                        backend="aot_eager", fullgraph=True)
     assert_close(fn(x), ref.ffn_reference(x, wg, wu, wd, th), what="compiled twell", **FP32)
@@ -296,7 +296,8 @@ def test_an_older_copys_op_and_dispatcher_are_never_used(tmp_path):
             raise AssertionError("the older op ran")
 
         from sparsify.kernels import twell_ops, twell_reference as ref
-        assert hasattr(torch.ops.sparsify, "ffn") and not hasattr(torch.ops.sparsify, "twell_ffn_threshold")
+        from sparsify.kernels.ffn_runtime import OP
+        assert hasattr(torch.ops.sparsify, OP) and not hasattr(torch.ops.sparsify, "twell_ffn_threshold")
         assert not isinstance(twell_ops.auto_dispatcher(), OldDispatcher)
         assert sys.modules["sparsify_twell_ffn_auto"].auto is old_auto
         gen = torch.Generator().manual_seed(0)
@@ -321,28 +322,32 @@ def test_auto_counts_times_and_runs_with_the_calls_theta():
     g = x @ wg.t()
     th = torch.quantile(g, 0.9, dim=0)  # [F]: ~10% of each column above
     d = dispatcher(ALL_DENSE)
-    out = d.run(x, wg, wu, wd, threshold=th)
+    out = d.entry(x, wg, wu, wd, threshold=th)
     st = state(d, wg)
     assert st.theta is th and st.density == pytest.approx(float((g > th).float().mean()))
     assert d.sparse.thetas and all(t is th for t in d.sparse.thetas), "the twell path ran without theta"
     assert torch.equal(out, ref.ffn_dense(x, wg, wu, wd, th))
-    assert torch.equal(d.fast_path(x, wg, wu, wd, th), ref.ffn_dense(x, wg, wu, wd, th))
-    assert d.fast_path(x, wg, wu, wd) is None and d.fast_path(x, wg, wu, wd, th.clone()) is None
-    d.run(x, wg, wu, wd)  # no theta: a fresh bucket, counted and timed again
+    calls = st.calls
+    assert d.choose(x, wg, wu, wd, threshold=th).path == "dense" and st.calls == calls + 1  # the dense hot path
+    assert torch.equal(d.entry(x, wg, wu, wd, threshold=th), ref.ffn_dense(x, wg, wu, wd, th))
+    other = th.clone()
+    d.choose(x, wg, wu, wd, threshold=other)  # another theta object: a fresh bucket, counted and timed again
+    assert state(d, wg).theta is other
+    d.entry(x, wg, wu, wd)  # no theta: a fresh bucket, counted and timed again
     assert state(d, wg).theta is None and state(d, wg).density == pytest.approx(1.0)
-    assert torch.equal(d.run(x, wg, wu, wd), ref.ffn_dense(x, wg, wu, wd))
+    assert torch.equal(d.entry(x, wg, wu, wd), ref.ffn_dense(x, wg, wu, wd))
 
 
 def test_auto_dense_refresh_counts_above_theta():
-    """A dense bucket's refresh counts g > theta (the slow path's own dense expression, with theta)."""
+    """A dense bucket's refresh counts g > theta (the dense row's count, with theta)."""
     x, wg, wu, wd = make_case(20, 16, 64, 0.0, seed=13)
     th = torch.quantile(x @ wg.t(), 0.75, dim=0)
     d = dispatcher(ALL_DENSE, policy=Policy(refresh_dense=4))
-    d.run(x, wg, wu, wd, threshold=th)
+    d.entry(x, wg, wu, wd, threshold=th)
     st = state(d, wg)
     st.density = None
     while st.pending is None:
-        assert torch.equal(d.run(x, wg, wu, wd, threshold=th), ref.ffn_dense(x, wg, wu, wd, th))
+        assert torch.equal(d.entry(x, wg, wu, wd, threshold=th), ref.ffn_dense(x, wg, wu, wd, th))
     assert st.pending[0].item() == int((x @ wg.t() > th).sum())
 
 
@@ -351,17 +356,17 @@ def test_auto_twell_decision_with_theta_runs_the_kernels():
     g, _ = gate_as(x, wg)
     th = make_theta(g, g, scale=0.3)
     d = dispatcher(EAGER_TWELL, policy=Policy(graph_timed_m=0, prefill_max_density=1.0, cal_rounds=(5, 5)),
-                   kernels=TwellPath())
-    out = d.run(x, wg, wu, wd, threshold=th)
+                   kernels=TwellProbe())
+    out = d.entry(x, wg, wu, wd, threshold=th)
     assert d.last_backend == "twell" and state(d, wg).density == pytest.approx(float((g > th).float().mean()))
     assert_close(out, ref.ffn_reference(x, wg, wu, wd, th), what="auto twell with theta", **FP32)
 
 
 def test_fake_kernels_honour_theta():
-    """(the stand-in path of the dispatcher tests computes the thresholded FFN)"""
+    """(the stand-in TwELL row of the dispatcher tests computes the thresholded FFN)"""
     x, wg, wu, wd = make_case(4, 16, 64, 0.5, seed=15)
     th = torch.rand(64)
-    assert torch.equal(Kernels()(x, wg, wu, wd.t(), threshold=th), ref.ffn_dense(x, wg, wu, wd, th))
+    assert torch.equal(Kernels()(dispatcher(), x, wg, wu, wd, threshold=th), ref.ffn_dense(x, wg, wu, wd, th))
 
 
 # ---------------------------------------------------------------- GPU (run on the H200, skipped on CPU)

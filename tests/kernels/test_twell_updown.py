@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from sparsify.kernels import twell_reference as ref, twell_triton as tt, twell_updown as tu
-from sparsify.kernels.dispatch import TwellPath
 from sparsify.kernels.twell_ops import transpose_down
 
 from tests.kernels.helpers import FP32, ZEROS, assert_close, bf16_rule, check_packed, make_case, tma_case
@@ -180,7 +179,8 @@ def test_fused_decode_ffn_refuses_strided_weights():
 
 def test_twell_ffn_routes_m1_on_fused_route_shapes_only(monkeypatch):
     """twell_ffn_triton runs the fused decode FFN with the table's launch at M = 1 on a FUSED_ROUTE shape (theta
-    passed on), and K1 + K2 everywhere else: M > 1, another shape, a variant asked for, a strided x."""
+    passed on), and K1 + K2 everywhere else: M > 1, another shape, a variant asked for, a strided x, fused=False,
+    and a call that asks for K1's count (auto's density refresh)."""
     d, f = 64, 160
     monkeypatch.setattr(tu, "FUSED_ROUTE", {(d, f): {"E": 8, "BD": 32, "BLOCK_K": 32}})
     calls = []
@@ -204,15 +204,15 @@ def test_twell_ffn_routes_m1_on_fused_route_shapes_only(monkeypatch):
     tu.twell_ffn_triton(wide[:, ::2], wg, wu, wdt)  # strided x: K1 + K2, no error
     xo, wgo, wuo, wdo = make_case(1, d, f + 32, 0.9, seed=15)
     tu.twell_ffn_triton(xo, wgo, wuo, transpose_down(wdo))  # a shape not in the table
+    tu.twell_ffn_triton(x[:1], wg, wu, wdt, fused=False)
     assert calls == []
-    # auto's sparse path follows the route, except on a call that asks for K1's count (a density refresh)
-    got = TwellPath()(x[:1], wg, wu, wdt)
+    got = tu.twell_ffn_triton(x[:1], wg, wu, wdt)
     assert calls == [{"E": 8, "BD": 32, "BLOCK_K": 32}] and torch.equal(got, fused(x[:1], wg, wu, wdt, E=8, BD=32,
                                                                                    BLOCK_K=32))
     counts = []
-    counted = TwellPath()(x[:1], wg, wu, wdt, on_count=counts.append)
+    counted = tu.twell_ffn_triton(x[:1], wg, wu, wdt, on_count=counts.append)
     assert len(calls) == 1 and counts[0].item() == int((x[:1] @ wg.t() > 0).sum())
-    assert_close(counted, got, what="TwellPath with count (K1 + K2) vs routed", **FP32)
+    assert_close(counted, got, what="twell_ffn_triton with count (K1 + K2) vs routed", **FP32)
 
 
 def test_k2_decode_chunked_refuses_tiles_that_can_overflow():
