@@ -295,13 +295,14 @@ class Dispatcher:
             self.store.put("down_t", w_down, cached)
         return cached
 
-    def choose(self, x2d, w_gate, w_up, w_down, w_down_t=None, threshold=None) -> Answer:
-        """The answer for a call of M = x2d.shape[0] rows on this layer (its W_gate, with this threshold object)
-        in the current regime: its path, for how many of the caller's next calls of M rows it holds, whether it
+    def choose(self, x, w_gate, w_up, w_down, w_down_t=None, threshold=None) -> Answer:
+        """The answer for a call on x [..., d] (M rows) on this layer (its W_gate, with this threshold object) in
+        the current regime: its path, for how many of the caller's next calls of M rows it holds, whether it
         refreshes the density (Answer). A bucket that chose dense answers after one lookup (the hot path of
         every dense call); the first call of a layer and bucket counts the density and calibrates; captured
         calls get the decision timed in graph replay. w_up, w_down and w_down_t are what calibration runs."""
-        m = x2d.shape[0]
+        shape = x.shape
+        m = shape[0] if len(shape) == 2 else x.numel() // shape[-1]
         states = self.store.get("states", w_gate)
         st = None if states is None else states.get(1 << max(0, (m - 1).bit_length()))  # bucket(m), inline
         every = self.policy.refresh_dense
@@ -310,11 +311,15 @@ class Dispatcher:
             st.calls += 1
             self.last_backend = "dense"
             return Answer("dense", every - 1 - st.calls % every, st.graph_decision == "dense")
-        return self._slow(x2d, w_gate, w_up, w_down, w_down_t, threshold)
+        return self._slow(x if len(shape) == 2 else x.reshape(-1, shape[-1]), w_gate, w_up, w_down, w_down_t, threshold)
 
     def _slow(self, x2d, w_gate, w_up, w_down, w_down_t, threshold) -> Answer:
-        """choose past the dense hot path: new layers and buckets, graph capture, refreshes, re-timings, twell."""
+        """choose past the dense hot path on x2d [M, d]: new layers and buckets, graph capture, refreshes,
+        re-timings, twell."""
         m, f = x2d.shape[0], w_gate.shape[0]
+        if m == 0:  # nothing to count or time
+            self.last_backend = "dense"
+            return Answer("dense")
         states = self.store.get("states", w_gate)
         if states is None:  # a new layer, or W_gate changed in place (its density may have changed)
             states = {}

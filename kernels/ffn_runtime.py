@@ -61,27 +61,38 @@ TWIN = "the step check's all-dense twin of a decode step"
 logger = logging.getLogger("sparsify")
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., d] as row-contiguous [M, d] (x itself where it already is)."""
+    return x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, x.shape[-1]).contiguous()
+
+
+def _device(x: torch.Tensor) -> str:
+    """x's device type, the backend table's first key (is_cuda first: the cheap question)."""
+    return "cuda" if x.is_cuda else x.device.type
+
+
 # ----------------------------------------------------------------------------------------- the backend table
-def dense_rows(auto: Dispatcher, x2d, w_gate, w_up, w_down, w_down_t=None, threshold=None, on_count=None):
-    """The dense FFN on [M, d] rows (three GEMMs, cuBLAS on GPU); on a density refresh it hands `on_count` the
+def dense_rows(auto: Dispatcher, x, w_gate, w_up, w_down, w_down_t=None, threshold=None, on_count=None):
+    """The dense FFN on x [..., d] (three GEMMs, cuBLAS on GPU); on a density refresh it hands `on_count` the
     gate's count of kept values, from the gate it computes anyway."""
     if on_count is None:
-        return ffn_dense(x2d, w_gate, w_up, w_down, threshold)
-    g = torch.nn.functional.linear(x2d, w_gate)  # [M, F]
+        return ffn_dense(x, w_gate, w_up, w_down, threshold)
+    g = torch.nn.functional.linear(x, w_gate)  # [..., F]
     on_count((g > (0 if threshold is None else threshold)).sum())
-    return torch.nn.functional.linear(threshold_act(g, threshold) * torch.nn.functional.linear(x2d, w_up), w_down)
+    return torch.nn.functional.linear(threshold_act(g, threshold) * torch.nn.functional.linear(x, w_up), w_down)
 
 
-def twell_rows(auto: Dispatcher, x2d, w_gate, w_up, w_down, w_down_t=None, threshold=None, on_count=None):
-    """The TwELL FFN on [M, d] rows: K1 + K2, or at M = 1 the fused decode launch (twell_ffn_triton); W_down^T
-    is the caller's or the one `auto`'s store keeps per W_down version; on a density refresh K1's count goes to
-    `on_count`."""
-    return twell_ffn_triton(x2d, w_gate.contiguous(), w_up.contiguous(), auto.down_t(w_down, w_down_t),
-                            threshold=threshold, on_count=on_count)
+def twell_rows(auto: Dispatcher, x, w_gate, w_up, w_down, w_down_t=None, threshold=None, on_count=None):
+    """The TwELL FFN on x [..., d], as [M, d] rows: K1 + K2, or at M = 1 the fused decode launch
+    (twell_ffn_triton); W_down^T is the caller's or the one `auto`'s store keeps per W_down version; on a
+    density refresh K1's count goes to `on_count`."""
+    out = twell_ffn_triton(_rows(x), w_gate.contiguous(), w_up.contiguous(), auto.down_t(w_down, w_down_t),
+                           threshold=threshold, on_count=on_count)  # [M, d]
+    return out if x.dim() == 2 else out.view_as(x)
 
 
-# The backend table: (device type, answer) -> the function that computes the FFN on [M, d] rows, each called as
-# row(dispatcher, x2d, w_gate, w_up, w_down, w_down_t, threshold, on_count). A row stands only where it can run
+# The backend table: (device type, answer) -> the function that computes the FFN on x [..., d], each called as
+# row(dispatcher, x, w_gate, w_up, w_down, w_down_t, threshold, on_count). A row stands only where it can run
 # (TwELL: triton on CUDA; on CPU its interpreter, for tests); an (device, "dense") row missing runs dense_rows.
 # A new backend is a row here: a CPU sparse decode would be ("cpu", "twell"), with "cpu" in the runtime's
 # `devices` so that its layers take the table and auto times it there.
@@ -134,11 +145,6 @@ def _check(x, w_gate, w_up, w_down, backend) -> None:
             )
         if w.dtype != x.dtype or w.device != x.device:
             raise ValueError(f"{name} is {w.dtype} on {w.device} but x is {x.dtype} on {x.device}; cast one.")
-
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """x [..., d] as row-contiguous [M, d] (a view where it already is)."""
-    return x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, x.shape[-1]).contiguous()
 
 
 @_shared
@@ -259,8 +265,8 @@ class FFNRuntime:
             if rec.answer == "dense":
                 return mlp.torch_ffn(x)  # the layer's own expression: what stock transformers runs
             w_gate, w_up, w_down = mlp.weights()  # [F, d], [F, d], [d, F]
-            row = self.kernels.get((x.device.type, rec.answer), dense_rows)
-            return row(self.dispatcher, _rows(x), w_gate, w_up, w_down, None, mlp.threshold).view(x.shape)
+            row = self.kernels.get((_device(x), rec.answer), dense_rows)
+            return row(self.dispatcher, x, w_gate, w_up, w_down, None, mlp.threshold)
         reason = self.kernel_reason(mlp, x)
         if reason is not None:
             rec.path = "torch"
@@ -274,17 +280,17 @@ class FFNRuntime:
         hold the answer for the calls it covers."""
         if rec.given:
             self._settle(mlp, rec)
-        x2d = _rows(x)
         w_gate, w_up, w_down = mlp.weights()
-        answer = self.answer(x2d, w_gate, w_up, w_down, None, mlp.threshold, self.backend)
-        row = self.kernels.get((x.device.type, answer.path), dense_rows)
-        y = row(self.dispatcher, x2d, w_gate, w_up, w_down, None, mlp.threshold, answer.on_count)
+        device = _device(x)
+        answer = self.answer(x, w_gate, w_up, w_down, None, mlp.threshold, self.backend, device=device)
+        row = self.kernels.get((device, answer.path), dense_rows)
+        y = row(self.dispatcher, x, w_gate, w_up, w_down, None, mlp.threshold, answer.on_count)
         _announce(f"twell_ffn (backend={self.backend})", "CUDA inference with Triton")
         rec.path = f"twell_ffn:{answer.path}"
         if answer.calls and self.grants:
             rec.answer, rec.given, rec.left, rec.in_capture = answer.path, answer.calls, answer.calls, answer.in_capture
-            rec.m, rec.shape = x2d.shape[0], x.shape
-        return y.view(x.shape)
+            rec.m, rec.shape = x.numel() // x.shape[-1], x.shape
+        return y
 
     def _settle(self, mlp: nn.Module, rec: FFNLayer) -> None:
         """End the layer's held answer, telling auto how many calls it ran (its refresh period counts them)."""
@@ -294,32 +300,35 @@ class FFNRuntime:
             self.dispatcher.used(mlp.gate_weight(), rec.m, used)
 
     # ----------------------------------------------------------------------------- the one decision, one call
-    def answer(self, x2d, w_gate, w_up, w_down, w_down_t=None, threshold=None, backend: str = "auto") -> Answer:
-        """The one question for M rows: the path ("dense" | "twell": a row of the backend table on x2d's device)
-        and for how many calls it holds. "auto" on one of `devices` asks the dispatcher (this layer, M, the
-        regime); a forced backend is its own answer where its row can run, dense elsewhere."""
-        auto, device = self.dispatcher, x2d.device.type
-        twell = (device, "twell") in self.kernels and x2d.shape[0] > 0
+    def answer(self, x, w_gate, w_up, w_down, w_down_t=None, threshold=None, backend: str = "auto", *,
+               device: str | None = None) -> Answer:
+        """The one question for x [..., d] (M rows): the path ("dense" | "twell": a row of the backend table on x's
+        device, `device` if the caller has it) and for how many calls it holds. "auto" on one of `devices` asks
+        the dispatcher (this layer, M, the regime); a forced backend is its own answer where its row can run,
+        dense elsewhere."""
+        auto, device = self.dispatcher, device or _device(x)
+        twell = (device, "twell") in self.kernels
         if backend == "auto" and twell and device in self.devices:
-            return auto.choose(x2d, w_gate, w_up, w_down, w_down_t, threshold)
-        if backend == "twell" and twell:
+            return auto.choose(x, w_gate, w_up, w_down, w_down_t, threshold)  # (M = 0: dense)
+        if backend == "twell" and twell and x.numel():
             auto.note(("twell", device), "twell", "requested")
             return _FORCED["twell"]
         auto.note(("dense", backend, device), "dense", "requested" if backend == "dense" else
                   f"no TwELL kernels for {device} tensors" if not twell else f"auto dispatches {self.devices} only")
         return _FORCED["dense"]
 
-    def run(self, x2d, w_gate, w_up, w_down, w_down_t=None, threshold=None, backend: str = "auto") -> torch.Tensor:
-        """The one decision and the one call on [M, d] rows, weights checked: the op's body, auto's timed entry,
+    def run(self, x, w_gate, w_up, w_down, w_down_t=None, threshold=None, backend: str = "auto") -> torch.Tensor:
+        """The one decision and the one call on x [..., d], weights checked: the op's body, auto's timed entry,
         and bare twell_ffn calls."""
-        answer = self.answer(x2d, w_gate, w_up, w_down, w_down_t, threshold, backend)
-        row = self.kernels.get((x2d.device.type, answer.path), dense_rows)
-        return row(self.dispatcher, x2d, w_gate, w_up, w_down, w_down_t, threshold, answer.on_count)
+        device = _device(x)
+        answer = self.answer(x, w_gate, w_up, w_down, w_down_t, threshold, backend, device=device)
+        row = self.kernels.get((device, answer.path), dense_rows)
+        return row(self.dispatcher, x, w_gate, w_up, w_down, w_down_t, threshold, answer.on_count)
 
     def twell_ffn(self, x, w_gate, w_up, w_down, backend: str = "auto", w_down_t=None, threshold=None):
         """twell_ops.twell_ffn on this runtime (same arguments, positional): argument checks, the gradient path,
-        then `run` on [M, d] (eager and CUDA-graph capture: no custom-op dispatch, ~20 us a call) or, traced,
-        the op that runs it."""
+        then `run` (eager and CUDA-graph capture: no custom-op dispatch, ~20 us a call) or, traced, the op that
+        runs it on [M, d] rows."""
         d = x.shape[-1]
         if (backend not in BACKENDS or w_gate.shape[-1] != d or w_up.shape != w_gate.shape
                 or w_down.shape[0] != d or w_down.shape[-1] != w_gate.shape[0]
@@ -331,11 +340,10 @@ class FFNRuntime:
                                         or w_down.requires_grad):
             self.dispatcher.note(("grad",), "dense", "gradients needed")
             return ffn_dense(x, w_gate, w_up, w_down, threshold)
-        x2d = _rows(x)
-        if torch.compiler.is_compiling():  # opaque op for dynamo / inductor, carrying this runtime's key
-            out = getattr(torch.ops.sparsify, OP)(x2d, w_gate, w_up, w_down, w_down_t, backend, threshold, self.key)
-        else:
-            out = self.run(x2d, w_gate, w_up, w_down, w_down_t, threshold, backend)
+        if not torch.compiler.is_compiling():
+            return self.run(x, w_gate, w_up, w_down, w_down_t, threshold, backend)
+        x2d = _rows(x)  # traced: the opaque op for dynamo / inductor, carrying this runtime's key
+        out = getattr(torch.ops.sparsify, OP)(x2d, w_gate, w_up, w_down, w_down_t, backend, threshold, self.key)
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], w_down.shape[0])
 
 
