@@ -2,21 +2,24 @@
 
 Legend: M = tokens, d = hidden size, F = intermediate size. Weights in nn.Linear layout.
 
-A layer (keyed by its W_gate tensor object, for one in-place version of it) and M bucket starts with one
-synchronous density count and a check that TwELL's output is the dense FFN's; then both paths are timed
-in paired rounds through the code a later call runs, eagerly and, for decode sizes, replayed from CUDA
-graphs (captured calls use that decision). TwELL is kept only when the median paired ratio beats
-`margin`. The density is refreshed every `refresh` calls without a host sync; a drift re-times the
-bucket. Once a bucket chose dense, `fast_path` runs the dense FFN after one lookup, and `grant_dense` lets a
-layer skip even that until the next refresh (its FFNRuntime runs the layer's own dense expression meanwhile
-and reports the calls with `dense_used`).
+The dispatcher answers one question and runs nothing: `choose` says which path ("dense" or "twell", a row of
+its FFNRuntime's backend table) runs a call of M rows on a layer in the current regime (eager, or captured into
+a CUDA graph), for how many of the caller's next calls of M rows that answer holds, and whether this call
+refreshes the density. A layer (keyed by its W_gate tensor object, for one in-place version of it) and M bucket
+starts with one synchronous density count and a check that TwELL's output is the dense FFN's; then both paths
+are timed in paired rounds through `entry` (the runtime's call: what a later call runs), eagerly and, for decode
+sizes, replayed from CUDA graphs (captured calls use that decision). TwELL is kept only when the median paired
+ratio beats `margin`. The density is refreshed every `refresh` calls without a host sync; a drift re-times the
+bucket. Between refreshes a decided bucket's answer holds: the caller runs it without asking and reports the
+calls it ran (`used`), so the refresh keeps its period in real calls.
 
 A call may carry a threshold theta [F] (float32: h = g [g > theta] * up): both paths compute that function,
 the density is the fraction of g > theta, and a bucket's state belongs to one theta tensor object (a call
 with another theta, or none, starts the bucket afresh: its density, hence its decision, differs).
 
-The clock (timing, graph capture), the store (per-layer state, W_down^T copies), the capture query and
-the sparse path are injected; CudaClock, WeightStore and TwellPath are the real ones.
+The clock (timing, graph capture), the store (per-layer state, W_down^T copies), the capture query, the
+TwELL kernels' facts (the density count, whether K2 spills) and the entry are injected; CudaClock, WeightStore
+and TwellProbe are the real ones, an FFNRuntime gives its `run` as the entry.
 """
 
 from __future__ import annotations
@@ -25,16 +28,16 @@ import contextlib
 import logging
 import math
 from dataclasses import dataclass, field
+from typing import Callable, NamedTuple
 
 import torch
 from torch.utils.weak import WeakIdRef
 
-from .twell_reference import ffn_dense, threshold_act, transpose_down
-from .twell_triton import DEFAULT_VARIANT, gate_pack, split_variant
-from .twell_updown import k2_spills, twell_ffn_k1k2, twell_ffn_triton
+from .twell_reference import ffn_dense, transpose_down
+from .twell_triton import DEFAULT_VARIANT, gate_pack
+from .twell_updown import k2_spills
 
 log = logging.getLogger("sparsify.kernels")
-K1_VARIANT = split_variant(DEFAULT_VARIANT)[0]  # the K1 that count() runs, as auto's sparse path does
 
 
 @dataclass(frozen=True)
@@ -141,22 +144,28 @@ class _Ready:
         return True
 
 
-class TwellPath:
-    """auto's sparse path: twell_ffn_triton (K1 then K2, or the fused decode FFN at M = 1 on its FUSED_ROUTE
-    shapes); a call that asks for the count (on_count: a density refresh) runs K1 then K2, whose K1 counts."""
+class TwellProbe:
+    """What auto asks the TwELL kernels: the density (K1's count of kept gate values, as the twell path packs
+    them) and whether K2 would spill at an M and d."""
 
     @staticmethod
     def count(x2d: torch.Tensor, w_gate: torch.Tensor, threshold: torch.Tensor | None = None) -> torch.Tensor:
         """Active gate values, g > 0 or g > theta (int64 scalar tensor, on x2d's device)."""
-        return gate_pack(x2d, w_gate, variant=K1_VARIANT, threshold=threshold).cnt.sum()
-
-    @staticmethod
-    def __call__(x2d, w_gate, w_up, w_down_t, on_count=None, threshold=None) -> torch.Tensor:
-        if on_count is None:
-            return twell_ffn_triton(x2d, w_gate, w_up, w_down_t, threshold=threshold)
-        return twell_ffn_k1k2(x2d, w_gate, w_up, w_down_t, threshold=threshold, on_count=on_count)
+        return gate_pack(x2d, w_gate, variant=DEFAULT_VARIANT, threshold=threshold).cnt.sum()
 
     spills = staticmethod(k2_spills)
+
+
+class Answer(NamedTuple):
+    """The dispatcher's answer for one call: `path` ("dense" | "twell") runs it; it holds for the caller's next
+    `calls` calls of the same M without asking (`in_capture`: calls captured into a CUDA graph too), which the
+    caller reports with Dispatcher.used before it asks again; `on_count`: this call refreshes the density, the
+    path hands it its count of kept gate values (an int64 scalar tensor)."""
+
+    path: str
+    calls: int = 0
+    in_capture: bool = False
+    on_count: Callable | None = None
 
 
 def median(xs: list[float]) -> float:
@@ -213,9 +222,8 @@ def bucket(m: int) -> int:
 
 
 class Dispatcher:
-    """backend="auto" of twell_ffn. `dispatcher(x2d, w_gate, w_up, w_down, w_down_t)` is the slow path
-    (first calls, refreshes, re-timings, graph capture, twell layers); `fast_path` the dense hot path;
-    `run` both, as twell_ffn(backend="auto") calls them.
+    """backend="auto": `choose` answers which path runs a call (module docstring); nothing here runs the FFN but
+    calibration, through `entry`.
 
     Args:
         clock: `ms(fn, n)` (ms per call of n back-to-back calls), `sync()`, `capture(fn, calls)` (an object
@@ -223,9 +231,10 @@ class Dispatcher:
         store: per-layer state and W_down^T copies keyed by weight tensor (WeightStore).
         policy: the rules (Policy).
         capturing: whether the current stream is capturing a CUDA graph.
-        sparse: the TwELL path (TwellPath: `__call__`, `count`, `spills`; both take threshold=).
-        entry: what calibration times, (x2d, w_gate, w_up, w_down, w_down_t, threshold) -> y; default `run`
-            (an FFNRuntime passes its twell_ffn(backend="auto"), so the argument checks are in the number).
+        sparse: the TwELL kernels' facts (TwellProbe: `count` (takes threshold=), `spills`).
+        entry: what calibration runs and times, (x2d, w_gate, w_up, w_down, w_down_t, threshold) -> y: a call of
+            backend "auto" that asks this dispatcher and runs its answer (FFNRuntime.run; an FFNRuntime made
+            with this dispatcher sets it when it is None).
 
     One per FFNRuntime (ffn_runtime.py), i.e. per model, plus the process runtime's for bare twell_ffn calls.
     """
@@ -235,8 +244,8 @@ class Dispatcher:
         self.store = store if store is not None else WeightStore()
         self.policy = policy
         self.capturing = capturing or torch.cuda.is_current_stream_capturing
-        self.sparse = sparse or TwellPath()
-        self.entry = entry or self.run
+        self.sparse = sparse or TwellProbe()
+        self.entry = entry
         self.last_backend: str | None = None  # what the most recent call ran
         self.capture_dense = False  # dense_in_capture(): captured calls run dense in every layer
         self._logged: dict[tuple, str] = {}
@@ -286,58 +295,31 @@ class Dispatcher:
             self.store.put("down_t", w_down, cached)
         return cached
 
-    def fast_path(self, x, w_gate, w_up, w_down, threshold=None) -> torch.Tensor | None:
-        """The dense FFN when this layer's M bucket chose dense (for graph capture too, or this call is not
-        being captured) with this threshold object and no refresh is due; else None. A layer only gets
-        state after a fully checked call (its threshold too), so no checks of its own: F.linear validates
-        the shapes."""
-        if torch.compiler.is_compiling():  # first: dynamo cannot trace w_gate._version (a graph break per FFN)
-            return None
-        states = self.store.get("states", w_gate)
-        if states is None:
-            return None
+    def choose(self, x, w_gate, w_up, w_down, w_down_t=None, threshold=None) -> Answer:
+        """The answer for a call on x [..., d] (M rows) on this layer (its W_gate, with this threshold object) in
+        the current regime: its path, for how many of the caller's next calls of M rows it holds, whether it
+        refreshes the density (Answer). A bucket that chose dense answers after one lookup (the hot path of
+        every dense call); the first call of a layer and bucket counts the density and calibrates; captured
+        calls get the decision timed in graph replay. w_up, w_down and w_down_t are what calibration runs."""
         shape = x.shape
-        m = shape[0] if len(shape) == 2 else x.numel() // max(shape[-1], 1)
-        st = states.get(1 << max(0, (m - 1).bit_length()))  # bucket(m), inline: the hot path of every dense call
+        m = shape[0] if len(shape) == 2 else x.numel() // shape[-1]
+        states = self.store.get("states", w_gate)
+        st = None if states is None else states.get(1 << max(0, (m - 1).bit_length()))  # bucket(m), inline
         every = self.policy.refresh_dense
-        if (st is None or st.decision != "dense" or st.calls % every == every - 1 or st.retune
-                or st.theta is not threshold):
-            return None
-        if st.graph_decision != "dense" and self.capturing():
-            return None  # graph replay chose twell for this bucket: the slow path runs it
-        st.calls += 1
-        self.last_backend = "dense"
-        return ffn_dense(x, w_gate, w_up, w_down, threshold)
+        if (st is not None and st.decision == "dense" and st.calls % every != every - 1 and not st.retune
+                and st.theta is threshold and (st.graph_decision == "dense" or not self.capturing())):
+            st.calls += 1
+            self.last_backend = "dense"
+            return Answer("dense", every - 1 - st.calls % every, st.graph_decision == "dense")
+        return self._slow(x if len(shape) == 2 else x.reshape(-1, shape[-1]), w_gate, w_up, w_down, w_down_t, threshold)
 
-    def grant_dense(self, w_gate: torch.Tensor, m: int) -> tuple[int, bool]:
-        """(calls, in_capture): how many of this layer's next calls of m rows the caller may run as the plain
-        dense FFN without calling auto at all, and whether those may include calls captured into a CUDA graph.
-        The calls are those before the next density refresh, when the bucket's eager decision is dense and no
-        re-timing is due (else 0); in_capture is True only when graph replay chose dense too (decode buckets
-        often run dense eagerly but TwELL in graphs: a caller must then leave captured calls to auto). The
-        caller reports the calls it ran with `dense_used` before it calls auto again, so refreshes keep their
-        period in real calls (see FFNRuntime.ffn)."""
-        st = self._state(w_gate, m)
-        if st is None or st.decision != "dense" or st.retune:
-            return 0, False
-        every = self.policy.refresh_dense
-        return every - 1 - st.calls % every, st.graph_decision == "dense"
-
-    def dense_used(self, w_gate: torch.Tensor, m: int, calls: int) -> None:
-        """Count `calls` calls of m rows that ran dense under a grant (a grant left unused costs nothing)."""
-        st = self._state(w_gate, m)
-        if st is not None:
-            st.calls += calls
-
-    def run(self, x2d, w_gate, w_up, w_down, w_down_t=None, threshold=None) -> torch.Tensor:
-        """fast_path, else the slow path: twell_ffn(backend="auto") on [M, d] without argument checks."""
-        y = self.fast_path(x2d, w_gate, w_up, w_down, threshold)
-        return y if y is not None else self(x2d, w_gate, w_up, w_down, w_down_t, threshold)
-
-    def __call__(self, x2d, w_gate, w_up, w_down, w_down_t=None, threshold=None) -> torch.Tensor:
-        """The slow path; w_down_t may be None (a cached copy is made only if twell is timed or run);
-        threshold: theta [F] float32 or None."""
+    def _slow(self, x2d, w_gate, w_up, w_down, w_down_t, threshold) -> Answer:
+        """choose past the dense hot path on x2d [M, d]: new layers and buckets, graph capture, refreshes,
+        re-timings, twell."""
         m, f = x2d.shape[0], w_gate.shape[0]
+        if m == 0:  # nothing to count or time
+            self.last_backend = "dense"
+            return Answer("dense")
         states = self.store.get("states", w_gate)
         if states is None:  # a new layer, or W_gate changed in place (its density may have changed)
             states = {}
@@ -346,10 +328,9 @@ class Dispatcher:
         if st is None or st.theta is not threshold:  # (not setdefault: that would build a LayerState per call)
             st = states[bucket(m)] = LayerState(theta=threshold)  # another theta: another density and decision
         if self.capturing():
-            backend = "dense" if self.capture_dense else (st.graph_decision or "dense")
-            self.note((tuple(w_gate.shape), x2d.dtype, bucket(m)), backend, "graph capture: decision timed in graph replay")
-            return self._twell(st, x2d, w_gate, w_up, w_down, w_down_t) if backend == "twell" else ffn_dense(
-                x2d, w_gate, w_up, w_down, threshold)
+            path = "dense" if self.capture_dense else (st.graph_decision or "dense")
+            self.note((tuple(w_gate.shape), x2d.dtype, bucket(m)), path, "graph capture: decision timed in graph replay")
+            return self._holds(st, path)
         st.calls += 1
         if st.pending is not None:
             self._poll(st)
@@ -357,9 +338,7 @@ class Dispatcher:
         refresh = st.calls % period == 0 and st.pending is None
         if st.decision is not None and not st.retune and not refresh:  # hot path: ~nothing but the work
             self.last_backend = st.decision
-            if st.decision == "twell":
-                return self._twell(st, x2d, w_gate, w_up, w_down, w_down_t)
-            return ffn_dense(x2d, w_gate, w_up, w_down, threshold)
+            return self._holds(st, st.decision)
         if st.density is None:  # first call of this layer/bucket: one synchronous count
             st.density = float(self.sparse.count(x2d, w_gate, threshold).item()) / (m * f)
         if st.decision is None or st.retune:
@@ -371,18 +350,23 @@ class Dispatcher:
                 self.store.drop("down_t", w_down)
         # no note here: two layers of one shape that decided differently would log at every refresh
         self.last_backend = st.decision
-        if st.decision == "twell":
-            return self._twell(st, x2d, w_gate, w_up, w_down, w_down_t, refresh=refresh)
-        g = torch.nn.functional.linear(x2d, w_gate)  # [M, F]
-        if refresh:
-            self._count_async(st, (g > (0 if threshold is None else threshold)).sum(), m * f)
-        return torch.nn.functional.linear(threshold_act(g, threshold) * torch.nn.functional.linear(x2d, w_up), w_down)
+        return self._holds(st, st.decision, (lambda nnz: self._count_async(st, nnz, m * f)) if refresh else None)
 
-    def _twell(self, st, x2d, w_gate, w_up, w_down, w_down_t, refresh: bool = False) -> torch.Tensor:
-        """auto's twell path, the one every twell decision runs (hot path, refreshes, capture, calibration),
-        with the bucket's threshold."""
-        on_count = (lambda nnz: self._count_async(st, nnz, x2d.shape[0] * w_gate.shape[0])) if refresh else None
-        return self.sparse(x2d, w_gate, w_up, self.down_t(w_down, w_down_t), on_count=on_count, threshold=st.theta)
+    def _holds(self, st: LayerState, path: str, on_count=None) -> Answer:
+        """`path` for this call, holding for the caller's next calls up to the bucket's next refresh when it is
+        the bucket's eager decision and no re-timing is due; for captured calls too only where graph replay
+        chose dense as well (a captured twell call asks each time: the step check's all-dense twin may be
+        capturing, and decode buckets often run dense eagerly but TwELL in graphs)."""
+        if path != st.decision or st.retune:
+            return Answer(path, 0, False, on_count)
+        every = self.policy.refresh_dense if path == "dense" else self.policy.refresh
+        return Answer(path, every - 1 - st.calls % every, path == "dense" and st.graph_decision == "dense", on_count)
+
+    def used(self, w_gate: torch.Tensor, m: int, calls: int) -> None:
+        """Count `calls` calls of m rows that ran on an answer that held (an answer left unused costs nothing)."""
+        st = self._state(w_gate, m)
+        if st is not None:
+            st.calls += calls
 
     def _count_async(self, st: LayerState, nnz: torch.Tensor, elements: int) -> None:
         """Copy a device count to a pinned host buffer, read once its event completes (no sync). Buffer and
@@ -416,32 +400,34 @@ class Dispatcher:
 
     def _calibrate(self, st: LayerState, x2d, w_gate, w_up, w_down, w_down_t) -> None:
         """Set st.decision (and st.graph_decision up to graph_timed_m) from paired timings of `entry` with
-        this bucket's decision forced, i.e. exactly what a later call runs; prefill buckets denser than
-        prefill_max_density, and buckets whose K2 would spill, go dense untimed."""
+        this bucket's decision forced, i.e. exactly what a later call runs, after a check of twell's output
+        against the dense FFN; prefill buckets denser than prefill_max_density, and buckets whose K2 would
+        spill, go dense untimed."""
         p = self.policy
         if x2d.shape[0] > p.graph_timed_m and st.density > p.prefill_max_density:  # measured sparsity decides
             return self._dense_by_rule(st, f"prefill density > {p.prefill_max_density}")
         if self.sparse.spills(*x2d.shape):  # hundreds of times slower: not worth a timing
             return self._dense_by_rule(st, f"K2 spills at M = {x2d.shape[0]}, d = {x2d.shape[1]}")
-        fault = output_fault(self._twell(st, x2d, w_gate, w_up, w_down, w_down_t),
-                             ffn_dense(x2d, w_gate, w_up, w_down, st.theta), p)
-        if fault is not None:  # never time (or choose) a path whose output is wrong
-            self._dense_by_rule(st, f"twell output disagrees with dense ({fault})")
-            log.error("twell_ffn %s: the TwELL kernels' output disagrees with dense (%s) on %s; this layer keeps "
-                      "the dense FFN. Please report it with your GPU, torch and triton versions.",
-                      (tuple(w_gate.shape), x2d.dtype, bucket(x2d.shape[0])), fault, x2d.device)
-            return
         call = lambda: self.entry(x2d, w_gate, w_up, w_down, w_down_t, st.theta)  # noqa: E731
 
-        def force(decision: str):  # the graph decision too: a dense fast path then skips its capture query
+        def force(decision: str):  # the graph decision too: a dense hot path then skips its capture query
             def prepare() -> None:
                 st.decision = st.graph_decision = decision
             return prepare
 
-        st.timing = True
+        st.timing = True  # (a drift read meanwhile starts no re-timing)
         try:
+            force("twell")()
+            fault = output_fault(call(), ffn_dense(x2d, w_gate, w_up, w_down, st.theta), p)
+            if fault is not None:  # never time (or choose) a path whose output is wrong
+                self._dense_by_rule(st, f"twell output disagrees with dense ({fault})")
+                log.error("twell_ffn %s: the TwELL kernels' output disagrees with dense (%s) on %s; this layer keeps "
+                          "the dense FFN. Please report it with your GPU, torch and triton versions.",
+                          (tuple(w_gate.shape), x2d.dtype, bucket(x2d.shape[0])), fault, x2d.device)
+                return
             eager = self._paired_rounds({"dense": (force("dense"), call), "twell": (force("twell"), call)}, x2d)
-            graph = self._graph_rounds(st, x2d, w_gate, w_up, w_down, w_down_t) if x2d.shape[0] <= p.graph_timed_m else None
+            graph = (self._graph_rounds(st, x2d, w_gate, w_up, w_down, w_down_t, force)
+                     if x2d.shape[0] <= p.graph_timed_m else None)
         except BaseException:
             st.decision = st.graph_decision = None  # never keep a forced decision
             raise
@@ -479,11 +465,15 @@ class Dispatcher:
                 out[k].append(self.clock.ms(fn, calls[k]) / per_call)
         return out
 
-    def _graph_rounds(self, st, x2d, w_gate, w_up, w_down, w_down_t) -> dict[str, list[float]]:
-        """Per-round GPU ms per call of both paths replayed from CUDA graphs: the kernels captured calls run."""
+    def _graph_rounds(self, st, x2d, w_gate, w_up, w_down, w_down_t, force) -> dict[str, list[float]]:
+        """Per-round GPU ms per call of both paths replayed from CUDA graphs: the kernels captured calls run (the
+        twell graph captures `entry` with twell forced; each replay is prepared with its decision forced, which
+        a real graph ignores and a test's stand-in replay, calling the function again, follows)."""
         n = self.policy.graph_calls
-        graphs = {"dense": self.clock.capture(lambda: ffn_dense(x2d, w_gate, w_up, w_down, st.theta), n),
-                  "twell": self.clock.capture(lambda: self._twell(st, x2d, w_gate, w_up, w_down, w_down_t), n)}
-        out = self._paired_rounds({k: (lambda: None, g.replay) for k, g in graphs.items()}, x2d, per_call=n)
+        call = lambda: self.entry(x2d, w_gate, w_up, w_down, w_down_t, st.theta)  # noqa: E731
+        graphs = {"dense": self.clock.capture(lambda: ffn_dense(x2d, w_gate, w_up, w_down, st.theta), n)}
+        force("twell")()
+        graphs["twell"] = self.clock.capture(call, n)
+        out = self._paired_rounds({k: (force(k), g.replay) for k, g in graphs.items()}, x2d, per_call=n)
         del graphs
         return out

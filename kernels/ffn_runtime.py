@@ -1,4 +1,4 @@
-"""One owner for a model's FFN backend: FFNRuntime, and the process registry every copy of the bundle finds it in.
+"""One owner for a model's FFN backend: FFNRuntime, its backend table, and the op compiled calls go through.
 
 Legend: M = tokens, d = hidden size, F = intermediate size. Weights in nn.Linear layout.
 
@@ -6,81 +6,103 @@ An FFNRuntime belongs to one model (Sparse<Base> makes it; a SparseMLP built alo
 - `backend`: "auto" | "twell" | "dense" (BACKENDS; set_backend switches it for every layer at once),
 - `dispatcher`: auto's Dispatcher (dispatch.py): per layer (keyed by W_gate) and M bucket, the eager and graph
   decisions, density refreshes, W_down^T copies, and the step check's dense-in-capture flag,
-- `layers`: its SparseMLPs, each with an FFNLayer record (on the module as `_ffn`, one attribute lookup on the
-  hot path): the layer's grant and the path its last forward took.
-`SparseMLP.forward(x)` is `self.runtime.ffn(self, x)`.
+- `kernels`: the backend table (BACKEND_TABLE), `devices`: the device types whose calls it runs,
+- `layers`: its SparseMLPs, each with an FFNLayer record (on the module as `ffn_layer`, one attribute lookup on
+  the hot path): the answer the layer holds and the path its last forward took.
 
-Grants: once auto decided dense for a layer's M bucket, `ffn` lets that layer run its own torch expression for
-the calls up to the bucket's next density refresh (Dispatcher.grant_dense), after one attribute test: no
-argument checks, no store lookup. The next call through auto first reports how many granted calls ran
-(Dispatcher.dense_used), so the refresh keeps its period in real calls; a backend switch reports them too.
-Where graph replay chose TwELL for the bucket, the grant covers eager calls only: a call captured into a CUDA
-graph goes to auto, which runs the graph decision.
+One decision, one call. `SparseMLP.forward(x)` is `self.runtime.ffn(self, x)`. A call no answer holds for asks
+one question, `answer`: backend "auto" asks the dispatcher (dense or TwELL for this layer, token count and
+regime), a forced backend is its own answer; then it calls one function, the backend table's row for the
+answer on x's device. Where the layer cannot take the table (CPU input, gradients, biases or adapters, the
+step check's all-dense twin, backend "dense": `kernel_reason`) it runs its own torch expression, as stock
+transformers does. The same `run` (answer, then the row) is the op's body, what auto's calibration times, and
+what twell_ops.twell_ffn calls after its argument checks.
 
-The registry: sys.modules[REGISTRY], a module object holding one slot per API version (`api1`): the first copy
-of the bundle imported in a process (sparsify.kernels, or a model folder's copy that transformers loads as
-transformers_modules.<folder>.ffn_runtime) fills it with its FFNRuntime / FFNLayer classes, and every later copy
-of the same API version uses those (`_shared`): one copy of the runtime code per process, whichever folder a
-model came from. The slot also holds the live runtimes by key (weakly), the process runtime (twell_ffn calls
-made outside a model), and the log-once memory. It is the only module-level mutable state of the bundle's FFN
-files (tests/kernels/test_ffn_runtime.py checks it).
+Held answers: auto's answer for a layer's M bucket holds for the calls up to the bucket's next density refresh
+(Answer.calls); the layer runs them after one attribute test (dense: its own torch expression; twell: the
+table's row), and the next call that asks first reports how many ran (Dispatcher.used), so the refresh keeps its
+period in real calls; a backend switch reports them too. Captured calls are covered only where graph replay
+chose dense as well: any other call captured into a CUDA graph asks, and gets the graph decision.
 
-The custom op `sparsify::ffn` (what torch.compile traces; eager calls skip the op dispatch, ~20 us) is
-registered once per process by whichever copy comes first, and takes the calling runtime's integer key: its
-body looks the runtime up in the slot and runs that runtime's `impl`. Folders written before this file (their
-ops `sparsify::twell_ffn` / `twell_ffn_threshold`, their dispatcher published as sys.modules
-["sparsify_twell_ffn_auto"]) never meet these names, and these never read theirs.
+The registry (registry.py): the first copy of the bundle imported in a process fills its slot with its FFNRuntime /
+FFNLayer classes, and every later copy of the same API version uses those (`_shared`): one copy of the runtime
+code per process, whichever folder a model came from. The slot also holds the live runtimes by key (weakly), the
+process runtime (twell_ffn calls made outside a model), and the log-once memory.
 
-API: bump it when the op schema, the slot's fields or the runtime <-> SparseMLP interface change (SparseMLP's
-`runtime`, `_ffn`, `_weights`, `_torch_ffn`, `_projections`, `gate_weight`, `threshold`): the new version gets
-its own slot and registers `sparsify::ffn_<API>`.
+The custom op `sparsify::ffn_<API>` (what torch.compile traces; eager calls skip the op dispatch, ~20 us) is
+registered once per process by whichever copy comes first, and takes the calling runtime's integer key: its body
+looks the runtime up in the slot and runs that runtime's `run`. Folders written before (API 1's `sparsify::ffn`,
+and before the runtime `sparsify::twell_ffn` / `twell_ffn_threshold` with their dispatcher published as
+sys.modules["sparsify_twell_ffn_auto"]) keep their own ops and slots beside these.
+
+API (registry.py): bump it when the op schema, a slot field's meaning or the runtime <-> SparseMLP interface
+change (SparseMLP's `runtime`, `ffn_layer`, `weights`, `torch_ffn`, `projections`, `gate_weight`, `threshold`):
+the new version gets its own slot and registers its own op.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
-import sys
-import types
-import weakref
+from types import MappingProxyType
 
 import torch
 import torch.nn as nn
 
-from .dispatch import CudaClock, Dispatcher, WeightStore
-from .twell_reference import ffn_dense
+from .dispatch import Answer, CudaClock, Dispatcher, WeightStore
+from .registry import API, SLOT as _SLOT
+from .twell_reference import ffn_dense, threshold_act
 from .twell_triton import HAS_TRITON
 from .twell_updown import twell_ffn_triton
 
-REGISTRY = "sparsify_ffn_registry"  # the sys.modules entry every copy of the bundle finds the registry by
-API = 1
-OP = "ffn"  # sparsify::ffn (FFNRuntime.call names it; API 2 would register "ffn_2")
+OP = f"ffn_{API}"  # sparsify::ffn_2 (API 1 registered "ffn")
 BACKENDS = ("auto", "twell", "dense")
 TWIN = "the step check's all-dense twin of a decode step"
-_KERNELS_MISSING = "" if HAS_TRITON else "triton is not installed"
 logger = logging.getLogger("sparsify")
 
 
-def _registry_slot() -> types.SimpleNamespace:
-    """This API version's slot of the process registry; the first copy of the bundle that asks makes it."""
-    registry = sys.modules.get(REGISTRY)
-    if registry is None:
-        registry = sys.modules.setdefault(REGISTRY, types.ModuleType(REGISTRY, "sparsify's FFN runtimes (ffn_runtime.py)"))
-    slot = getattr(registry, f"api{API}", None)
-    if slot is None:
-        slot = types.SimpleNamespace(
-            classes={},  # name -> the first copy's class (FFNRuntime, FFNLayer)
-            runtimes=weakref.WeakValueDictionary(),  # key -> live FFNRuntime (the op's argument)
-            keys=itertools.count(),
-            process=None,  # the runtime of twell_ffn calls made outside a model
-            announced=set(),  # FFN paths logged once per process
-        )
-        setattr(registry, f"api{API}", slot)
-    return slot
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., d] as row-contiguous [M, d] (x itself where it already is)."""
+    return x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, x.shape[-1]).contiguous()
 
 
-_SLOT = _registry_slot()
+def _device(x: torch.Tensor) -> str:
+    """x's device type, the backend table's first key (is_cuda first: the cheap question)."""
+    return "cuda" if x.is_cuda else x.device.type
+
+
+# ----------------------------------------------------------------------------------------- the backend table
+def dense_rows(auto: Dispatcher, x, w_gate, w_up, w_down, w_down_t=None, threshold=None, on_count=None):
+    """The dense FFN on x [..., d] (three GEMMs, cuBLAS on GPU); on a density refresh it hands `on_count` the
+    gate's count of kept values, from the gate it computes anyway."""
+    if on_count is None:
+        return ffn_dense(x, w_gate, w_up, w_down, threshold)
+    g = torch.nn.functional.linear(x, w_gate)  # [..., F]
+    on_count((g > (0 if threshold is None else threshold)).sum())
+    return torch.nn.functional.linear(threshold_act(g, threshold) * torch.nn.functional.linear(x, w_up), w_down)
+
+
+def twell_rows(auto: Dispatcher, x, w_gate, w_up, w_down, w_down_t=None, threshold=None, on_count=None):
+    """The TwELL FFN on x [..., d], as [M, d] rows: K1 + K2, or at M = 1 the fused decode launch
+    (twell_ffn_triton); W_down^T is the caller's or the one `auto`'s store keeps per W_down version; on a
+    density refresh K1's count goes to `on_count`."""
+    out = twell_ffn_triton(_rows(x), w_gate.contiguous(), w_up.contiguous(), auto.down_t(w_down, w_down_t),
+                           threshold=threshold, on_count=on_count)  # [M, d]
+    return out if x.dim() == 2 else out.view_as(x)
+
+
+# The backend table: (device type, answer) -> the function that computes the FFN on x [..., d], each called as
+# row(dispatcher, x, w_gate, w_up, w_down, w_down_t, threshold, on_count). A row stands only where it can run
+# (TwELL: triton on CUDA; on CPU its interpreter, for tests); an (device, "dense") row missing runs dense_rows.
+# A new backend is a row here: a CPU sparse decode would be ("cpu", "twell"), with "cpu" in the runtime's
+# `devices` so that its layers take the table and auto times it there.
+BACKEND_TABLE = MappingProxyType({
+    ("cuda", "dense"): dense_rows,
+    ("cpu", "dense"): dense_rows,
+    **({("cuda", "twell"): twell_rows} if HAS_TRITON else {}),
+    **({("cpu", "twell"): twell_rows} if HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1" else {}),
+})
+_FORCED = MappingProxyType({path: Answer(path) for path in ("dense", "twell")})  # a forced backend's answers
 
 
 def _shared(cls: type) -> type:
@@ -98,14 +120,6 @@ def _announce(path: str, reason: str) -> None:
     if path not in _SLOT.announced:
         _SLOT.announced.add(path)
         logger.info("sparsify: FFN path = %s (%s)", path, reason)
-
-
-def _triton_ok(x: torch.Tensor) -> bool:
-    if not HAS_TRITON:
-        return False
-    if x.is_cuda:
-        return True
-    return x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _check_threshold(x: torch.Tensor, f: int, threshold: torch.Tensor) -> None:
@@ -135,69 +149,75 @@ def _check(x, w_gate, w_up, w_down, backend) -> None:
 
 @_shared
 class FFNLayer:
-    """A runtime's record of one SparseMLP: its grant (`left` of `given` calls of input shape `shape`, m rows;
-    `in_capture`: the grant covers calls captured into CUDA graphs too) and the path its last forward took
-    ("twell_ffn:twell" / "twell_ffn:dense" as the kernels' entry ran it, "torch": the nn.Linear modules)."""
+    """A runtime's record of one SparseMLP: the answer it holds (`answer`, for `left` of `given` calls of input
+    shape `shape`, m rows; `in_capture`: calls captured into CUDA graphs too) and the path its last forward took
+    ("twell_ffn:twell" / "twell_ffn:dense": the backend table's row that ran, "torch": the nn.Linear modules)."""
 
-    __slots__ = ("left", "given", "m", "shape", "in_capture", "path")
+    __slots__ = ("answer", "left", "given", "m", "shape", "in_capture", "path")
 
     def __init__(self):
         self.left = self.given = self.m = 0
-        self.shape = None
+        self.answer = self.shape = None
         self.in_capture = False
         self.path = ""
 
-    def __reduce__(self):  # a copied module starts without a grant (it was the original's dispatcher's)
+    def __reduce__(self):  # a copied module holds no answer (it was the original's dispatcher's)
         return type(self), ()
 
 
 @_shared
 class FFNRuntime:
-    """One model's FFN backend, auto's per-layer decisions, the grants and the step check's twin (module doc).
+    """One model's FFN backend, auto's per-layer decisions, the held answers and the step check's twin (module doc).
 
     Args:
         backend: "auto" | "twell" | "dense".
-        dispatcher: auto's Dispatcher; default: a real one (CUDA clock) timing through this runtime's entry.
-        auto_devices: device types whose calls "auto" dispatches (elsewhere it runs dense); tests add "cpu"
-            with a fake clock.
+        dispatcher: auto's Dispatcher; default: a real one (CUDA clock). Its calibration times this runtime's
+            `run` (set as its entry when it has none).
+        devices: device types whose inference calls take the backend table and which "auto" dispatches (elsewhere
+            a layer runs its torch expression and a bare "auto" call runs dense); tests add "cpu" with a fake clock.
+        kernels: the backend table, (device type, answer) -> row (BACKEND_TABLE; tests pass stand-in rows).
     """
 
-    def __init__(self, backend: str = "auto", dispatcher: Dispatcher | None = None, auto_devices=("cuda",)):
+    def __init__(self, backend: str = "auto", dispatcher: Dispatcher | None = None, devices=("cuda",),
+                 kernels=BACKEND_TABLE):
         check_backend(backend)
         self.backend = backend
-        self.dispatcher = dispatcher if dispatcher is not None else Dispatcher(
-            CudaClock(), WeightStore(), entry=self._auto_entry)
-        self.auto_devices = tuple(auto_devices)
-        self.grants = True  # False: every call of a dense-decided layer goes through auto (bench_auto_overhead)
+        self.dispatcher = dispatcher if dispatcher is not None else Dispatcher(CudaClock(), WeightStore())
+        if self.dispatcher.entry is None:
+            self.dispatcher.entry = self.run
+        self.devices = tuple(devices)
+        self.kernels = kernels
+        self.grants = True  # False: every call asks (what eval/bench_auto_overhead.py compares against)
         self.layers: list = []
         self.key = next(_SLOT.keys)
         _SLOT.runtimes[self.key] = self
+        self._off_device = f"input is not on a {' / '.join(d.upper() for d in self.devices)} device"
 
     def __getstate__(self) -> dict:  # a copy (deepcopy, pickle) is a runtime of its own: new key, new dispatcher
-        return {"backend": self.backend, "auto_devices": self.auto_devices, "grants": self.grants,
-                "layers": self.layers}
+        return {"backend": self.backend, "devices": self.devices, "grants": self.grants, "layers": self.layers,
+                "kernels": None if self.kernels is BACKEND_TABLE else dict(self.kernels)}
 
     def __setstate__(self, state: dict) -> None:
-        type(self).__init__(self, state["backend"], auto_devices=state["auto_devices"])
+        type(self).__init__(self, state["backend"], devices=state["devices"], kernels=state["kernels"] or BACKEND_TABLE)
         self.grants, self.layers = state["grants"], state["layers"]
 
     # -------------------------------------------------------------------------------- the model's side
     def attach(self, mlp: nn.Module) -> None:
         """Make `mlp` (a SparseMLP) one of this runtime's layers."""
         mlp.runtime = self
-        mlp._ffn = FFNLayer()
+        mlp.ffn_layer = FFNLayer()
         self.layers.append(mlp)
 
     def set_backend(self, backend: str) -> None:
-        """Switch every layer to `backend`; grants end (auto counts the calls they ran)."""
+        """Switch every layer to `backend`; held answers end (auto counts the calls they ran)."""
         check_backend(backend)
         for mlp in self.layers:
-            self._settle(mlp, mlp._ffn)
+            self._settle(mlp, mlp.ffn_layer)
         self.backend = backend
 
     @property
     def last_backend(self) -> str | None:
-        """What this runtime's most recent call through the kernels' entry ran ("twell" / "dense")."""
+        """What this runtime's most recent answer named ("twell" / "dense")."""
         return self.dispatcher.last_backend
 
     def decisions(self, mlp: nn.Module) -> dict[int, dict]:
@@ -215,80 +235,100 @@ class FFNRuntime:
                                               for m in self.layers)
 
     def kernel_reason(self, mlp: nn.Module, x: torch.Tensor) -> str | None:
-        """None when this layer's call may go to the kernels' entry; otherwise why its torch path runs."""
-        if _KERNELS_MISSING:
-            return _KERNELS_MISSING
+        """None when this layer's call may take the backend table; otherwise why its torch path runs."""
         if self.backend == "auto" and self.dispatcher.capture_dense:
             return TWIN  # the step check's all-dense twin (under torch.compile: fusable torch ops, not the op)
-        if not x.is_cuda:
-            return "input is not on a CUDA device"
+        device = x.device.type
+        if device not in self.devices:
+            return self._off_device
+        if (device, "twell") not in self.kernels:
+            return "triton is not installed" if not HAS_TRITON else f"no TwELL kernels for {device} tensors"
         if self.backend == "dense":
             return "ffn_backend='dense'"
-        if torch.is_grad_enabled() and (mlp.training or any(p.requires_grad for p in mlp.parameters())):
+        if torch.is_grad_enabled() and (mlp.training or x.requires_grad
+                                        or any(p.requires_grad for p in mlp.parameters())):
             return "gradients enabled (training path calls the nn.Linear modules)"
-        if any(type(m) is not nn.Linear or m.bias is not None for m in mlp._projections()):
+        if any(type(m) is not nn.Linear or m.bias is not None for m in mlp.projections()):
             return "projections carry biases or adapters"
         return None
 
     def ffn(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """SparseMLP.forward: a granted call runs the layer's torch expression; else the kernels' entry
-        (CUDA inference with Triton) or the nn.Linear modules (kernel_reason says why)."""
-        if torch.compiler.is_compiling():  # first: dynamo must not guard on the grant's countdown
-            return self._traced(mlp, x)
-        rec = mlp._ffn
+        """SparseMLP.forward: the answer the layer holds, else the torch expression where the table cannot run
+        (kernel_reason), else one question and one call of the table (_ask)."""
+        if torch.compiler.is_compiling():  # first: dynamo must not guard on the held answer's countdown
+            if self.kernel_reason(mlp, x) is not None:
+                return mlp.torch_ffn(x)
+            return self.twell_ffn(x, *mlp.weights(), self.backend, None, mlp.threshold)  # traced: the op
+        rec = mlp.ffn_layer
         if rec.left and x.shape == rec.shape and (rec.in_capture or not self.dispatcher.capturing()):
-            rec.left -= 1  # granted by auto: the path is still the granting call's "twell_ffn:dense"
-            return mlp._torch_ffn(x)
+            rec.left -= 1  # auto's answer holds (the path stays the answering call's); _settle reports the calls
+            if rec.answer == "dense":
+                return mlp.torch_ffn(x)  # the layer's own expression: what stock transformers runs
+            w_gate, w_up, w_down = mlp.weights()  # [F, d], [F, d], [d, F]
+            row = self.kernels.get((_device(x), rec.answer), dense_rows)
+            return row(self.dispatcher, x, w_gate, w_up, w_down, None, mlp.threshold)
         reason = self.kernel_reason(mlp, x)
         if reason is not None:
             rec.path = "torch"
             if reason != TWIN:  # (the twin is a check inside a capture, not the path the model runs)
                 _announce("torch", reason)
-            return mlp._torch_ffn(x)
+            return mlp.torch_ffn(x)
+        return self._ask(mlp, rec, x)
+
+    def _ask(self, mlp: nn.Module, rec: FFNLayer, x: torch.Tensor) -> torch.Tensor:
+        """A layer's call that holds no answer: report the calls the last one ran, ask, run the answer's row, and
+        hold the answer for the calls it covers."""
         if rec.given:
             self._settle(mlp, rec)
-        w_gate, w_up, w_down = mlp._weights()  # [F, d], [F, d], [d, F]
-        y = self.twell_ffn(x, w_gate, w_up, w_down, self.backend, None, mlp.threshold)
+        w_gate, w_up, w_down = mlp.weights()
+        device = _device(x)
+        answer = self.answer(x, w_gate, w_up, w_down, None, mlp.threshold, self.backend, device=device)
+        row = self.kernels.get((device, answer.path), dense_rows)
+        y = row(self.dispatcher, x, w_gate, w_up, w_down, None, mlp.threshold, answer.on_count)
         _announce(f"twell_ffn (backend={self.backend})", "CUDA inference with Triton")
-        ran = self.dispatcher.last_backend
-        rec.path = f"twell_ffn:{ran}"
-        if ran == "dense" and self.backend == "auto" and self.grants:  # (a twell call gets no grant: no lookup)
-            rec.m = x.numel() // x.shape[-1]
-            rec.given, rec.in_capture = self.dispatcher.grant_dense(w_gate, rec.m)
-            rec.left, rec.shape = rec.given, x.shape
+        rec.path = f"twell_ffn:{answer.path}"
+        if answer.calls and self.grants:
+            rec.answer, rec.given, rec.left, rec.in_capture = answer.path, answer.calls, answer.calls, answer.in_capture
+            rec.m, rec.shape = x.numel() // x.shape[-1], x.shape
         return y
 
-    def _traced(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """ffn under torch.compile: the torch modules or the op, nothing recorded (the op's path is only known
-        when it runs)."""
-        if self.kernel_reason(mlp, x) is not None:
-            return mlp._torch_ffn(x)
-        w_gate, w_up, w_down = mlp._weights()
-        return self.call(x, w_gate, w_up, w_down, self.backend, None, mlp.threshold)
-
     def _settle(self, mlp: nn.Module, rec: FFNLayer) -> None:
-        """End the layer's grant, telling auto how many of its calls ran (its refresh period counts them)."""
+        """End the layer's held answer, telling auto how many calls it ran (its refresh period counts them)."""
         used = rec.given - rec.left
         rec.given = rec.left = 0
         if used:
-            self.dispatcher.dense_used(mlp.gate_weight(), rec.m, used)
+            self.dispatcher.used(mlp.gate_weight(), rec.m, used)
 
-    # --------------------------------------------------------------------------------- the kernels' entry
+    # ----------------------------------------------------------------------------- the one decision, one call
+    def answer(self, x, w_gate, w_up, w_down, w_down_t=None, threshold=None, backend: str = "auto", *,
+               device: str | None = None) -> Answer:
+        """The one question for x [..., d] (M rows): the path ("dense" | "twell": a row of the backend table on x's
+        device, `device` if the caller has it) and for how many calls it holds. "auto" on one of `devices` asks
+        the dispatcher (this layer, M, the regime); a forced backend is its own answer where its row can run,
+        dense elsewhere."""
+        auto, device = self.dispatcher, device or _device(x)
+        twell = (device, "twell") in self.kernels
+        if backend == "auto" and twell and device in self.devices:
+            return auto.choose(x, w_gate, w_up, w_down, w_down_t, threshold)  # (M = 0: dense)
+        if backend == "twell" and twell and x.numel():
+            auto.note(("twell", device), "twell", "requested")
+            return _FORCED["twell"]
+        auto.note(("dense", backend, device), "dense", "requested" if backend == "dense" else
+                  f"no TwELL kernels for {device} tensors" if not twell else f"auto dispatches {self.devices} only")
+        return _FORCED["dense"]
+
+    def run(self, x, w_gate, w_up, w_down, w_down_t=None, threshold=None, backend: str = "auto") -> torch.Tensor:
+        """The one decision and the one call on x [..., d], weights checked: the op's body, auto's timed entry,
+        and bare twell_ffn calls."""
+        device = _device(x)
+        answer = self.answer(x, w_gate, w_up, w_down, w_down_t, threshold, backend, device=device)
+        row = self.kernels.get((device, answer.path), dense_rows)
+        return row(self.dispatcher, x, w_gate, w_up, w_down, w_down_t, threshold, answer.on_count)
+
     def twell_ffn(self, x, w_gate, w_up, w_down, backend: str = "auto", w_down_t=None, threshold=None):
-        """twell_ops.twell_ffn through this runtime's dispatcher (same arguments, positional)."""
-        if backend == "auto":  # a bucket that chose dense: the same torch ops as the dense backend
-            y = self.dispatcher.fast_path(x, w_gate, w_up, w_down, threshold)
-            if y is not None:
-                return y
-        return self.call(x, w_gate, w_up, w_down, backend, w_down_t, threshold)
-
-    def _auto_entry(self, x2d, w_gate, w_up, w_down, w_down_t, threshold=None):
-        """What the dispatcher's calibration times: the whole entry, argument checks included."""
-        return self.twell_ffn(x2d, w_gate, w_up, w_down, "auto", w_down_t, threshold)
-
-    def call(self, x, w_gate, w_up, w_down, backend: str = "auto", w_down_t=None, threshold=None):
-        """twell_ffn past auto's dense fast path: argument checks, the gradient path, then the op (traced)
-        or its body (eager and CUDA-graph capture: no custom-op dispatch, ~20 us a call)."""
+        """twell_ops.twell_ffn on this runtime (same arguments, positional): argument checks, the gradient path,
+        then `run` (eager and CUDA-graph capture: no custom-op dispatch, ~20 us a call) or, traced, the op that
+        runs it on [M, d] rows."""
         d = x.shape[-1]
         if (backend not in BACKENDS or w_gate.shape[-1] != d or w_up.shape != w_gate.shape
                 or w_down.shape[0] != d or w_down.shape[-1] != w_gate.shape[0]
@@ -300,27 +340,11 @@ class FFNRuntime:
                                         or w_down.requires_grad):
             self.dispatcher.note(("grad",), "dense", "gradients needed")
             return ffn_dense(x, w_gate, w_up, w_down, threshold)
-        x2d = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, d).contiguous()
-        if torch.compiler.is_compiling():  # opaque op for dynamo / inductor, carrying this runtime's key
-            out = torch.ops.sparsify.ffn(x2d, w_gate.contiguous(), w_up.contiguous(), w_down, w_down_t, backend,
-                                         threshold, self.key)
-        else:
-            out = self.impl(x2d, w_gate.contiguous(), w_up.contiguous(), w_down, w_down_t, backend, threshold)
+        if not torch.compiler.is_compiling():
+            return self.run(x, w_gate, w_up, w_down, w_down_t, threshold, backend)
+        x2d = _rows(x)  # traced: the opaque op for dynamo / inductor, carrying this runtime's key
+        out = getattr(torch.ops.sparsify, OP)(x2d, w_gate, w_up, w_down, w_down_t, backend, threshold, self.key)
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], w_down.shape[0])
-
-    def impl(self, x2d, w_gate, w_up, w_down, w_down_t, backend: str, threshold=None) -> torch.Tensor:
-        """The op's body on [M, d]: dense, auto's dispatcher, or the TwELL kernels."""
-        auto = self.dispatcher
-        if backend == "dense" or not _triton_ok(x2d) or x2d.shape[0] == 0:
-            auto.note(("dense", backend), "dense", "requested" if backend == "dense" else "no triton/CUDA for this tensor")
-            return ffn_dense(x2d, w_gate, w_up, w_down, threshold)
-        if backend == "auto" and x2d.device.type in self.auto_devices:
-            return auto(x2d, w_gate, w_up, w_down, w_down_t, threshold)
-        if backend == "auto":  # CPU interpreter: correct but slow, never chosen automatically
-            auto.note(("cpu", "auto"), "dense", "auto on CPU")
-            return ffn_dense(x2d, w_gate, w_up, w_down, threshold)
-        auto.note(("twell", "requested"), "twell", "requested")
-        return twell_ffn_triton(x2d, w_gate, w_up, auto.down_t(w_down, w_down_t), threshold=threshold)
 
 
 def process_runtime() -> FFNRuntime:
@@ -338,7 +362,7 @@ def runtime_of(model) -> FFNRuntime | None:
 
 def _define_op() -> None:
     """Register sparsify::<OP> unless a copy of the bundle (this API version) already did: its body runs the
-    `impl` of the runtime whose key the call carries, whichever copy's code registered it."""
+    `run` of the runtime whose key the call carries, whichever copy's code registered it."""
     if getattr(torch.ops.sparsify, OP, None) is not None:
         return
     try:
@@ -347,7 +371,7 @@ def _define_op() -> None:
             x2d: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
             w_down_t: torch.Tensor | None, backend: str, threshold: torch.Tensor | None, runtime: int,
         ) -> torch.Tensor:
-            return _SLOT.runtimes[runtime].impl(x2d, w_gate, w_up, w_down, w_down_t, backend, threshold)
+            return _SLOT.runtimes[runtime].run(x2d, w_gate, w_up, w_down, w_down_t, threshold, backend)
 
         @op.register_fake
         def _(x2d, w_gate, w_up, w_down, w_down_t, backend, threshold, runtime):

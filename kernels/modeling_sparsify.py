@@ -7,9 +7,10 @@ folder as a dense ReLU model; `auto_map` points AutoModelForCausalLM here, to `S
 `SparseLlamaForCausalLM`), built on first access from `transformers.<Base>`.
 
 SparseMLP keeps the parameter names (gate_proj / up_proj / down_proj, or Phi-3's fused gate_up_proj), so
-state dicts load unchanged, and it calls those modules whenever gradients may flow (training, LoRA). At
-inference on CUDA with Triton it runs the TwELL kernels' entry through the model's FFNRuntime (ffn_runtime.py:
-the backend, auto's decisions, grants); anywhere else the dense torch expression, identical to the stock model's.
+state dicts load unchanged, and it calls those modules whenever gradients may flow (training, LoRA). Its forward
+is one call into the model's FFNRuntime (ffn_runtime.py: the backend, auto's decisions, the backend table), which
+at inference on CUDA with Triton runs the row of its backend table that its answer names, and anywhere else the
+layer's own torch expression (`torch_ffn`), identical to the stock model's.
 
 Thresholded folders (FATReLU / JumpReLU-style, h = g * [g > theta] * up): config.json's activation field
 (`hidden_act`, Gemma 2/3: `hidden_activation`) holds THRESHOLD_ACT, which stock transformers refuses
@@ -47,11 +48,13 @@ class SparseMLP(nn.Module):
     .half(), from_pretrained(dtype=)); without, that buffer is None (not in the state dict).
 
     The FFN path belongs to the model's FFNRuntime (ffn_runtime.py; `runtime`, shared by the model's layers, or
-    one of its own when built alone): forward is one call into it. `ffn_backend` ("auto" | "twell" | "dense",
-    read-only: model.set_ffn_backend switches it) is the runtime's; `last_path` the path this layer's last
-    forward took: "twell_ffn:twell" / "twell_ffn:dense" (what the kernels' entry actually ran) or "torch" (the
-    nn.Linear modules). A layer that "auto" decided dense runs its torch expression for the calls its runtime
-    was granted up to the next density refresh (ffn_runtime.py, "Grants").
+    one of its own when built alone): forward is one call into it, which reads what the layer exposes for it:
+    `weights()`, `torch_ffn(x)`, `projections()`, `gate_weight()`, `threshold`, and `ffn_layer` (the runtime's
+    record of this layer: the answer it holds). `ffn_backend` ("auto" | "twell" | "dense", read-only:
+    model.set_ffn_backend switches it) is the runtime's; `last_path` the path this layer's last forward took:
+    "twell_ffn:twell" / "twell_ffn:dense" (the backend table's row that ran) or "torch" (the nn.Linear modules).
+    A layer holds auto's answer for its calls up to the next density refresh (ffn_runtime.py, "Held answers"):
+    dense runs its torch expression, twell the table's TwELL row, without asking.
     """
 
     def __init__(self, mlp: nn.Module, threshold: bool = False, runtime: FFNRuntime | None = None):
@@ -67,7 +70,7 @@ class SparseMLP(nn.Module):
         self.register_buffer("threshold", torch.zeros(w.shape[1], dtype=torch.float32, device=w.device)
                              if threshold else None)
         self._views = None  # Phi-3: cached gate/up views (the dispatcher keys a layer by its W_gate object)
-        (runtime if runtime is not None else FFNRuntime()).attach(self)  # sets self.runtime and self._ffn
+        (runtime if runtime is not None else FFNRuntime()).attach(self)  # sets self.runtime and self.ffn_layer
 
     def _apply(self, fn, recurse=True):
         """nn.Module._apply, then the threshold back in float32 if fn cast it (model.to(bf16), .half(),
@@ -85,16 +88,18 @@ class SparseMLP(nn.Module):
 
     @property
     def last_path(self) -> str:
-        return self._ffn.path
+        return self.ffn_layer.path
 
-    def _projections(self) -> list[nn.Module]:
+    def projections(self) -> list[nn.Module]:
+        """The projection modules (plain nn.Linear without bias, unless adapters or quantisation replaced them)."""
         return [self.gate_up_proj, self.down_proj] if self.fused else [self.gate_proj, self.up_proj, self.down_proj]
 
     def kernel_reason(self, x: torch.Tensor) -> str | None:
         """None when the TwELL path may run; otherwise why the dense torch path runs instead."""
         return self.runtime.kernel_reason(self, x)
 
-    def _weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(W_gate [F, d], W_up [F, d], W_down [d, F]) as the kernels read them (Phi-3: views of gate_up_proj)."""
         if not self.fused:
             return self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
         w = self.gate_up_proj.weight  # [2F, d], gate rows first
@@ -110,12 +115,12 @@ class SparseMLP(nn.Module):
 
     def gate_weight(self) -> torch.Tensor:
         """W_gate [F, d] as the kernels see it (the object the dispatcher keys this layer by)."""
-        return self._weights()[0]
+        return self.weights()[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.runtime.ffn(self, x)
 
-    def _torch_ffn(self, x: torch.Tensor) -> torch.Tensor:
+    def torch_ffn(self, x: torch.Tensor) -> torch.Tensor:
         """The stock model's expression through the nn.Linear modules (what stock transformers runs), with the
         threshold where there is one (plain autograd of g * [g > theta] * up)."""
         if self.fused:

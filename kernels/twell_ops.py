@@ -9,9 +9,9 @@ whenever gradients are needed), "twell" (K1 + K2 of twell_triton.py), "auto" (di
 M bucket, whichever path measured faster; CUDA only). Without CUDA or triton every backend runs the dense
 torch path, except "twell" on CPU with TRITON_INTERPRET=1 (the Triton interpreter: tests).
 
-Calls made here go through the process runtime (ffn_runtime.process_runtime: one per process, shared by every
-copy of the bundle); a model's SparseMLPs call their model's own runtime instead. Under torch.compile the call
-is the custom op `sparsify::ffn` (ffn_runtime.py).
+Calls made here are the process runtime's (ffn_runtime.process_runtime: one per process, shared by every copy
+of the bundle): its argument checks, then the one decision and the one call of its backend table that a model's
+layers make through their own runtime. Under torch.compile the call is the runtime's custom op (ffn_runtime.py).
 """
 
 from __future__ import annotations
@@ -63,8 +63,4 @@ def twell_ffn(
         [..., d] in x's dtype. When autograd needs gradients, the dense torch path runs (inference-only
         kernels); `last_backend()` tells which path ran.
     """
-    if backend == "auto":  # a bucket that chose dense: the same torch ops as the dense backend
-        y = _PROCESS.dispatcher.fast_path(x, w_gate, w_up, w_down, threshold)
-        if y is not None:
-            return y
-    return _PROCESS.call(x, w_gate, w_up, w_down, backend, w_down_t, threshold)
+    return _PROCESS.twell_ffn(x, w_gate, w_up, w_down, backend, w_down_t, threshold)

@@ -17,7 +17,7 @@ in S = T / C slots, C being the compression factor:
 - ``cnt`` [M, NT] int32: the TRUE number of active gate values in the (row, tile), even when it
   exceeds S.
 - the S slots of each (row, tile), in one of two encodings (``TwellPacked.entries``):
-  * "bf16" / "fp16" (round 5, the default for bf16/fp16 inputs): ``ent`` [M, NT, S] int32, one 32-bit
+  * "bf16" / "fp16" (the default for bf16/fp16 inputs): ``ent`` [M, NT, S] int32, one 32-bit
     word per slot: bits 31..16 = the 16-bit pattern of relu(g_j) rounded (to nearest even) to bf16 or
     fp16, bits 15..0 = the column WITHIN the tile, c = j - t * T (0 <= c < T <= 65536). The value is
     positive so bit 31 is 0 and the word is a non-negative int32. One store per entry in the gate
@@ -45,6 +45,7 @@ Defaults: prefill T = 128, C = 8 (S = 16); decode (M <= 16) T = 32, S = 32 (C = 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
@@ -54,7 +55,7 @@ DECODE_TILE = 32
 DECODE_SLOTS = 32
 
 
-ENTRY_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+ENTRY_DTYPES = MappingProxyType({"bf16": torch.bfloat16, "fp16": torch.float16})
 
 
 @dataclass

@@ -7,18 +7,22 @@ Every K1 packs the columns with g > 0, or with a threshold theta [F] (HAS_THETA)
 rounded to the input dtype first (`_in_dtype`, the value the dense path compares); HAS_THETA = 0 compiles
 to the code without theta.
 
-- `_k1_r6` (16-bit prefill, the default): TMA loads, NSUB tiles of T columns per program (NSUB = 2: a
-  128 x 256 GEMM tile) and a slot-major epilogue: two 64-bit masks of a row's positive columns, then per
-  slot its column (the s-th set bit) and value (tl.gather from the accumulator), stored together.
-- `_k1_gate_pack` (r6's fallback for fp32, M <= 16 and unaligned inputs): tiled GEMM -> acc [BLOCK_M, T]
-  fp32; the epilogue gives each positive value its slot with a cumulative sum along the tile (no atomics,
-  deterministic). Neither writes a dense [M, F] tensor.
-- `_k1_gemv` (variant "gemv", M = 1 only; what "r6", auto's K1, runs at M = 1): the
-  same packing from a GEMV, W_gate blocks [T, BLOCK_K] times x with fp32 products summed once per tile, no
-  MMA (at M = 1 the tl.dot of _k1_gate_pack pads x to 16 rows and stages W_gate through MMA layouts).
+- `_k1_tma`, the TMA-tiled K1 (variant "tma", 16-bit prefill, the default): TMA loads, NSUB tiles of T columns
+  per program (NSUB = 2: a 128 x 256 GEMM tile) and a slot-major epilogue: two 64-bit masks of a row's positive
+  columns, then per slot its column (the s-th set bit) and value (tl.gather from the accumulator), stored
+  together.
+- `_k1_tiled`, the plain-tiled K1 (variant "tiled"; what "tma" falls back to for fp32, M <= 16 and unaligned
+  inputs): pointer loads into a tiled GEMM -> acc [BLOCK_M, T] fp32; the epilogue gives each positive value its
+  slot with a cumulative sum along the tile (no atomics, deterministic). Neither writes a dense [M, F] tensor.
+- `_k1_gemv`, the GEMV K1 (variant "gemv", M = 1 only; what "tma", auto's K1, runs at M = 1): the same packing
+  from a GEMV, W_gate blocks [T, BLOCK_K] times x with fp32 products summed once per tile, no MMA (at M = 1 the
+  tl.dot of _k1_tiled pads x to 16 rows and stages W_gate through MMA layouts).
+kernels/NOTES.md has the history (the benchmark rounds that produced each) and the measurements.
 """
 
 from __future__ import annotations
+
+from types import MappingProxyType
 
 import torch
 
@@ -30,7 +34,7 @@ try:  # the file must import (and the torch path work) without triton
     from triton.language.extra import libdevice
 
     HAS_TRITON = True
-    try:  # host-side tensor descriptors (TMA on Hopper): triton >= 3.4; the r6 K1 needs them
+    try:  # host-side tensor descriptors (TMA on Hopper): triton >= 3.4; the TMA-tiled K1 needs them
         from triton.tools.tensor_descriptor import TensorDescriptor
     except ImportError:  # pragma: no cover
         TensorDescriptor = None
@@ -104,7 +108,7 @@ if HAS_TRITON:
         return first_m + ((pid % group) % gsize), (pid % group) // gsize
 
     @triton.jit
-    def _k1_gate_pack(
+    def _k1_tiled(
         x_ptr, wg_ptr, cnt_ptr, col_ptr, val_ptr, th_ptr,
         M, F, D, NT, stride_xm, stride_wf,
         BLOCK_M: tl.constexpr, T: tl.constexpr, BLOCK_K: tl.constexpr, S: tl.constexpr,
@@ -252,7 +256,7 @@ if HAS_TRITON:
         tl.store(cnt_ptr + (pid_m * BLOCK_M + rows).to(tl.int64) * NT + tile, cnt, mask=m_ok)
 
     @triton.jit
-    def _k1_r6(
+    def _k1_tma(
         x_desc, wg_desc, cnt_ptr, ent_ptr, th_ptr, M, F, D, NT,
         BLOCK_M: tl.constexpr, T: tl.constexpr, BLOCK_K: tl.constexpr, S: tl.constexpr,
         MB, GROUP_M: tl.constexpr, ENT: tl.constexpr, NSUB: tl.constexpr, HW: tl.constexpr,
@@ -283,21 +287,15 @@ def require_triton() -> None:
         raise RuntimeError("triton is not installed: use backend='dense' (or install triton>=3.6).")
 
 
-ENT_CODES = {"split": 0, "bf16": 1, "fp16": 2}
-# twell_ffn_triton's variants, both K2 on compacted lists: "r6c" = _k1_r6 where it applies (else r5's K1),
-# "r5c" = _k1_gate_pack everywhere (kernels/NOTES.md, "Variants removed", has the others)
-VARIANTS = ("r6c", "r5c")
-DEFAULT_VARIANT = "r6c"
+ENT_CODES = MappingProxyType({"split": 0, "bf16": 1, "fp16": 2})
+# twell_ffn_triton's variants, named by their K1 (K2 reads compacted lists in both): "tma" = _k1_tma where it
+# applies (else the GEMV K1 at M = 1, the plain-tiled one elsewhere), "tiled" = _k1_tiled everywhere
+VARIANTS = ("tma", "tiled")
+DEFAULT_VARIANT = "tma"
+K1_VARIANTS = (*VARIANTS, "gemv")  # gate_pack's
 # _k1_gemv's BLOCK_K: the fastest of 64 / 128 / 256 at M = 1 and 95.7% zeros on all three swept shapes (H200,
 # eval/results/generate-h200/decode-parts-0957/)
 GEMV_BLOCK_K = 256
-
-
-def split_variant(variant: str) -> tuple[str, bool]:
-    """(K1 variant for gate_pack, whether K2 reads compacted lists) of a twell_ffn_triton variant."""
-    if variant not in VARIANTS:
-        raise ValueError(f"variant={variant!r} is not one of {VARIANTS}")
-    return variant[:2], True
 
 
 def default_entries(dtype: torch.dtype) -> str:
@@ -314,10 +312,10 @@ def k1_config(m: int, d: int) -> dict:
     return dict(BLOCK_M=64, T=TILE, S=SLOTS, BLOCK_K=64, num_warps=4, num_stages=4)
 
 
-# _k1_gate_pack's autotune configs for M > 16 (keyed on d, F and the M bucket); k1_config's blocks first
-K1_TUNE = [
+# _k1_tiled's autotune configs for M > 16 (keyed on d, F and the M bucket); k1_config's blocks first
+K1_TILED_TUNE = (
     (64, 64, 4, 4), (128, 64, 8, 3), (128, 64, 4, 4), (64, 128, 4, 3), (128, 32, 8, 4), (32, 128, 4, 4),
-]  # (BLOCK_M, BLOCK_K, num_warps, num_stages)
+)  # (BLOCK_M, BLOCK_K, num_warps, num_stages)
 
 
 def _even_k(a) -> bool:
@@ -326,9 +324,6 @@ def _even_k(a) -> bool:
 
 def _even_mn(a) -> bool:
     return a["M"] % a["BLOCK_M"] == 0 and a["F"] % a["T"] == 0
-
-
-_k1_tuned = None
 
 
 def _tma_blocks(nargs) -> None:
@@ -343,17 +338,6 @@ def _tma_ok(x2d: torch.Tensor, w_gate: torch.Tensor) -> bool:
         t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (x2d, w_gate))
 
 
-def k1_autotuner():
-    """The autotuned K1 (built lazily: triton.autotune benchmarks on the GPU, never in the interpreter)."""
-    global _k1_tuned
-    if _k1_tuned is None:
-        configs = [triton.Config({"BLOCK_M": bm, "BLOCK_K": bk}, num_warps=w, num_stages=st)
-                   for bm, bk, w, st in K1_TUNE]
-        heur = triton.heuristics({"EVEN_K": _even_k, "EVEN_MN": _even_mn})(_k1_gate_pack)
-        _k1_tuned = triton.autotune(configs=configs, key=["D", "F", "MB"])(heur)
-    return _k1_tuned
-
-
 def theta_args(x2d: torch.Tensor, threshold: torch.Tensor | None) -> dict:
     """The kernels' threshold arguments: th_ptr (theta [F] float32, or a never-read placeholder), HAS_THETA and
     RND (the input dtype theta compares g in: ENT_CODES' numbering)."""
@@ -363,35 +347,35 @@ def theta_args(x2d: torch.Tensor, threshold: torch.Tensor | None) -> dict:
 
 
 def gate_pack(
-    x2d: torch.Tensor, w_gate: torch.Tensor, *, entries: str | None = None, variant: str = "r5",
+    x2d: torch.Tensor, w_gate: torch.Tensor, *, entries: str | None = None, variant: str = "tiled",
     autotune: bool | None = None, threshold: torch.Tensor | None = None, **overrides,
 ) -> TwellPacked:
     """K1: relu(x2d @ w_gate.T) packed as TwELL. x2d [M, d] row-contiguous, w_gate [F, d] contiguous.
     threshold: theta [F] float32: pack the columns with g > theta_j instead, g rounded to x2d's dtype.
 
-    entries: slot encoding ("split", "bf16", "fp16"; default from the dtype). variant "r5" runs
-    _k1_gate_pack, autotuned on CUDA for M > 16 unless block sizes are given in `overrides`; "r6" runs
-    _k1_r6 (autotuned over R6_TUNE; overrides: R6_DEFAULT's keys) where its conditions hold (16-bit inputs
-    with packed entries, M > 16, TMA-aligned tensors), at M = 1 (without overrides) _k1_gemv, else r5;
-    "gemv" runs _k1_gemv at M = 1 (overrides: T, S, BLOCK_K, num_warps, num_stages), else r5. autotune=True
-    forces the autotuned launch (tests drive it in the interpreter with a stand-in benchmark).
+    entries: slot encoding ("split", "bf16", "fp16"; default from the dtype). variant "tiled" runs
+    _k1_tiled, autotuned on CUDA for M > 16 unless block sizes are given in `overrides`; "tma" runs
+    _k1_tma (autotuned over K1_TMA_TUNE; overrides: K1_TMA_DEFAULT's keys) where its conditions hold (16-bit
+    inputs with packed entries, M > 16, TMA-aligned tensors), at M = 1 (without overrides) _k1_gemv, else
+    _k1_tiled; "gemv" runs _k1_gemv at M = 1 (overrides: T, S, BLOCK_K, num_warps, num_stages), else _k1_tiled.
+    autotune=True forces the autotuned launch (tests drive it in the interpreter with a stand-in benchmark).
     """
-    if variant not in ("r5", "r6", "gemv"):
-        raise ValueError(f"variant={variant!r} is not 'r5', 'r6' or 'gemv'")
+    if variant not in K1_VARIANTS:
+        raise ValueError(f"variant={variant!r} is not one of {K1_VARIANTS}")
     require_triton()
     m, d = x2d.shape
     f = w_gate.shape[0]
     entries = entries or default_entries(x2d.dtype)
-    if variant == "r6" and m == 1 and not overrides:  # batch-1 decode: the GEMV-shaped K1 beat r5's there
+    if variant == "tma" and m == 1 and not overrides:  # batch-1 decode: the GEMV K1 beat the tiled one there
         variant = "gemv"
     cfg = {**k1_config(m, d), **({"BLOCK_K": GEMV_BLOCK_K} if variant == "gemv" else {}), **overrides}
-    # r6 needs 16-bit inputs with packed entries, prefill tiles and TMA-aligned tensors; otherwise r5 runs
-    if (variant == "r6" and x2d.dtype in (torch.bfloat16, torch.float16) and entries != "split"
+    # the TMA K1 needs 16-bit inputs with packed entries, prefill tiles and TMA-aligned tensors; else _k1_tiled
+    if (variant == "tma" and x2d.dtype in (torch.bfloat16, torch.float16) and entries != "split"
             and cfg["T"] == TILE and _tma_ok(x2d, w_gate)):
         nt = n_tiles(f, TILE)
         cnt = torch.empty(m, nt, dtype=torch.int32, device=x2d.device)  # [M, NT]
         ent = torch.empty(m, nt, SLOTS, dtype=torch.int32, device=x2d.device)  # [M, NT, S] packed words
-        _gate_pack_r6(x2d, w_gate, cnt, ent, entries, overrides, autotune, threshold)
+        _gate_pack_tma(x2d, w_gate, cnt, ent, entries, overrides, autotune, threshold)
         return TwellPacked(cnt=cnt, col=None, val=None, tile=TILE, n_cols=f, ent=ent, entries=entries)
     tuned = (x2d.is_cuda and m > 16 and cfg["T"] == TILE and variant != "gemv"
              and not {"BLOCK_M", "BLOCK_K", "num_warps", "num_stages"} & overrides.keys())
@@ -415,10 +399,10 @@ def gate_pack(
     common = dict(T=t, S=s, MB=min(next_pow2(m), 1 << 16) if tuned else 16, GROUP_M=8, IEEE=(x2d.dtype == torch.float32),
                   ENT=ENT_CODES[entries], **th)
     if tuned:
-        k1_autotuner()[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * nt,)](*args, **common)
+        k1_tiled_autotuned[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * nt,)](*args, **common)
     else:
         bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
-        _k1_gate_pack[(triton.cdiv(m, bm) * nt,)](
+        _k1_tiled[(triton.cdiv(m, bm) * nt,)](
             *args, BLOCK_M=bm, BLOCK_K=bk, **common, EVEN_K=(d % bk == 0), EVEN_MN=(m % bm == 0 and f % t == 0),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
@@ -432,51 +416,51 @@ def _packed(cnt, col, val, t: int, f: int, entries: str) -> TwellPacked:
     return TwellPacked(cnt=cnt, col=None, val=None, tile=t, n_cols=f, ent=col, entries=entries)
 
 
-# The round-6 K1 sweep's fastest at M = 16384 (kernels/NOTES.md): 128 x 256 tiles, 8 warps, 4 stages;
-# R6_TUNE adds shapes for smaller M that the autotuner picks per (d, F, M bucket).
-R6_DEFAULT = dict(BLOCK_M=128, BLOCK_K=64, NSUB=2, num_warps=8, num_stages=4)
-R6_TUNE = [(128, 64, 2, 8, 4), (128, 64, 2, 8, 3), (128, 128, 1, 8, 3), (64, 64, 1, 4, 4), (64, 128, 1, 4, 3)]
-_k1_r6_tuned = None
+# The TMA K1 sweep's fastest at M = 16384 (kernels/NOTES.md, eval/k1_sweep.py): 128 x 256 tiles, 8 warps, 4
+# stages; K1_TMA_TUNE adds shapes for smaller M that the autotuner picks per (d, F, M bucket).
+K1_TMA_DEFAULT = MappingProxyType(dict(BLOCK_M=128, BLOCK_K=64, NSUB=2, num_warps=8, num_stages=4))
+K1_TMA_TUNE = ((128, 64, 2, 8, 4), (128, 64, 2, 8, 3), (128, 128, 1, 8, 3), (64, 64, 1, 4, 4), (64, 128, 1, 4, 3))
+
+if HAS_TRITON:  # the autotuned K1s: Triton kernel objects like the kernels they wrap, their picks in their caches
+    # (made here, benchmarking only at a launch on the GPU; tests drive them with a stand-in benchmark)
+    k1_tiled_autotuned = triton.autotune(key=["D", "F", "MB"], configs=[
+        triton.Config({"BLOCK_M": bm, "BLOCK_K": bk}, num_warps=w, num_stages=st) for bm, bk, w, st in K1_TILED_TUNE
+    ])(triton.heuristics({"EVEN_K": _even_k, "EVEN_MN": _even_mn})(_k1_tiled))
+    k1_tma_autotuned = triton.autotune(key=["D", "F", "MB"], configs=[
+        triton.Config({"BLOCK_M": bm, "BLOCK_K": bk, "NSUB": nsub}, num_warps=w, num_stages=st, pre_hook=_tma_blocks)
+        for bm, bk, nsub, w, st in K1_TMA_TUNE
+    ])(_k1_tma)
 
 
-def k1_r6_autotuner():
-    global _k1_r6_tuned
-    if _k1_r6_tuned is None:
-        configs = [triton.Config({"BLOCK_M": bm, "BLOCK_K": bk, "NSUB": nsub}, num_warps=w, num_stages=st,
-                                 pre_hook=_tma_blocks) for bm, bk, nsub, w, st in R6_TUNE]
-        _k1_r6_tuned = triton.autotune(configs=configs, key=["D", "F", "MB"])(_k1_r6)
-    return _k1_r6_tuned
-
-
-def _gate_pack_r6(x2d, w_gate, cnt, ent, entries, overrides: dict, autotune: bool | None = None,
-                  threshold: torch.Tensor | None = None):
-    """Launch _k1_r6 into cnt [M, NT] / ent [M, NT, S] (threshold: theta [F] float32 or None): autotuned over
-    R6_TUNE on CUDA unless `overrides` sets block keys (R6_DEFAULT fills the rest; autotune=True/False forces
-    either). Returns Triton's launch result (on GPU the compiled kernel: the sweep reads its registers and
+def _gate_pack_tma(x2d, w_gate, cnt, ent, entries, overrides: dict, autotune: bool | None = None,
+                   threshold: torch.Tensor | None = None):
+    """Launch _k1_tma into cnt [M, NT] / ent [M, NT, S] (threshold: theta [F] float32 or None): autotuned over
+    K1_TMA_TUNE on CUDA unless `overrides` sets block keys (K1_TMA_DEFAULT fills the rest; autotune=True/False
+    forces either). Returns Triton's launch result (on GPU the compiled kernel: the sweep reads its registers and
     spills)."""
     m, d = x2d.shape
     f = w_gate.shape[0]
     nt = cnt.shape[1]
     common = dict(T=TILE, S=SLOTS, GROUP_M=8, ENT=ENT_CODES[entries], HW=x2d.is_cuda, **theta_args(x2d, threshold))
     th_ptr = common.pop("th_ptr")
-    if autotune or (autotune is None and x2d.is_cuda and not R6_DEFAULT.keys() & overrides.keys()):
+    if autotune or (autotune is None and x2d.is_cuda and not K1_TMA_DEFAULT.keys() & overrides.keys()):
         descs = (TensorDescriptor.from_tensor(x2d, [64, 64]), TensorDescriptor.from_tensor(w_gate, [TILE, 64]))
-        return k1_r6_autotuner()[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(nt, meta["NSUB"]),)](
+        return k1_tma_autotuned[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(nt, meta["NSUB"]),)](
             *descs, cnt, ent, th_ptr, m, f, d, nt, MB=min(next_pow2(m), 1 << 16), **common)
-    cfg = {**R6_DEFAULT, **overrides}
+    cfg = {**K1_TMA_DEFAULT, **overrides}
     bm, bk, nsub = cfg["BLOCK_M"], cfg["BLOCK_K"], cfg["NSUB"]
     progs = triton.cdiv(m, bm) * triton.cdiv(nt, nsub)
     descs = (TensorDescriptor.from_tensor(x2d, [bm, bk]), TensorDescriptor.from_tensor(w_gate, [TILE, bk]))
-    return _k1_r6[(progs,)](
+    return _k1_tma[(progs,)](
         *descs, cnt, ent, th_ptr, m, f, d, nt, BLOCK_M=bm, BLOCK_K=bk, MB=16, NSUB=nsub, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **common)
 
 
-def k1_best_config(d: int, f: int, m: int, variant: str = "r5") -> dict | None:
+def k1_best_config(d: int, f: int, m: int, variant: str = "tiled") -> dict | None:
     """The autotuner's pick for (d, F, M bucket), if it has tuned that key (for the benchmark log)."""
-    tuner = _k1_r6_tuned if variant == "r6" else _k1_tuned
-    if tuner is None:
+    if not HAS_TRITON:
         return None
+    tuner = k1_tma_autotuned if variant == "tma" else k1_tiled_autotuned
     for key, cfg in tuner.cache.items():
         if tuple(key[:3]) == (d, f, min(next_pow2(m), 1 << 16)):
             return {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}

@@ -25,9 +25,10 @@ from types import MappingProxyType
 
 import torch
 
+from .registry import SLOT
 from .twell_reference import TwellPacked
-from .twell_triton import (ENT_CODES, DEFAULT_VARIANT, HAS_TRITON, default_entries, gate_pack, next_pow2,
-                           require_triton, split_variant, theta_args, tl, triton)
+from .twell_triton import (ENT_CODES, DEFAULT_VARIANT, HAS_TRITON, VARIANTS, default_entries, gate_pack, next_pow2,
+                           require_triton, theta_args, tl, triton)
 
 # A decode K2 (M <= K2_SPLIT_MAX_M) runs chunked at M <= DECODE_CHUNKED_MAX_M, and at every decode M from
 # d = DECODE_CHUNKED_MIN_D on, where the split _k2_updown spills (the chunked-K2 sweep, kernels/NOTES.md)
@@ -47,18 +48,16 @@ def k2_spills(m: int, d: int) -> bool:
     return m > K2_SPLIT_MAX_M and d >= DECODE_CHUNKED_MIN_D
 
 
-_SMS: dict[int, int] = {}
-
-
 def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (cached); 132 (the H200) elsewhere, so CPU runs pick the
-    same configs as the GPU."""
+    """Streaming multiprocessors of a CUDA device (kept in the process registry); 132 (the H200) elsewhere, so CPU
+    runs pick the same configs as the GPU."""
     if device.type != "cuda":
         return 132
     i = device.index if device.index is not None else torch.cuda.current_device()
-    if i not in _SMS:
-        _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
-    return _SMS[i]
+    sms = SLOT.sms
+    if i not in sms:
+        sms[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return sms[i]
 
 
 if HAS_TRITON:
@@ -116,8 +115,8 @@ if HAS_TRITON:
         sj_ptr, sg_ptr, KMAX, COMPACT: tl.constexpr,
         th_ptr, HAS_THETA: tl.constexpr, RND: tl.constexpr,
     ):
-        # COMPACT (round-5 variant, SPLIT == 1): a prologue copies the row's kept entries, in rank order,
-        # to a per-row scratch list (global column int32, value fp32), so the main loop reads E
+        # COMPACT (what every twell_ffn_triton variant runs, SPLIT == 1): a prologue copies the row's kept entries,
+        # in rank order, to a per-row scratch list (global column int32, value fp32), so the main loop reads E
         # contiguous entries per chunk like a plain indexed gather, without the per-chunk tile lookup.
         row = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
@@ -310,7 +309,7 @@ def updown(
     """K2: (unpack(packed) * (x2d @ w_up.T)) @ w_down_t -> [M, d] in x2d's dtype. w_down_t is [F, d].
     threshold: the theta [F] float32 K1 packed with (overflowed tiles are recomputed with it), or None.
 
-    compact=True (variants r6c / r5c; ignored when K2 splits rows, M <= 16): per-row compacted entry
+    compact=True (what twell_ffn_triton runs; ignored when K2 splits rows, M <= 16): per-row compacted entry
     lists before the gather loop. chunked: when K2 splits rows, run updown_decode_chunked (True), the
     split _k2_updown (False), or choose by M and d (None: decode_k2_chunked, unless block overrides are
     given)."""
@@ -379,11 +378,10 @@ def updown_decode_chunked(
     return out.to(x2d.dtype)
 
 
-FUSED_DEFAULT = dict(T=32, BLOCK_K=256, E=4, BD=1024, num_warps=4)  # T, BLOCK_K: the GEMV K1's; E, BD: K2's
-# (d, F) -> the fused launch that twell_ffn_triton runs at M = 1 in place of K1 + K2: only shapes where it won, side by
-# side under CUDA graphs on an H200 at 95.7% zeros (eval/results/decode-fused-h200/, lease 5: 2048x8192 with E = 8
-# 2.51x of dense against K1 + K2's 2.21x; the default launch 2.16x against 2.08x in the grid). At 4096x14336 and
-# 8192x28672 every launch lost (best 1.91x against 2.00x, 2.10x against 2.35x): those stay K1 + K2.
+FUSED_DEFAULT = MappingProxyType(dict(T=32, BLOCK_K=256, E=4, BD=1024, num_warps=4))  # T, BLOCK_K: the GEMV K1's; E, BD: K2's
+# (d, F) -> the fused launch that twell_ffn_triton runs at M = 1 in place of K1 + K2: only the shapes where it beat
+# K1 + K2 side by side under CUDA graphs (H200, 95.7% zeros; the table: eval/results/decode-fused-h200/). The
+# larger decode shapes (4096x14336, 8192x28672) lost at every launch there and stay K1 + K2.
 FUSED_ROUTE = MappingProxyType({(2048, 8192): MappingProxyType(dict(E=8))})
 
 
@@ -417,27 +415,20 @@ def twell_ffn_decode_fused(
 
 def twell_ffn_triton(
     x2d: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down_t: torch.Tensor,
-    variant: str = DEFAULT_VARIANT, threshold: torch.Tensor | None = None,
+    variant: str = DEFAULT_VARIANT, threshold: torch.Tensor | None = None, on_count=None, fused: bool = True,
 ) -> torch.Tensor:
-    """The whole sparse FFN on [M, d]: K1 (gate + pack) then K2 (fused up/down). variant: "r6c" or "r5c".
+    """The whole sparse FFN on [M, d]: K1 (gate + pack) then K2 (fused up/down). variant: VARIANTS, named by K1.
     threshold: theta [F] float32 (h = g [g > theta] * up), or None (relu). At M = 1 on a FUSED_ROUTE shape (with
-    the default variant and contiguous weights) the fused decode FFN instead: the same kept neurons and h, one
-    launch."""
-    if x2d.shape[0] == 1 and variant == DEFAULT_VARIANT:
+    the default variant, contiguous weights and `fused`) the fused decode FFN instead: the same kept neurons and
+    h, one launch. on_count: called with K1's count of kept gate values (int64 scalar tensor; auto's density
+    refresh), which only K1 + K2 make: the fused route is skipped then."""
+    if x2d.shape[0] == 1 and variant == DEFAULT_VARIANT and fused and on_count is None:
         launch = FUSED_ROUTE.get((x2d.shape[1], w_gate.shape[0]))
         if launch is not None and all(t.is_contiguous() for t in (x2d, w_gate, w_up, w_down_t)):
             return twell_ffn_decode_fused(x2d, w_gate, w_up, w_down_t, threshold, **launch)
-    return twell_ffn_k1k2(x2d, w_gate, w_up, w_down_t, variant, threshold)
-
-
-def twell_ffn_k1k2(
-    x2d: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down_t: torch.Tensor,
-    variant: str = DEFAULT_VARIANT, threshold: torch.Tensor | None = None, on_count=None,
-) -> torch.Tensor:
-    """K1 (gate + pack) then K2 at every M, never the fused route (twell_ffn_triton's path off FUSED_ROUTE).
-    on_count: called with K1's count of kept gate values (int64 scalar tensor), for auto's density refresh."""
-    k1, compact = split_variant(variant)
-    packed = gate_pack(x2d, w_gate, variant=k1, threshold=threshold)
+    if variant not in VARIANTS:
+        raise ValueError(f"variant={variant!r} is not one of {VARIANTS}")
+    packed = gate_pack(x2d, w_gate, variant=variant, threshold=threshold)
     if on_count is not None:  # int32 sums to int64 in the reduction itself (no cast kernel)
         on_count(packed.cnt.sum())
-    return updown(x2d, packed, w_gate, w_up, w_down_t, compact=compact, threshold=threshold)
+    return updown(x2d, packed, w_gate, w_up, w_down_t, compact=True, threshold=threshold)

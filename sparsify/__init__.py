@@ -1,4 +1,4 @@
-"""sparsify: make existing SiLU-gated LLMs activation-sparse (ReLU + L1) and fast (TwELL kernels).
+"""sparsify: make existing SiLU-gated LLMs activation-sparse (ReLU, then L1 or a gate threshold) and fast (TwELL).
 
 Stages, each a folder in and a folder out:
     checkpoint -> convert -> finetune -> eval -> push

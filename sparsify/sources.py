@@ -60,31 +60,48 @@ def resolve_source(source: str | os.PathLike) -> str | Path:
     return smollm2_gguf() if is_alias(source) else source
 
 
-_UNREACHABLE: list[float] = []  # when hub_unreachable last found the Hub's name not resolving
 UNREACHABLE_TTL_S = 60.0
+PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
 
 
-def hub_unreachable() -> bool:
+class HubLookup:
+    """Whether the Hub's host name resolves, a failed lookup remembered for `ttl_s` seconds (one eval loads a model
+    in several calls), a good one not at all. The clock and the resolver (socket.getaddrinfo's signature) are
+    passed in, so tests drive it without touching the network or the module; `hub_unreachable` asks the one made
+    below."""
+
+    def __init__(self, clock=time.monotonic, resolve=None, ttl_s: float = UNREACHABLE_TTL_S):
+        self.clock, self.resolve, self.ttl_s = clock, resolve, ttl_s
+        self.failed_at: float | None = None  # when a lookup last found the name not resolving
+
+    def unreachable(self) -> bool:
+        """True when the Hub's host name does not resolve and no proxy is set (see hub_unreachable)."""
+        if self.failed_at is not None and self.clock() - self.failed_at < self.ttl_s:
+            return True
+        if any(os.environ.get(v) for v in PROXY_VARS):
+            return False  # the proxy resolves names; ours may not
+        from urllib.parse import urlparse
+
+        host = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname or "huggingface.co"
+        try:
+            (self.resolve or socket.getaddrinfo)(host, 443)
+        except socket.gaierror:
+            self.failed_at = self.clock()
+            return True
+        except OSError:
+            return False
+        return False
+
+
+HUB = HubLookup()  # the process's lookup memory (an object: tests make their own)
+
+
+def hub_unreachable(lookup: HubLookup | None = None) -> bool:
     """True when the Hub's host name does not resolve and no proxy is set: no download can work, and
     huggingface_hub would retry for about 24 s per file before saying so. Callers then read only the local
     cache (local_files_only), which serves a cached model at once and reports a missing one at once. A failed
-    lookup is remembered for a minute (one eval loads a model in several calls), a good one not at all."""
-    if _UNREACHABLE and time.monotonic() - _UNREACHABLE[-1] < UNREACHABLE_TTL_S:
-        return True
-    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY",
-                                       "all_proxy")):
-        return False  # the proxy resolves names; ours may not
-    from urllib.parse import urlparse
-
-    host = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname or "huggingface.co"
-    try:
-        socket.getaddrinfo(host, 443)
-    except socket.gaierror:
-        _UNREACHABLE[:] = [time.monotonic()]
-        return True
-    except OSError:
-        return False
-    return False
+    lookup is remembered for a minute (`lookup`, default HUB), a good one not at all."""
+    return (lookup or HUB).unreachable()
 
 
 def cache_only(source: str | os.PathLike) -> bool:

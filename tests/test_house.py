@@ -135,7 +135,7 @@ def test_the_bundle_imported_as_a_top_level_kernels_registers_nothing():
             "print(sorted(k for k, m in list(sys.modules.items()) if (k == 'kernels' or k.startswith('kernels.')) "
             "and getattr(m, '__file__', None) and pathlib.Path(m.__file__).resolve().parent == ours "
             "and pathlib.Path(m.__file__).name != '__init__.py'), "
-            "[hasattr(getattr(torch.ops, 'sparsify', None), op) for op in ('ffn', 'twell_ffn')])")
+            "[hasattr(getattr(torch.ops, 'sparsify', None), op) for op in ('ffn_2', 'ffn', 'twell_ffn')])")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "[] [False, False]"
+    assert out.stdout.strip() == "[] [False, False, False]"

@@ -1,7 +1,7 @@
-"""What `auto` costs a whole model in eager calls once it decided dense: the model with the FFN backend "dense",
-"auto" as shipped (a decided-dense layer runs its torch expression after one attribute test until the next
-density refresh: the FFN runtime's grants), and "auto" without grants (`ffn_runtime.grants = False`: every call
-through the kernels' entry and the dispatcher's lookup), timed side by side in one run.
+"""What `auto` costs a whole model in eager calls once it decided: the model with the FFN backend "dense", "auto" as
+shipped (a decided layer holds auto's answer until the next density refresh: after one attribute test a dense one
+runs its torch expression, a TwELL one the backend table's row; the FFN runtime's grants), and "auto" without
+(`ffn_runtime.grants = False`: every call asks the dispatcher, a routed call), timed side by side in one run.
 
     python eval/bench/bench_auto_overhead.py MODEL_FOLDER... [--batch 1] [--prompt 512] [--rounds 7] [--out DIR]
 

@@ -20,7 +20,7 @@ bf16. Per case:
      loop of `reps` replays between CUDA events; medians per call; ratios are medians of the per-round
      paired ratios dense / x (> 1: faster than dense).
        dense, dense_b  ffn_dense (3 cuBLAS GEMMs + relu * mul); dense / dense_b is the same-run noise
-       split           K1 + the split _k2_updown at every d (r6 K1, which falls back to r5 at M <= 16;
+       split           K1 + the split _k2_updown at every d (the TMA K1, which falls back to the tiled one at M <= 16;
                        compacted K2 above M = 16)
        chunked         K1 (32-column decode tiles) + updown_decode_chunked (no d-length registers), M <= 16
        routed          twell_ffn_triton: what twell_ffn(backend="twell") and auto's twell path run
@@ -85,7 +85,7 @@ K1_DECODE = {"k1": {}, "k1-k64": {"BLOCK_K": 64}, "k1-k256": {"BLOCK_K": 256}, "
              "k1-w8": {"num_warps": 8}, "k1-s2": {"num_stages": 2}, "k1-s6": {"num_stages": 6},
              "k1-k256w8": {"BLOCK_K": 256, "num_warps": 8}, "k1-k256s3": {"BLOCK_K": 256, "num_stages": 3},
              "k1-k64w2s6": {"BLOCK_K": 64, "num_warps": 2, "num_stages": 6},
-             # the GEMV-shaped K1 (variant "gemv", BLOCK_K 256 unless given: M = 1 only, r5's K1 at M = 8)
+             # the GEMV-shaped K1 (variant "gemv", BLOCK_K 256 unless given: M = 1 only, the tiled K1 at M = 8)
              "k1-gemv": {"variant": "gemv"}, "k1-gemv-k128": {"variant": "gemv", "BLOCK_K": 128},
              "k1-gemv-w8": {"variant": "gemv", "num_warps": 8},
              "k1-gemv-k64s6": {"variant": "gemv", "BLOCK_K": 64, "num_stages": 6}}
@@ -106,7 +106,7 @@ PART = "part:"  # a sweep function that is a piece of the FFN: timed, not checke
 # ----------------------------------------------------------------------------------------- functions
 def split_path(tt, x, w_gate, w_up, w_down_t):
     """K1 + the split _k2_updown at every d (chunked=False), compacted above M = 16."""
-    packed = tt.gate_pack(x, w_gate, variant="r6")
+    packed = tt.gate_pack(x, w_gate, variant="tma")
     return tu.updown(x, packed, w_gate, w_up, w_down_t, compact=True, chunked=False)
 
 
@@ -236,7 +236,7 @@ def fused_variants(tt, x, layer, w_down_t) -> dict:
     w_gate, w_up = layer[0], layer[1]
     fns = {f"{PART}gate-gemv": lambda: torch.nn.functional.linear(x, w_gate),
            "routed": lambda: tu.twell_ffn_triton(x, w_gate, w_up, w_down_t),
-           "k1+k2": lambda: tu.twell_ffn_k1k2(x, w_gate, w_up, w_down_t)}
+           "k1+k2": lambda: tu.twell_ffn_triton(x, w_gate, w_up, w_down_t, fused=False)}
     for name, cfg in FUSED.items():
         fns[name] = lambda cfg=cfg: tu.twell_ffn_decode_fused(x, w_gate, w_up, w_down_t, **cfg)
     return fns

@@ -1,4 +1,4 @@
-"""Benchmark TwELL kernels against the dense cuBLAS FFN in the same run (round 6).
+"""Benchmark TwELL kernels against the dense cuBLAS FFN in the same run.
 
 Usage on the H200 (eval/device/device_env.sh makes `sparsify.kernels` importable):
   cd repo && source eval/device/device_env.sh
@@ -13,13 +13,13 @@ What runs:
            of the per-round paired ratios):
              dense, dense_b  the dense torch FFN (twice: dense / dense_b is the same-run noise)
              auto            twell_ffn(backend="auto") (public API, dispatcher included)
-             twell_r6        round 6, the default (variant "r6c"): K1 with 128 x 256 TMA tiles and a
+             twell_tma       the default (variant "tma"): K1 with 128 x 256 TMA tiles and a
                              slot-major epilogue, K2 reading per-row compacted entry lists
-             twell_c         variant "r5c" (round 5's pointer-load K1, compacted K2): r6c's fallback
-                             (at M <= 16 both run r5's K1: twell_c is then not timed)
-             k1, k1_r6, gate K1 alone (r5, r6) and the cuBLAS gate GEMM F.linear(x, W_gate)
-             k2, k2_c        K2 alone on r5's packed gate, plain and compacted (gather GB/s from its time)
-           (variants r4, r5tma and plain-K2 r5 were removed after round 6: kernels/NOTES.md)
+             twell_tiled     variant "tiled" (the plain-tiled pointer-load K1, compacted K2): the default's
+                             fallback (at M <= 16 both run the tiled K1: twell_tiled is then not timed)
+             k1, k1_tma, gate  K1 alone (tiled, TMA-tiled) and the cuBLAS gate GEMM F.linear(x, W_gate)
+             k2, k2_c        K2 alone on the tiled K1's packed gate, plain and compacted (gather GB/s from its time)
+           (the variants removed over the benchmark rounds: kernels/NOTES.md)
            For M <= 256 the same for graph replays (10 calls per CUDA graph: GPU time without Python).
            One measurement = a loop of n back-to-back calls between two CUDA events (L2 not flushed:
            eager launch-bound sizes then measure what a model pays per call).
@@ -150,24 +150,24 @@ def case_fns(x, w_gate, w_up, w_down, w_down_t, tt, twell_ops, ffn_dense) -> dic
     fns = {
         "dense": lambda: ffn_dense(x, w_gate, w_up, w_down),
         "auto": lambda: twell_ops.twell_ffn(x, w_gate, w_up, w_down, backend="auto"),
-        "twell_r6": lambda: tu.twell_ffn_triton(x, w_gate, w_up, w_down_t, variant="r6c"),
-        "twell_c": lambda: tu.twell_ffn_triton(x, w_gate, w_up, w_down_t, variant="r5c"),
+        "twell_tma": lambda: tu.twell_ffn_triton(x, w_gate, w_up, w_down_t, variant="tma"),
+        "twell_tiled": lambda: tu.twell_ffn_triton(x, w_gate, w_up, w_down_t, variant="tiled"),
         "dense_b": lambda: ffn_dense(x, w_gate, w_up, w_down),
         "k1": lambda: tt.gate_pack(x, w_gate),
-        "k1_r6": lambda: tt.gate_pack(x, w_gate, variant="r6"),
+        "k1_tma": lambda: tt.gate_pack(x, w_gate, variant="tma"),
         "gate": lambda: torch.nn.functional.linear(x, w_gate),
         "k2": lambda: tu.updown(x, pk5, w_gate, w_up, w_down_t),
         "k2_c": lambda: tu.updown(x, pk5, w_gate, w_up, w_down_t, compact=True),
     }
-    if x.shape[0] <= 16:  # decode tiles: r6c runs r5c's K1
-        fns.pop("twell_c")
+    if x.shape[0] <= 16:  # decode tiles: "tma" runs the tiled K1
+        fns.pop("twell_tiled")
     if tu.k2_config(x.shape[0], x.shape[1])["SPLIT"] > 1:  # K2 split over programs: no compaction
         fns.pop("k2_c")
     return fns
 
 
 def case_stats(x, w_gate, w_up, w_down, w_down_t, tt, ffn_dense) -> dict:
-    """Sparsity actually produced, overflow, and the error of both rounds vs the fp32 oracle."""
+    """Sparsity actually produced, overflow, and the error of both variants vs the fp32 oracle."""
     m, d = x.shape
     f = w_gate.shape[0]
     packed = tt.gate_pack(x, w_gate)
@@ -179,7 +179,7 @@ def case_stats(x, w_gate, w_up, w_down, w_down_t, tt, ffn_dense) -> dict:
            "nnz_max": per_tok.max().item(), "overflow_tiles": int(ovf.sum()), "entries": packed.entries,
            "gathered_bytes": int(torch.where(ovf, 0, cnt).sum()) * 2 * d * x.element_size(),
            "err_plain": (ffn_dense(x, w_gate, w_up, w_down).float() - ref).abs().max().item()}
-    for name, variant in (("err_twell_c", "r5c"), ("err_twell_r6", "r6c")):
+    for name, variant in (("err_twell_tiled", "tiled"), ("err_twell_tma", "tma")):
         try:
             out[name] = (tu.twell_ffn_triton(x, w_gate, w_up, w_down_t, variant=variant).float() - ref).abs().max().item()
         except Exception as e:  # noqa: BLE001
@@ -190,7 +190,7 @@ def case_stats(x, w_gate, w_up, w_down, w_down_t, tt, ffn_dense) -> dict:
 def summarize(t: dict, prefix: str = "") -> dict:
     """Medians and same-run ratios of one interleaved set (prefix "graph_" for graph replays)."""
     row = {f"{prefix}{k}_ms": med(v) for k, v in t.items()}
-    for name in ("auto", "twell_r6", "twell_c"):
+    for name in ("auto", "twell_tma", "twell_tiled"):
         r = paired(t, "dense", name)
         if r is not None:
             row[f"{prefix}x_{name}"] = r  # dense / name: > 1 means faster than dense
@@ -198,7 +198,7 @@ def summarize(t: dict, prefix: str = "") -> dict:
     if noise:
         row[f"{prefix}noise_med"] = med(noise)
         row[f"{prefix}noise_lo"], row[f"{prefix}noise_hi"] = min(noise), max(noise)
-    for k1 in ("k1", "k1_r6"):
+    for k1 in ("k1", "k1_tma"):
         r = paired(t, k1, "gate")
         if r is not None:
             row[f"{prefix}{k1}_over_gate"] = r
@@ -216,18 +216,18 @@ def run_case(x, layer, w_down_t, sparsity, pattern, ctx) -> dict:
     try:
         row.update(case_stats(x, w_gate, w_up, w_down, w_down_t, tt, ffn_dense))
         fns = case_fns(x, w_gate, w_up, w_down, w_down_t, tt, twell_ops, ffn_dense)
-    except Exception as e:  # noqa: BLE001 - the packer failed: keep round 6 and dense
+    except Exception as e:  # noqa: BLE001 - the packer failed: keep the default variant and dense
         errors["setup"] = f"{type(e).__name__}: {e}"[:400]
         fns = {"dense": lambda: ffn_dense(x, w_gate, w_up, w_down),
                "dense_b": lambda: ffn_dense(x, w_gate, w_up, w_down),
-               "twell_r6": lambda: tu.twell_ffn_triton(x, w_gate, w_up, w_down_t, variant="r6c"),
+               "twell_tma": lambda: tu.twell_ffn_triton(x, w_gate, w_up, w_down_t, variant="tma"),
                "auto": lambda: twell_ops.twell_ffn(x, w_gate, w_up, w_down, backend="auto")}
     graph_on = clock.cuda and m <= GRAPH_M
     t = interleaved(fns, clock, errors, budget_ms=budget_ms * (0.6 if graph_on else 1.0), max_rounds=MAX_ROUNDS)
     row.update(summarize(t))
     row["auto_backend"] = twell_ops.last_backend()
     row["k1_config"] = tt.k1_best_config(d, w_gate.shape[0], m)
-    row["k1_r6_config"] = tt.k1_best_config(d, w_gate.shape[0], m, variant="r6")
+    row["k1_tma_config"] = tt.k1_best_config(d, w_gate.shape[0], m, variant="tma")
     for k in ("k2", "k2_c"):
         if f"{k}_ms" in row and "gathered_bytes" in row:
             row[f"{k}_GBps"] = row["gathered_bytes"] / row[f"{k}_ms"] / 1e6
@@ -241,7 +241,7 @@ def run_case(x, layer, w_down_t, sparsity, pattern, ctx) -> dict:
 def graph_case(fns: dict, clock: Clock, budget_ms: float, errors: dict) -> dict:
     """The same functions replayed from CUDA graphs (decode and small prefill run this way in practice)."""
     graphs = {}
-    for k in ("dense", "dense_b", "auto", "twell_r6", "twell_c"):
+    for k in ("dense", "dense_b", "auto", "twell_tma", "twell_tiled"):
         if k in fns:
             try:
                 graphs[k] = as_graph(fns[k]).replay
@@ -266,22 +266,22 @@ def fmt_row(r: dict) -> str:
         v = r.get(f"{key}_ms")
         return "-" if v is None else f"{v:.4f}"
 
-    cells = [head, ms("dense"), f"{ms('twell_r6')} ({x('twell_r6')})", f"{ms('twell_c')} ({x('twell_c')})",
+    cells = [head, ms("dense"), f"{ms('twell_tma')} ({x('twell_tma')})", f"{ms('twell_tiled')} ({x('twell_tiled')})",
              f"{x('auto')} {r.get('auto_backend')}",
              f"{r.get('noise_lo', 0):.2f}-{r.get('noise_hi', 0):.2f}" if "noise_lo" in r else "-",
-             f"{ms('k1_r6')}/{ms('k1')}/{ms('gate')}",
-             "/".join(f"{r.get(k + '_over_gate', float('nan')):.2f}" for k in ("k1_r6", "k1")),
+             f"{ms('k1_tma')}/{ms('k1')}/{ms('gate')}",
+             "/".join(f"{r.get(k + '_over_gate', float('nan')):.2f}" for k in ("k1_tma", "k1")),
              f"{r.get('k2_GBps', 0):.0f}/{r.get('k2_c_GBps', 0):.0f}",
              f"{r.get('nnz_mean', 0):.1f} ({r.get('nnz_max', 0):.0f})", str(r.get("overflow_tiles", "-")),
-             f"{x('twell_r6', 'graph_')}/{x('twell_c', 'graph_')}/{x('auto', 'graph_')}" if "graph_dense_ms" in r else "-"]
+             f"{x('twell_tma', 'graph_')}/{x('twell_tiled', 'graph_')}/{x('auto', 'graph_')}" if "graph_dense_ms" in r else "-"]
     if "errors" in r:
         cells.append("ERR " + "; ".join(f"{k}: {v[:80]}" for k, v in r["errors"].items()))
     return "| " + " | ".join(cells) + " |"
 
 
-HEADER = ("| case | dense ms | twell r6c ms (x) | twell r5c ms (x) | "
-          "auto x (path) | dense/dense noise | K1 r6/r5/cuBLAS gate ms | K1/gate r6/r5 | "
-          "K2 GB/s plain/compact | nnz/tok (max) | ovf | graph x r6c/r5c/auto |\n" + "|---" * 12 + "|")
+HEADER = ("| case | dense ms | twell tma ms (x) | twell tiled ms (x) | "
+          "auto x (path) | dense/dense noise | K1 tma/tiled/cuBLAS gate ms | K1/gate tma/tiled | "
+          "K2 GB/s plain/compact | nnz/tok (max) | ovf | graph x tma/tiled/auto |\n" + "|---" * 12 + "|")
 
 
 def find(rows, d, f, m, s, pattern="skewed"):
@@ -299,18 +299,18 @@ def targets(rows: list[dict]) -> list[str]:
         r = find(rows, d, f, m, s)
         if r is None:
             continue
-        g = (f" | graph r6c {r.get('graph_x_twell_r6', float('nan')):.2f}x r5c {r.get('graph_x_twell_c', float('nan')):.2f}x"
+        g = (f" | graph tma {r.get('graph_x_twell_tma', float('nan')):.2f}x tiled {r.get('graph_x_twell_tiled', float('nan')):.2f}x"
              if "graph_dense_ms" in r else "")
-        lines.append(f"{d}x{f} M={m} {s*100:.1f}% target >= {goal}x: eager r6c {r.get('x_twell_r6', float('nan')):.2f}x "
-                     f"r5c {r.get('x_twell_c', float('nan')):.2f}x "
+        lines.append(f"{d}x{f} M={m} {s*100:.1f}% target >= {goal}x: eager tma {r.get('x_twell_tma', float('nan')):.2f}x "
+                     f"tiled {r.get('x_twell_tiled', float('nan')):.2f}x "
                      f"auto {r.get('x_auto', float('nan')):.2f}x "
                      f"(dense {r.get('dense_ms', float('nan')):.4f} ms){g}")
     for d, f in [(2048, 8192), (4096, 14336)]:
         r = find(rows, d, f, 16384, 0.99)
         if r is not None:
-            lines.append(f"K1 / cuBLAS gate {d}x{f} M=16384 99% (target <= 1.10): r6 {r.get('k1_r6_over_gate', float('nan')):.2f} "
-                         f"r5 {r.get('k1_over_gate', float('nan')):.2f} "
-                         f"(gate {r.get('gate_ms', float('nan')):.4f} ms; picked r6 {r.get('k1_r6_config')} / r5 "
+            lines.append(f"K1 / cuBLAS gate {d}x{f} M=16384 99% (target <= 1.10): tma {r.get('k1_tma_over_gate', float('nan')):.2f} "
+                         f"tiled {r.get('k1_over_gate', float('nan')):.2f} "
+                         f"(gate {r.get('gate_ms', float('nan')):.4f} ms; picked tma {r.get('k1_tma_config')} / tiled "
                          f"{r.get('k1_config')}); K2 gather GB/s plain {r.get('k2_GBps', 0):.0f} compact "
                          f"{r.get('k2_c_GBps', 0):.0f}")
     lines += auto_lines(rows)

@@ -1,5 +1,5 @@
-"""K1 sweep: the round-6 gate kernel (`_k1_r6`) over block shapes, against the cuBLAS gate GEMM and
-round 5's K1 (r5, r6's fallback), timed interleaved in one run.
+"""K1 sweep: the TMA-tiled gate kernel (`_k1_tma`) over block shapes, against the cuBLAS gate GEMM and the
+plain-tiled K1 (`_k1_tiled`, its fallback), timed interleaved in one run.
 
 Usage on the H200 (eval/device/device_env.sh makes `sparsify.kernels` importable):
   cd repo && source eval/device/device_env.sh
@@ -7,11 +7,12 @@ Usage on the H200 (eval/device/device_env.sh makes `sparsify.kernels` importable
 CPU dry run (Triton interpreter, tiny shapes):  python eval/bench/k1_sweep.py --smoke --out /tmp/k1
 
 Per case (skewed pattern, bf16; honest sparsity as in bench_kernels.py) it
-  1. checks every config packs what the r5 K1 packs (counts and columns equal, values within one 16-bit
+  1. checks every config packs what the tiled K1 packs (counts and columns equal, values within one 16-bit
      rounding step), and records mismatches instead of timing a wrong kernel;
-  2. times gate (F.linear), k1_r5 (r5, autotuned) and every config interleaved;
-  3. times the whole FFN: dense, r5c and r6c with this case's fastest config, interleaved.
-Config names: bm{BLOCK_M}k{BLOCK_K}n{NSUB}w{warps}s{stages}. The round-6 result files also name epilogue
+  2. times gate (F.linear), k1_tiled (autotuned) and every config interleaved;
+  3. times the whole FFN: dense, variant tiled and variant tma with this case's fastest config, interleaved.
+Config names: bm{BLOCK_M}k{BLOCK_K}n{NSUB}w{warps}s{stages}. The result files of the sweep that chose the
+TMA K1 (eval/results/kernels-h200-r6/, where it is called r6 and the tiled K1 r5) also name epilogue
 ranks, persistent loops and a no-store diagnostic ("r0", "p1", "-pack0"): knobs removed from the kernel
 after the round (kernels/NOTES.md).
 Writes DIR/k1-sweep.json and prints a table per case.
@@ -35,7 +36,7 @@ from sparsify.kernels import twell_updown as tu  # noqa: E402  (K2 and twell_ffn
 from bench_kernels import env_info, make_layer, set_sparsity  # noqa: E402
 from timing import Clock, interleaved, med, paired  # noqa: E402
 
-# (BLOCK_M, BLOCK_K, NSUB, num_warps, num_stages); the first is the default (R6_TUNE[0]): 128 x 256 tiles
+# (BLOCK_M, BLOCK_K, NSUB, num_warps, num_stages); the first is the default (K1_TMA_TUNE[0]): 128 x 256 tiles
 CONFIGS = [(128, 64, 2, 8, 4), (128, 64, 2, 8, 3), (128, 128, 1, 8, 3), (64, 64, 1, 4, 4), (64, 128, 1, 4, 3)]
 CASES = [(2048, 8192, 16384, 0.99), (2048, 8192, 16384, 0.995), (4096, 14336, 16384, 0.99),
          (4096, 14336, 16384, 0.995)]
@@ -75,17 +76,17 @@ def same_packing(a, b, x, w_gate) -> str | None:
 def run_case(d, f, m, sparsity, configs, clock, tt, ffn_dense, budget_ms, device, dtype) -> dict:
     x, w_gate, w_up, w_down, w_down_t = skewed_case(d, f, m, sparsity, device, dtype)
     row = {"d": d, "F": f, "M": m, "sparsity": sparsity, "errors": {}, "mismatch": {}}
-    base = tt.gate_pack(x, w_gate, variant="r5")
+    base = tt.gate_pack(x, w_gate, variant="tiled")
     row["measured_zeros"] = 1 - base.cnt.long().sum().item() / (m * f)
     k1 = {"gate": lambda: torch.nn.functional.linear(x, w_gate),
-          "k1_r5": lambda: tt.gate_pack(x, w_gate, variant="r5")}
+          "k1_tiled": lambda: tt.gate_pack(x, w_gate, variant="tiled")}
     row["regs_spills"] = {}
     for c in configs:
         kw = as_kwargs(c)
         try:
-            got = tt.gate_pack(x, w_gate, variant="r6", **kw)
-            kern = tt._gate_pack_r6(x, w_gate, got.cnt.clone(), torch.empty_like(got.ent), got.entries,
-                                    {**tt.R6_DEFAULT, **kw})
+            got = tt.gate_pack(x, w_gate, variant="tma", **kw)
+            kern = tt._gate_pack_tma(x, w_gate, got.cnt.clone(), torch.empty_like(got.ent), got.entries,
+                                     {**tt.K1_TMA_DEFAULT, **kw})
             if hasattr(kern, "n_spills"):
                 row["regs_spills"][name(c)] = (kern.n_regs, kern.n_spills)
             why = same_packing(base, got, x, w_gate)
@@ -95,26 +96,26 @@ def run_case(d, f, m, sparsity, configs, clock, tt, ffn_dense, budget_ms, device
         if why:
             row["mismatch"][name(c)] = why
             continue
-        k1[name(c)] = lambda kw=kw: tt.gate_pack(x, w_gate, variant="r6", **kw)
+        k1[name(c)] = lambda kw=kw: tt.gate_pack(x, w_gate, variant="tma", **kw)
     t = interleaved(k1, clock, row["errors"], budget_ms=budget_ms)
     row["k1_ms"] = {k: med(v) for k, v in t.items()}
     row["k1_over_gate"] = {k: paired(t, k, "gate") for k in t}
     full = [k for k in t if k.startswith("bm")]
     best = min(full, key=lambda k: row["k1_ms"][k]) if full else None
-    row["best_r6"] = best
+    row["best_tma"] = best
     ffn = {"dense": lambda: ffn_dense(x, w_gate, w_up, w_down),
-           "r5c": lambda: tu.twell_ffn_triton(x, w_gate, w_up, w_down_t, variant="r5c")}
+           "tiled": lambda: tu.twell_ffn_triton(x, w_gate, w_up, w_down_t, variant="tiled")}
     if best:
         kw = as_kwargs(next(c for c in configs if name(c) == best))
 
-        def r6c():
-            packed = tt.gate_pack(x, w_gate, variant="r6", **kw)
+        def tma():
+            packed = tt.gate_pack(x, w_gate, variant="tma", **kw)
             return tu.updown(x, packed, w_gate, w_up, w_down_t, compact=True)
 
         ref = ffn_dense(x.float(), w_gate.float(), w_up.float(), w_down.float())
-        row["err_r6c"] = (r6c().float() - ref).abs().max().item()
-        row["err_r5c"] = (ffn["r5c"]().float() - ref).abs().max().item()
-        ffn["r6c"] = r6c
+        row["err_tma"] = (tma().float() - ref).abs().max().item()
+        row["err_tiled"] = (ffn["tiled"]().float() - ref).abs().max().item()
+        ffn["tma"] = tma
         ffn["k2_c"] = lambda: tu.updown(x, base, w_gate, w_up, w_down_t, compact=True)
     row["ffn_ms"], row["x_vs_dense"] = time_vs_dense(ffn, clock, budget_ms, row["errors"])
     return row
@@ -135,7 +136,7 @@ def report(row) -> str:
     lines += ["", "| FFN | ms | dense / this |", "|---|---|---|"]
     for k, v in row["ffn_ms"].items():
         lines.append(f"| {k} | {v:.3f} | {row['x_vs_dense'].get(k) or 1.0:.2f}x |")
-    lines.append(f"best round-6 K1: {row['best_r6']}; mismatches: {row['mismatch'] or 'none'}; "
+    lines.append(f"best TMA K1 config: {row['best_tma']}; mismatches: {row['mismatch'] or 'none'}; "
                  f"errors: {list(row['errors']) or 'none'}")
     return "\n".join(lines)
 

@@ -1,9 +1,9 @@
-"""K2 sweep: the compacted up/down kernel (r6c's K2) over gather chunk sizes E and warps, timed interleaved.
+"""K2 sweep: the compacted up/down kernel (the K2 of every twell_ffn_triton variant) over gather chunk sizes E and warps, timed interleaved.
 
 Usage on the H200:  cd repo && source eval/device/device_env.sh && PYTHONPATH=$PWD python eval/bench/k2_sweep.py --out $OUT/k2
 CPU dry run (Triton interpreter, tiny shapes):  python eval/bench/k2_sweep.py --smoke --out /tmp/k2
 
-Per case (skewed, bf16, M = 16384, honest sparsity as in bench_kernels.py): one r6 packing, then
+Per case (skewed, bf16, M = 16384, honest sparsity as in bench_kernels.py): one packing by the TMA K1, then
 updown(compact=True) with each (E, num_warps), against the default config's output (max |difference|:
 the same entries summed in another order) and timed interleaved with the dense FFN. Writes
 DIR/k2-sweep.json and prints a table per case.
@@ -33,7 +33,7 @@ SMOKE_CASES = [(32, 256, 24, 0.9)]
 
 def run_case(d, f, m, sparsity, clock, tt, ffn_dense, budget_ms, device, dtype, configs=CONFIGS) -> dict:
     x, w_gate, w_up, w_down, w_down_t = skewed_case(d, f, m, sparsity, device, dtype)
-    packed = tt.gate_pack(x, w_gate, variant="r6")
+    packed = tt.gate_pack(x, w_gate, variant="tma")
     base = tu.updown(x, packed, w_gate, w_up, w_down_t, compact=True).float()
     scale = base.abs().max().item()
     row = {"d": d, "F": f, "M": m, "sparsity": sparsity, "errors": {}, "max_diff": {}}

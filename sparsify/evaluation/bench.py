@@ -17,7 +17,7 @@ the same shape) and "sparse" (the `auto` dispatcher a user gets). Other folders 
 For each (batch, prompt length) every variant is warmed up once (kernel compiles, dispatcher timing, graph
 capture), then timed `repeats` times, variants alternating in an order that flips every round. Each timed call
 follows one untimed forward of the prompt after its variant is set: a model in use keeps the state `auto`
-gives it (a layer decided dense holds a grant to skip the dispatcher, and a backend switch ends it), so the
+gives it (a decided layer holds auto's answer until its next density refresh, and a backend switch ends it), so the
 first call after a switch is not what a user's calls cost. The time to first token is prefill plus the first
 token's logits; decode tokens/s counts the batch's tokens after it. The prefill alone is also timed in paired
 rounds (paired_prefill_ms): the steadier answer to "is sparse prefill slower than dense?".
@@ -127,7 +127,7 @@ def prompt_forward(model: Any, ids: Any) -> None:
 
 def use_variant(model: Any, ids: Any, apply: Any) -> None:
     """Set a variant, then one untimed prompt forward: the state a model in use holds (a layer `auto` decided
-    dense holds a grant to skip the dispatcher; a backend switch ends it), not that of a first call."""
+    holds its answer until the next density refresh; a backend switch ends it), not that of a first call."""
     apply()
     prompt_forward(model, ids)
 

@@ -386,8 +386,7 @@ def test_an_unresolvable_hub_reads_the_cache_at_once(tmp_path, monkeypatch):
 
     for var in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
-    monkeypatch.setattr(sources, "_UNREACHABLE", [])
+    monkeypatch.setattr(sources, "HUB", sources.HubLookup(resolve=no_dns))  # the process's lookup, fresh
     (tmp_path / "org" / "local").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
     assert not sources.cache_only("org/local") and not lookups  # a local folder shaped like a Hub id
@@ -408,9 +407,15 @@ def test_an_unresolvable_hub_reads_the_cache_at_once(tmp_path, monkeypatch):
     with pytest.raises(SparsifyError, match="not reachable .* not in the local cache"):
         convert("someone/model", tmp_path / "out")  # in the cache (its config at least): read from it alone
     assert calls and calls[0]["local_files_only"] is True
-    monkeypatch.setattr(sources, "_UNREACHABLE", [])
+    now = [0.0]
+    lookup = sources.HubLookup(clock=lambda: now[0], resolve=no_dns)
+    assert lookup.unreachable() and len(lookups) == 2
+    now[0] = sources.UNREACHABLE_TTL_S - 1  # remembered for a minute ...
+    assert lookup.unreachable() and len(lookups) == 2
+    now[0] = sources.UNREACHABLE_TTL_S + 1  # ... then asked again
+    assert lookup.unreachable() and len(lookups) == 3
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy:3128")
-    assert not sources.hub_unreachable()
+    assert not sources.hub_unreachable(sources.HubLookup(resolve=no_dns))
 
 
 def test_the_home_folder_is_never_replaced_and_no_home_is_no_crash(llama_dir, tmp_path, monkeypatch):

@@ -108,8 +108,8 @@ def bf16_rule(got, x, wg, wu, wd, what):
     assert_close(got, want, rtol=0.0, atol=2 * base + 1e-3 * want.abs().max().item(), what=what)
 
 
-def r6_case(m, d, f, zeros, seed):
-    """fp16 inputs (the interpreter's bf16 tl.dot is not usable); every 4th row has every neuron
+def tma_case(m, d, f, zeros, seed):
+    """A case for the TMA-tiled K1: fp16 inputs (the interpreter's bf16 tl.dot is not usable); every 4th row has every neuron
     active (all its tiles overflow), at zeros < 1."""
     x, wg, wu, wd = make_case(m, d, f, zeros, seed=seed, dtype=torch.float16)
     if 0.0 < zeros < 1.0:

@@ -1,5 +1,6 @@
-"""The "auto" dispatcher (kernels/dispatch.py), driven on CPU through an injected clock, store, capture query
-and TwELL path: no GPU, no timing, no module state touched."""
+"""The "auto" dispatcher (kernels/dispatch.py), driven on CPU through an injected clock, store, capture query and
+TwELL probe, inside an FFNRuntime whose backend table holds a stand-in TwELL row: no GPU, no timing, no module
+state touched. `d.entry` is that runtime's run: a call of backend "auto" (the question, then the answer's row)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 
 from sparsify.kernels import twell_reference as ref, twell_updown as tu
-from sparsify.kernels.dispatch import Dispatcher, Policy, TwellPath, WeightStore, decide, output_fault
+from sparsify.kernels.dispatch import Dispatcher, Policy, TwellProbe, WeightStore, decide, output_fault
+from sparsify.kernels.ffn_runtime import FFNRuntime, dense_rows, twell_rows
 
 from tests.kernels.helpers import FP32, assert_close, make_case
 
@@ -62,7 +64,8 @@ class Clock:
 
 
 class Kernels:
-    """A stand-in TwELL path (no interpreter): the dense FFN and the gate's active count (threshold too).
+    """A stand-in TwELL row of the backend table and the dispatcher's probe (no interpreter): the dense FFN (on
+    the W_down^T its dispatcher keeps, as the real row reads it) and the gate's active count (threshold too).
     `calls` logs each call (True when it counted for a refresh), `thetas` its threshold; `wrong` garbles the
     output; `spills` is K2's rule."""
 
@@ -73,18 +76,23 @@ class Kernels:
     def count(x2d, w_gate, threshold=None):
         return (x2d @ w_gate.t() > (0 if threshold is None else threshold)).sum()
 
-    def __call__(self, x2d, w_gate, w_up, w_down_t, on_count=None, threshold=None):
+    def __call__(self, auto, x2d, w_gate, w_up, w_down, w_down_t=None, threshold=None, on_count=None):
         self.calls.append(on_count is not None)
         self.thetas.append(threshold)
         if on_count is not None:
             on_count(self.count(x2d, w_gate, threshold))
-        y = ref.ffn_dense(x2d, w_gate, w_up, w_down_t.t(), threshold)
+        y = ref.ffn_dense(x2d, w_gate, w_up, auto.down_t(w_down, w_down_t).t(), threshold)
         return y if self.wrong is None else self.wrong(y)
 
 
 def dispatcher(times=None, policy=Policy(), capturing=None, kernels=None, **clock) -> Dispatcher:
+    """A dispatcher on a fake clock inside a runtime that dispatches CPU calls: its backend table's TwELL row is
+    `kernels` (also the probe; default Kernels(); a TwellProbe: the real row, in the interpreter)."""
     clk = Clock(times, **clock)
-    d = Dispatcher(clk, WeightStore(), policy, capturing or (lambda: False), kernels or Kernels())
+    kernels = kernels or Kernels()
+    d = Dispatcher(clk, WeightStore(), policy, capturing or (lambda: False), kernels)
+    twell = twell_rows if isinstance(kernels, TwellProbe) else kernels
+    FFNRuntime("auto", dispatcher=d, devices=("cpu",), kernels={("cpu", "dense"): dense_rows, ("cpu", "twell"): twell})
     clk.dispatcher = d
     return d
 
@@ -106,38 +114,41 @@ def test_auto_dense_decision_is_a_plain_dense_call():
     d = dispatcher(ALL_DENSE)
     d.down_t(wd)  # as if an earlier twell call had cached it
     want = ref.ffn_dense(x, wg, wu, wd)
-    assert torch.equal(d.run(x, wg, wu, wd), want)  # first call: count + timing
+    assert torch.equal(d.entry(x, wg, wu, wd), want)  # first call: count + timing
     st = state(d, wg)
     assert (st.decision, st.graph_decision) == ("dense", "dense")
     assert d.store.get("down_t", wd) is None, "W_down^T kept although every bucket of the layer is dense"
     every = d.policy.refresh_dense
     assert st.calls < every  # (calibration's timed calls of the fast path count too)
     for _ in range(every):
-        assert torch.equal(d.run(x, wg, wu, wd), want) and d.last_backend == "dense"
+        assert torch.equal(d.entry(x, wg, wu, wd), want) and d.last_backend == "dense"
         assert (st.pending is not None) == (st.calls >= every), st.calls  # the every-th call counted the density
     timed = len(d.clock.order)
     with torch.no_grad():
         wg.mul_(1.0)
     assert d.store.get("states", wg) is None
-    d.run(x, wg, wu, wd)
+    d.entry(x, wg, wu, wd)
     assert len(d.clock.order) > timed, "the changed layer was not timed again"
 
 
 def test_auto_fast_path_respects_graph_decision():
-    """Eager dense but graph-timed twell: eager calls take the fast path, captured calls run twell."""
+    """Eager dense but graph-timed twell: eager calls are answered dense on the hot path (the answer holding
+    for eager calls only), captured calls twell."""
     x, wg, wu, wd = make_case(20, 16, 64, 0.9, seed=24)
     capturing = [False]
     d = dispatcher(GRAPH_ONLY_TWELL, capturing=lambda: capturing[0])
-    d.run(x, wg, wu, wd)
+    d.entry(x, wg, wu, wd)
     assert (state(d, wg).decision, state(d, wg).graph_decision) == ("dense", "twell")
-    assert d.fast_path(x, wg, wu, wd) is not None and d.twell_in_capture(wg, 20) and not d.twell_in_capture(wg, 40)
+    eager = d.choose(x, wg, wu, wd)
+    assert eager.path == "dense" and eager.calls > 0 and not eager.in_capture
+    assert d.twell_in_capture(wg, 20) and not d.twell_in_capture(wg, 40)
     capturing[0] = True
-    assert d.fast_path(x, wg, wu, wd) is None
+    assert d.choose(x, wg, wu, wd) == ("twell", 0, False, None)
     calls = len(d.sparse.calls)
-    assert_close(d.run(x, wg, wu, wd), ref.ffn_reference(x, wg, wu, wd), what="captured", **FP32)
+    assert_close(d.entry(x, wg, wu, wd), ref.ffn_reference(x, wg, wu, wd), what="captured", **FP32)
     assert d.last_backend == "twell" and len(d.sparse.calls) == calls + 1 and d.store.get("down_t", wd) is not None
     with d.dense_in_capture():  # the step check's all-dense twin
-        d.run(x, wg, wu, wd)
+        d.entry(x, wg, wu, wd)
         assert d.last_backend == "dense" and d.capture_dense
     assert not d.capture_dense
 
@@ -149,14 +160,14 @@ def test_auto_logs_each_layer_decision_once(caplog):
     wg_b = wg_a.clone()
     d = dispatcher(dict(EAGER_TWELL), policy=Policy(refresh=8, refresh_dense=8))
     with caplog.at_level("INFO", logger="sparsify.kernels"):
-        d.run(x, wg_a, wu, wd)
+        d.entry(x, wg_a, wu, wd)
         d.clock.times.update(ALL_DENSE)
         d.clock.seen.clear()
-        d.run(x, wg_b, wu, wd)
+        d.entry(x, wg_b, wu, wd)
         for _ in range(16):
-            d.run(x, wg_a, wu, wd)
+            d.entry(x, wg_a, wu, wd)
             assert d.last_backend == "twell"
-            d.run(x, wg_b, wu, wd)
+            d.entry(x, wg_b, wu, wd)
             assert d.last_backend == "dense"
     notes = [r.message for r in caplog.records if "twell_ffn" in r.message]
     assert len(notes) == 2, notes
@@ -166,8 +177,8 @@ def test_auto_twell_decision_runs_the_kernels_and_keeps_down_t():
     """The real TwELL path (K1 + K2 in the interpreter) timed and chosen: W_down^T stays cached, and the
     output is the oracle's."""
     x, wg, wu, wd = make_case(20, 16, 64, 0.9, seed=20)
-    d = dispatcher(EAGER_TWELL, policy=TIMED, kernels=TwellPath())
-    out = d.run(x, wg, wu, wd)
+    d = dispatcher(EAGER_TWELL, policy=TIMED, kernels=TwellProbe())
+    out = d.entry(x, wg, wu, wd)
     assert d.store.get("down_t", wd) is not None and d.last_backend == "twell"
     assert_close(out, ref.ffn_reference(x, wg, wu, wd), what="auto twell", **FP32)
 
@@ -183,19 +194,19 @@ def test_auto_refreshes_and_retimes_on_drift(caplog):
     d = dispatcher({"dense": 1.0, "twell": 0.5, "graph_dense": 0.5, "graph_twell": 1.0},
                    policy=Policy(refresh=8), capturing=lambda: capturing[0])
     with caplog.at_level("INFO", logger="sparsify.kernels"):
-        d.run(x, wg, wu, wd)  # calibration (its timed calls count too)
+        d.entry(x, wg, wu, wd)  # calibration (its timed calls count too)
         st = state(d, wg)
         while (st.calls + 1) % d.policy.refresh:
-            d.run(x, wg, wu, wd)
-        d.run(dense_x, wg, wu, wd)  # the refresh-th call counts this input's density
+            d.entry(x, wg, wu, wd)
+        d.entry(dense_x, wg, wu, wd)  # the refresh-th call counts this input's density
     assert st.decision == "twell" and st.graph_decision == "dense" and st.density == pytest.approx(0.1, abs=0.05)
     assert d.sparse.calls[-1] and st.pending is not None, "the refresh-th call did not count the density"
     assert sum("-> twell" in r.message for r in caplog.records) == 1, "the backend is logged once"
     rounds = len(d.clock.order)
-    d.run(x, wg, wu, wd)
+    d.entry(x, wg, wu, wd)
     assert st.retunes == 1 and len(d.clock.order) > rounds
     capturing[0] = True
-    d.run(x, wg, wu, wd)
+    d.entry(x, wg, wu, wd)
     assert d.last_backend == "dense", "under graph capture the graph-timed decision is used"
 
 
@@ -210,7 +221,7 @@ def test_auto_calibration_decides_on_paired_ratios(dense, twell, want):
     with the decision forced, alternating their order every round, decided on the median paired ratio."""
     x, wg, wu, wd = make_case(20, 16, 64, 0.9, seed=31)
     d = dispatcher({"dense": dense, "twell": twell}, policy=TIMED)
-    out = d.run(x, wg, wu, wd)
+    out = d.entry(x, wg, wu, wd)
     st = state(d, wg)
     assert st.decision == want and st.graph_decision == want and not st.timing, st.times
     assert d.clock.order == ["dense", "twell", "twell", "dense"] * 2 + ["dense", "twell"], d.clock.order
@@ -245,7 +256,7 @@ def test_auto_calibration_checks_twell_output_before_timing(caplog, wrong, fault
     x, wg, wu, wd = make_case(20, 16, 64, 0.9, seed=33)
     d = dispatcher({"dense": [1.0] * 5, "twell": [0.5] * 5}, policy=TIMED, kernels=Kernels(wrong=wrong))
     with caplog.at_level("ERROR", logger="sparsify.kernels"):
-        out = d.run(x, wg, wu, wd)
+        out = d.entry(x, wg, wu, wd)
     st = state(d, wg)
     if fault is None:
         assert st.decision == "twell" and len(d.clock.order) == 10 and not caplog.records
@@ -263,13 +274,13 @@ def test_auto_gives_buckets_whose_k2_spills_to_dense_untimed():
     x, wg, wu, wd = make_case(20, 16, 64, 0.9, seed=35)
     d = dispatcher({"dense": [1.0] * 5, "twell": [0.5] * 5}, policy=TIMED,
                    kernels=Kernels(spills=lambda m, dd: m > 16 and dd >= 16))
-    out = d.run(x, wg, wu, wd)
+    out = d.entry(x, wg, wu, wd)
     st = state(d, wg)
     assert st.decision == st.graph_decision == "dense" and st.times["rule"] == "K2 spills at M = 20, d = 16"
     assert d.sparse.calls == [] and d.clock.order == []
     assert torch.equal(out, ref.ffn_dense(x, wg, wu, wd))
     x, wg, wu, wd = make_case(20, 8, 64, 0.9, seed=36)  # below that d: timed, and twell wins here
-    d.run(x, wg, wu, wd)
+    d.entry(x, wg, wu, wd)
     assert state(d, wg).decision == "twell" and d.sparse.calls
 
 
@@ -278,15 +289,15 @@ def test_prefill_above_one_percent_density_goes_dense_untimed():
     bucket is timed (eager and graph replay) at any density."""
     x, wg, wu, wd = make_case(257, 16, 128, 0.95, seed=37)
     d = dispatcher(GRAPH_ONLY_TWELL)
-    d.run(x, wg, wu, wd)
+    d.entry(x, wg, wu, wd)
     st = state(d, wg, 512)
     assert (st.decision, st.graph_decision, d.clock.order) == ("dense", "dense", [])
     assert "prefill density" in st.times["rule"]
     x, wg, wu, wd = make_case(257, 16, 128, 0.995, seed=37)
-    d.run(x, wg, wu, wd)
+    d.entry(x, wg, wu, wd)
     assert d.clock.order and state(d, wg, 512).decision == "dense"
     x, wg, wu, wd = make_case(8, 16, 128, 0.95, seed=37)
-    d.run(x, wg, wu, wd)
+    d.entry(x, wg, wu, wd)
     assert (state(d, wg, 8).decision, state(d, wg, 8).graph_decision) == ("dense", "twell")
     assert "graph_twell" in d.clock.order
 
@@ -309,7 +320,7 @@ def test_auto_calibration_failure_keeps_no_forced_decision():
     x, wg, wu, wd = make_case(20, 16, 64, 0.9, seed=32)
     d = dispatcher({"dense": 1.0}, policy=TIMED, fail="twell")
     with pytest.raises(RuntimeError, match="twell kernel failed"):
-        d.run(x, wg, wu, wd)
+        d.entry(x, wg, wu, wd)
     st = state(d, wg)
     assert st.decision is None and st.graph_decision is None and not st.timing
 
@@ -329,13 +340,13 @@ def test_auto_refresh_cadence_and_held_retune():
     d = dispatcher(EAGER_TWELL)
     every = d.policy.refresh
     assert every == 256 and d.policy.refresh_dense == 256
-    d.run(x, wg, wu, wd)  # calibration, then the hot path
+    d.entry(x, wg, wu, wd)  # calibration, then the hot path
     st = state(d, wg)
     event, refreshed = Event(), []
 
     def calls(n: int) -> None:
         for _ in range(n):
-            d.run(x, wg, wu, wd)
+            d.entry(x, wg, wu, wd)
             if d.sparse.calls[-1]:
                 refreshed.append(st.calls)
                 if st.pending[1] is not event:
@@ -348,51 +359,57 @@ def test_auto_refresh_cadence_and_held_retune():
     assert refreshed == [every, 3 * every], refreshed
     for timing, retunes in ((True, 0), (False, 1)):  # a completed count 4x denser than at the last timing
         st.pending, st.density0, st.timing = (torch.tensor(400), Event(True), 1000), 0.1, timing
-        d.run(x, wg, wu, wd)
+        d.entry(x, wg, wu, wd)
         assert st.retunes == retunes, "no re-timing starts while timing"
         st.timing = False
 
 
-def test_dense_grant_keeps_the_refresh_period_in_real_calls():
-    """A caller holding grant_dense's calls runs them without auto and reports them (dense_used) before it
-    calls auto again: auto refreshes the density at the same real calls as without grants; a grant left
-    unused costs nothing (the next call is no refresh); eager-twell and re-timing buckets get none, and a
-    bucket whose graph replay chose twell gets one for eager calls only."""
+def test_held_answers_keep_the_refresh_period_in_real_calls():
+    """A caller holding an answer's calls runs them without asking and reports them (used) before it asks
+    again: auto refreshes the density at the same real calls as without held answers; an answer left unused
+    costs nothing (the next call is no refresh). Dense answers of a bucket dense in both regimes hold for
+    captured calls too; twell answers, and dense ones where graph replay chose twell, for eager calls only;
+    a captured call of a bucket due for re-timing holds nothing."""
     x, wg, wu, wd = make_case(20, 16, 64, 0.9, seed=41)
     every, total = Policy().refresh_dense, 3 * Policy().refresh_dense + 7
     refreshes = {}
-    for granted in (False, True):
+    for held in (False, True):
         d = dispatcher(ALL_DENSE)
-        d.run(x, wg, wu, wd)  # calibration: dense in both regimes
-        st, seen, count_async, left, given, runs = state(d, wg), [], d._count_async, 0, 0, 0
-        d._count_async = lambda s, nnz, n: (seen.append(i), count_async(s, nnz, n))
+        d.entry(x, wg, wu, wd)  # calibration: dense in both regimes
+        st, seen, left, given, asked = state(d, wg), [], 0, 0, 0
         for i in range(total):
             if left:
                 left -= 1  # the module's own dense expression: auto never sees this call
                 continue
-            d.dense_used(wg, 20, given - left)
-            d.run(x, wg, wu, wd)
-            runs += 1
-            given = left = d.grant_dense(wg, 20)[0] if granted else 0
-        refreshes[granted] = seen
-        if granted:
-            assert runs <= 5, f"{runs} calls of auto for {total} calls of the layer"
+            d.used(wg, 20, given - left)
+            answer = d.choose(x, wg, wu, wd)
+            asked += 1
+            if answer.on_count is not None:  # (what the dense row does on a refresh)
+                seen.append(i)
+                answer.on_count(Kernels.count(x, wg))
+            given = left = answer.calls if held else 0
+        refreshes[held] = seen
+        if held:
+            assert asked <= 5, f"{asked} questions for {total} calls of the layer"
     assert refreshes[True] == refreshes[False] and len(refreshes[True]) == 3
     calls = st.calls
-    assert d.grant_dense(wg, 20) == (every - 1 - calls % every, True) and st.calls == calls  # asking costs nothing...
-    d.dense_used(wg, 20, 0)  # ... nor does a grant abandoned unused (a backend switch, another shape)
-    seen.clear()
-    d.run(x, wg, wu, wd)
-    assert not seen and st.calls == calls + 1
-    st.retune = True
-    assert d.grant_dense(wg, 20) == (0, False)
+    assert answer[:3] == ("dense", every - 1 - calls % every, True)  # (the last question was a refresh)
+    d.used(wg, 20, 0)  # an answer abandoned unused (a backend switch, another shape) changes nothing
+    answer = d.choose(x, wg, wu, wd)
+    assert answer.on_count is None and st.calls == calls + 1
+    capturing = [True]
+    d.capturing = lambda: capturing[0]
+    st.retune = True  # due for re-timing (which a captured call never starts): nothing held
+    assert d.choose(x, wg, wu, wd) == ("dense", 0, False, None)
     d = dispatcher(EAGER_TWELL)
-    d.run(x, wg, wu, wd)
-    assert d.grant_dense(wg, 20) == (0, False) and d.grant_dense(wg, 200) == (0, False)  # (200: no state yet)
-    d = dispatcher(GRAPH_ONLY_TWELL)  # eager dense, graph replay twell: a grant for eager calls only
-    d.run(x, wg, wu, wd)
-    calls, in_capture = d.grant_dense(wg, 20)
-    assert calls > 0 and in_capture is False
+    d.entry(x, wg, wu, wd)
+    answer = d.choose(x, wg, wu, wd)
+    assert answer.path == "twell" and answer.calls == d.policy.refresh - 1 - state(d, wg).calls % d.policy.refresh
+    assert answer.in_capture is False
+    d = dispatcher(GRAPH_ONLY_TWELL)  # eager dense, graph replay twell: held for eager calls only
+    d.entry(x, wg, wu, wd)
+    answer = d.choose(x, wg, wu, wd)
+    assert answer.path == "dense" and answer.calls > 0 and answer.in_capture is False
 
 
 def test_decisions_report_each_bucket_of_a_layer():
@@ -401,7 +418,7 @@ def test_decisions_report_each_bucket_of_a_layer():
     x, wg, wu, wd = make_case(20, 16, 64, 0.9, seed=43)
     d = dispatcher(GRAPH_ONLY_TWELL)
     assert d.decisions(wg) == {}
-    d.run(x, wg, wu, wd)
+    d.entry(x, wg, wu, wd)
     got = d.decisions(wg)
     assert list(got) == [32] and (got[32]["eager"], got[32]["graph"]) == ("dense", "twell")
     assert got[32]["ratio"] == pytest.approx(2.0) and got[32]["graph_ratio"] == pytest.approx(0.5)

@@ -257,21 +257,24 @@ def test_dense_twin_of_a_compiled_step_traces_the_torch_modules(tiny):
 
 
 def test_compiled_step_through_the_twell_op_is_one_graph(tiny, monkeypatch):
-    """On the kernel path (faked here on CPU: the op's auto backend runs dense on CPU), with the dispatcher's
-    per-layer state already set by an eager prefill, dynamo traces the whole decode step as one graph: no
-    break at each FFN (reading W_gate._version while tracing used to split the step at every layer)."""
+    """On the kernel path (faked here on CPU: auto dispatches CPU calls, on decisions set by the test), with the
+    dispatcher's per-layer state already set by an eager prefill, dynamo traces the whole decode step as one
+    graph: no break at each FFN (reading W_gate._version while tracing used to split the step at every layer)."""
     import sys
 
     from torch._dynamo.utils import counters
 
     mod = sys.modules[type(tiny).__module__]  # the folder's modeling_sparsify.py
-    store = tiny.ffn_runtime.dispatcher.store  # the dispatcher of the model's runtime
+    auto = tiny.ffn_runtime.dispatcher  # the dispatcher of the model's runtime
+    dispatch, store = sys.modules[type(auto).__module__], auto.store
     ids = torch.randint(3, TINY["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(6))
     ref = tiny.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
-    monkeypatch.setattr(tiny.ffn_runtime, "kernel_reason", lambda mlp, x: None)  # the CUDA path, on CPU
+    monkeypatch.setattr(tiny.ffn_runtime, "devices", ("cpu",))  # the CUDA path, on CPU
+    monkeypatch.setattr(auto, "capturing", lambda: False)  # (a CPU build of torch cannot ask CUDA)
     gates = [m.gate_weight() for m in tiny.modules() if isinstance(m, mod.SparseMLP)]
-    for w in gates:
-        store.put("states", w, {})  # as an eager CUDA prefill leaves it
+    for w in gates:  # as an eager CUDA prefill leaves it: every bucket decided (dense: no CUDA clock needed)
+        store.put("states", w, {1 << b: dispatch.LayerState(decision="dense", graph_decision="dense", density=0.1,
+                                                            density0=0.1) for b in range(8)})
     fast = tiny._fast_decode
     fast.cpu_emulation, fast.compile, fast.compile_options, fast._compiled = True, True, {"backend": "eager"}, None
     fast.drop_graphs()
@@ -293,10 +296,10 @@ def test_compiled_step_through_the_twell_op_is_one_graph(tiny, monkeypatch):
 
 
 def test_auto_decided_dense_skips_the_op_until_the_refresh(tiny, monkeypatch):
-    """Once auto decided dense for a bucket, a SparseMLP runs its torch expression without calling the kernels'
-    entry until the dispatcher's next density refresh (auto dispatches CPU calls here, on decisions set by the
-    test); another shape, a backend switch, a twell decision, and a captured call where graph replay chose
-    twell go through the entry; greedy tokens are unchanged."""
+    """Once auto decided dense for a bucket, a SparseMLP runs its torch expression without asking the dispatcher
+    until its next density refresh (auto dispatches CPU calls here, on decisions set by the test); another
+    shape, a backend switch, and a captured call where graph replay chose twell ask; greedy tokens are
+    unchanged."""
     import sys
 
     from sparsify.kernels.twell_reference import ffn_dense
@@ -306,17 +309,16 @@ def test_auto_decided_dense_skips_the_op_until_the_refresh(tiny, monkeypatch):
     auto = rt.dispatcher
     dispatch = sys.modules[type(auto).__module__]
     calls = []
-    entry = rt.twell_ffn
+    choose = auto.choose
 
-    def counted(x, *args):  # the runtime's call into the kernels' entry, counted
-        calls.append(tuple(x.shape))
-        return entry(x, *args)
+    def counted(x2d, *args):  # the runtime's question to auto, counted
+        calls.append(tuple(x2d.shape))
+        return choose(x2d, *args)
 
     ids = torch.randint(3, TINY["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(7))
     ref = tiny.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)
-    monkeypatch.setattr(rt, "kernel_reason", lambda mlp, x: None)  # the CUDA path, on CPU
-    monkeypatch.setattr(rt, "twell_ffn", counted)
-    monkeypatch.setattr(rt, "auto_devices", ("cuda", "cpu"))
+    monkeypatch.setattr(rt, "devices", ("cpu",))  # the CUDA path, on CPU
+    monkeypatch.setattr(auto, "choose", counted)
     monkeypatch.setattr(auto, "capturing", lambda: False)  # (a CPU build of torch cannot ask CUDA)
     monkeypatch.setattr(auto, "policy", dispatch.Policy(drift=1e9))  # no re-timing: it needs a CUDA clock
     mlps = [m for m in tiny.modules() if isinstance(m, mod.SparseMLP)]
@@ -334,7 +336,7 @@ def test_auto_decided_dense_skips_the_op_until_the_refresh(tiny, monkeypatch):
         x = torch.randn(1, 3, TINY["hidden_size"])
         with torch.no_grad():
             for _ in range(2 * every + 50):
-                assert torch.equal(mlp(x), mlp._torch_ffn(x))
+                assert torch.equal(mlp(x), mlp.torch_ffn(x))
             assert len(calls) == 3 and mlp.last_path == "twell_ffn:dense", calls  # the first call, then each refresh
             mlp(torch.randn(1, 5, TINY["hidden_size"]))  # another shape: through the entry
             tiny.set_ffn_backend("dense")
@@ -345,18 +347,19 @@ def test_auto_decided_dense_skips_the_op_until_the_refresh(tiny, monkeypatch):
             capturing = [False]  # one flag for the runtime's question and auto's
             monkeypatch.setattr(auto, "capturing", lambda: capturing[0])
             ran_twell = []
-            monkeypatch.setattr(auto, "sparse", lambda x2d, wg, wu, wd_t, on_count=None, threshold=None: (
-                ran_twell.append(1), ffn_dense(x2d, wg, wu, wd_t.t(), threshold))[1])  # the TwELL path, on CPU
+            twell = lambda auto, x2d, wg, wu, wd, wd_t=None, threshold=None, on_count=None: (  # noqa: E731
+                ran_twell.append(1), ffn_dense(x2d, wg, wu, wd, threshold))[1]  # the TwELL row, on CPU
+            monkeypatch.setattr(rt, "kernels", {**rt.kernels, ("cpu", "twell"): twell})
             for _ in range(4):
-                assert torch.equal(mlp(x), mlp._torch_ffn(x))
-            assert len(calls) == 6 and mlp._ffn.in_capture is False  # the first call took an eager-only grant
+                assert torch.equal(mlp(x), mlp.torch_ffn(x))
+            assert len(calls) == 6 and mlp.ffn_layer.in_capture is False  # the first call took an eager-only answer
             capturing[0] = True
             for _ in range(2):
                 mlp(x)  # captured: through the entry every time, where auto runs its graph decision, twell
             assert len(calls) == 8 and len(ran_twell) == 2 and mlp.last_path == "twell_ffn:twell"
             capturing[0] = False
             for _ in range(2):
-                mlp(x)  # eager again: the first call takes a new grant (a twell call got none), the next uses it
+                mlp(x)  # eager again: the first call asks (a captured twell answer held nothing), the next holds
             assert len(calls) == 9 and len(ran_twell) == 2
             decided()
             calls.clear()

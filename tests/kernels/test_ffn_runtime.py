@@ -1,6 +1,6 @@
-"""The FFN runtime (kernels/ffn_runtime.py): one owner per model for the backend, auto's decisions, the grants and
-the step check's twin, found through the one registry by every copy of the bundle (CPU; auto runs on a fake clock
-from test_dispatch, dispatching CPU calls)."""
+"""The FFN runtime (kernels/ffn_runtime.py): one owner per model for the backend, auto's decisions, the held answers,
+the backend table and the step check's twin, found through the one registry by every copy of the bundle (CPU;
+auto runs on a fake clock from test_dispatch, dispatching CPU calls to a stand-in TwELL row)."""
 
 from __future__ import annotations
 
@@ -19,14 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparsify.kernels import ffn_runtime as fr, modeling_sparsify as ms, twell_ops, twell_reference as ref
+from sparsify.folder.format import shipped_code_files
+from sparsify.kernels import ffn_runtime as fr, modeling_sparsify as ms, registry, twell_ops, twell_reference as ref
 from sparsify.kernels.dispatch import Policy
 
 from tests.kernels.helpers import make_case
-from tests.kernels.test_dispatch import ALL_DENSE, GRAPH_ONLY_TWELL, dispatcher, state
+from tests.kernels.test_dispatch import ALL_DENSE, EAGER_TWELL, GRAPH_ONLY_TWELL, Kernels, dispatcher, state
 
 KERNEL_DIR = Path(fr.__file__).parent
-# the bundle's FFN-backend files (the kernel files keep their Triton compile caches: not backend state)
 FFN_FILES = ("ffn_runtime", "twell_ops", "dispatch", "modeling_sparsify", "decode_capture", "fast_decode")
 
 
@@ -40,22 +40,28 @@ def _immutable(value) -> bool:
 
 def mutable_globals(module) -> list[str]:
     """Module-level names of `module` bound to something that can hold state, other than the registry and what
-    it holds: modules, classes, functions, loggers and immutable values pass; anything else (a dict, a set, an
-    object, a method bound to one) is listed."""
-    registry = sys.modules[fr.REGISTRY]
-    slots = [v for v in vars(registry).values() if isinstance(v, types.SimpleNamespace)]
-    held = {id(registry), *(id(s) for s in slots), *(id(v) for s in slots for v in vars(s).values())}
+    it holds: modules, classes, functions, loggers, immutable values and Triton's kernel objects (JIT functions,
+    autotuners: their compile and tuning caches are Triton's) pass; anything else (a dict, a set, an object, a
+    method bound to one) is listed."""
+    reg = sys.modules[registry.REGISTRY]
+    slots = [v for v in vars(reg).values() if isinstance(v, types.SimpleNamespace)]
+    held = {id(reg), *(id(s) for s in slots), *(id(v) for s in slots for v in vars(s).values())}
+    interpreter = sys.modules.get("triton.runtime.interpreter")  # copies its globals into a module it runs
+    held |= {id(v) for v in vars(interpreter).values()} if interpreter is not None else set()
     plain = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, logging.Logger,
              __future__._Feature)
     return [name for name, v in vars(module).items()
             if not name.startswith("__") and id(v) not in held and not isinstance(v, plain) and not _immutable(v)
-            and type(v).__module__ != "typing"]
+            and type(v).__module__ != "typing" and not type(v).__module__.startswith("triton.")]
 
 
 def test_no_module_level_mutable_state_but_the_registry():
-    """The FFN files hold no state of their own at module level: no mutable values, no `global` rebinding."""
+    """No file of the bundle (every one a model folder ships) holds state of its own at module level: no mutable
+    values, no `global` rebinding; the registry is the one process-wide store."""
     bad = {}
-    for name in FFN_FILES:
+    names = [f.stem for f in shipped_code_files()]
+    assert {"registry", "twell_triton", "twell_updown", "decode_attention", *FFN_FILES} <= set(names), names
+    for name in names:
         module = importlib.import_module(f"sparsify.kernels.{name}")
         found = mutable_globals(module)
         tree = ast.parse(inspect.getsource(module))
@@ -100,40 +106,53 @@ def sparse_layer(runtime, seed: int = 41, cls=ms.SparseMLP):
 
 
 def fake_runtime(times, backend: str = "auto", **kwargs) -> fr.FFNRuntime:
-    """A runtime whose auto is test_dispatch's (fake clock and TwELL path) and dispatches CPU calls; its layers
-    take the kernels' path on CPU (kernel_reason None)."""
-    runtime = fr.FFNRuntime(backend, dispatcher=dispatcher(times, **kwargs), auto_devices=("cpu",))
-    runtime.kernel_reason = lambda mlp, x: fr.TWIN if runtime.dispatcher.capture_dense else None
-    return runtime
+    """A runtime whose auto is test_dispatch's (fake clock) and whose layers take its backend table on CPU, the
+    TwELL row a stand-in (Kernels: the dense FFN, its calls logged)."""
+    d = dispatcher(times, **kwargs)
+    return fr.FFNRuntime(backend, dispatcher=d, devices=("cpu",),
+                         kernels={("cpu", "dense"): fr.dense_rows, ("cpu", "twell"): d.sparse})
 
 
-def counted_entry(runtime) -> list:
-    """Count the layer calls that reach the kernels' entry (the rest ran under a grant)."""
-    seen, entry = [], runtime.twell_ffn
+def counted_questions(runtime) -> list:
+    """Count the layer calls that ask (the others ran on a held answer): the shapes the dispatcher was asked,
+    not counting the questions its calibration's timed calls ask inside one."""
+    seen, choose, depth = [], runtime.dispatcher.choose, [0]
 
-    def counting(x, *args):
-        seen.append(tuple(x.shape))
-        return entry(x, *args)
+    def counting(x2d, *args):
+        if not depth[0]:
+            seen.append(tuple(x2d.shape))
+        depth[0] += 1
+        try:
+            return choose(x2d, *args)
+        finally:
+            depth[0] -= 1
 
-    runtime.twell_ffn = counting
+    runtime.dispatcher.choose = counting
     return seen
 
 
 @torch.no_grad()
 def test_grants_keep_the_refresh_period_in_real_calls():
-    """Through the runtime: with grants a decided-dense layer reaches auto a handful of times in 3 refresh
-    periods, and auto refreshes the density at the same real calls as without grants; every output is the
-    dense FFN's; the layer's path stays the granting call's."""
+    """Through the runtime: holding answers, a decided-dense layer asks auto a handful of times in 3 refresh
+    periods, and auto refreshes the density at the same real calls as without held answers; every output is the
+    dense FFN's; the layer's path stays the answering call's."""
     every = Policy().refresh_dense
     total, refreshes, entries = 3 * every + 7, {}, {}
     for grants in (False, True):
         runtime = fake_runtime(ALL_DENSE)
         runtime.grants = grants
         x, mlp = sparse_layer(runtime)
-        want = ref.ffn_dense(x, *mlp._weights())
-        seen, count_async, auto = [], runtime.dispatcher._count_async, runtime.dispatcher
-        auto._count_async = lambda st, nnz, n: (seen.append(i), count_async(st, nnz, n))
-        calls = counted_entry(runtime)
+        want = ref.ffn_dense(x, *mlp.weights())
+        seen, choose = [], runtime.dispatcher.choose
+
+        def refreshes_seen(*args):  # the questions whose answer asks for the density
+            answer = choose(*args)
+            if answer.on_count is not None:
+                seen.append(i)
+            return answer
+
+        runtime.dispatcher.choose = refreshes_seen
+        calls = counted_questions(runtime)
         for i in range(total):
             assert torch.equal(mlp(x), want)
         assert mlp.last_path == "twell_ffn:dense"
@@ -147,7 +166,7 @@ def test_a_switch_or_another_shape_ends_the_grant_and_reports_its_calls():
     runtime = fake_runtime(ALL_DENSE)
     x, mlp = sparse_layer(runtime)
     mlp(x)  # calibrates, then takes a grant
-    st, rec = state(runtime.dispatcher, mlp.gate_weight()), mlp._ffn
+    st, rec = state(runtime.dispatcher, mlp.gate_weight()), mlp.ffn_layer
     assert rec.given > 10 and rec.left == rec.given and rec.in_capture
     for _ in range(7):
         mlp(x)
@@ -167,24 +186,47 @@ def test_a_switch_or_another_shape_ends_the_grant_and_reports_its_calls():
 
 
 @torch.no_grad()
+def test_a_twell_answer_holds_and_runs_the_tables_twell_row():
+    """A layer auto decided twell for holds that answer up to the refresh: its calls run the backend table's
+    TwELL row without asking (eager calls only: a captured one asks); the refresh-th call asks and its row counts
+    the density."""
+    runtime = fake_runtime(EAGER_TWELL)
+    row = runtime.kernels["cpu", "twell"]
+    x, mlp = sparse_layer(runtime)
+    calls = counted_questions(runtime)
+    want = ref.ffn_dense(x, *mlp.weights())
+    torch.testing.assert_close(mlp(x), want, rtol=1e-5, atol=1e-6)  # calibrates, answers twell
+    st, rec = state(runtime.dispatcher, mlp.gate_weight()), mlp.ffn_layer
+    assert mlp.last_path == "twell_ffn:twell" and rec.answer == "twell" and rec.left == rec.given > 0
+    assert rec.in_capture is False and len(calls) == 1
+    ran = len(row.calls)
+    for _ in range(rec.left):
+        torch.testing.assert_close(mlp(x), want, rtol=1e-5, atol=1e-6)
+    assert len(calls) == 1 and len(row.calls) == ran + rec.given and not any(row.calls[ran:])
+    mlp(x)  # the refresh: asks, and the TwELL row counts the density
+    assert len(calls) == 2 and row.calls[-1] and st.pending is not None
+    assert st.calls % runtime.dispatcher.policy.refresh == 0
+
+
+@torch.no_grad()
 def test_an_eager_only_grant_leaves_captured_calls_to_auto():
     """Eager dense, graph replay twell: the grant covers eager calls only; a captured call runs auto's graph
     decision (twell) and takes no grant; step-check helpers see the twell layer."""
     capturing = [False]
     runtime = fake_runtime(GRAPH_ONLY_TWELL, capturing=lambda: capturing[0])
     x, mlp = sparse_layer(runtime)
-    calls = counted_entry(runtime)
+    calls = counted_questions(runtime)
     mlp(x)
-    assert mlp._ffn.given > 0 and mlp._ffn.in_capture is False and runtime.twell_in_step(20)
+    assert mlp.ffn_layer.given > 0 and mlp.ffn_layer.in_capture is False and runtime.twell_in_step(20)
     mlp(x)
     assert len(calls) == 1
     capturing[0] = True
     ran = len(runtime.dispatcher.sparse.calls)
     y = mlp(x)
     assert len(calls) == 2 and mlp.last_path == "twell_ffn:twell" and len(runtime.dispatcher.sparse.calls) == ran + 1
-    torch.testing.assert_close(y, ref.ffn_dense(x, *mlp._weights()), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(y, ref.ffn_dense(x, *mlp.weights()), rtol=1e-5, atol=1e-6)
     with runtime.dense_in_capture():  # the step check's twin: the layer's torch path, no call into auto
-        assert torch.equal(mlp(x), mlp._torch_ffn(x)) and mlp.last_path == "torch" and len(calls) == 2
+        assert torch.equal(mlp(x), mlp.torch_ffn(x)) and mlp.last_path == "torch" and len(calls) == 2
     runtime.set_backend("twell")
     assert not runtime.twell_in_step(20)
 
@@ -206,11 +248,12 @@ def test_compiled_calls_reach_their_own_runtime_through_the_op():
         y = torch.compile(mlp_b, backend=record, fullgraph=True)(x)
     finally:
         torch._dynamo.reset()
-    assert [str(n.target).removesuffix(".default") for n in targets] == ["sparsify.ffn"] and targets[0].args[-1] == b.key
+    assert [str(n.target).removesuffix(".default") for n in targets] == [f"sparsify.{fr.OP}"]
+    assert targets[0].args[-1] == b.key
     assert a.dispatcher.decisions(mlp_a.gate_weight()) == {} and a.last_backend is None
     assert b.decisions(mlp_b)[32]["eager"] == "dense" and b.last_backend == "dense"
-    assert torch.equal(y, ref.ffn_dense(x, *mlp_b._weights()))
-    assert fr._SLOT.runtimes[b.key] is b
+    assert torch.equal(y, ref.ffn_dense(x, *mlp_b.weights()))
+    assert registry.SLOT.runtimes[b.key] is b
 
 
 def test_a_copied_model_gets_a_runtime_of_its_own():
@@ -220,8 +263,8 @@ def test_a_copied_model_gets_a_runtime_of_its_own():
     model.ffn_runtime = runtime
     twin = copy.deepcopy(model)
     rt = twin.ffn_runtime
-    assert rt is not runtime and rt.key != runtime.key and fr._SLOT.runtimes[rt.key] is rt
-    assert rt.layers == [twin.mlp] and twin.mlp.runtime is rt and twin.mlp._ffn is not model.mlp._ffn
+    assert rt is not runtime and rt.key != runtime.key and registry.SLOT.runtimes[rt.key] is rt
+    assert rt.layers == [twin.mlp] and twin.mlp.runtime is rt and twin.mlp.ffn_layer is not model.mlp.ffn_layer
     ms.set_ffn_backend(twin, "dense")
     assert (model.mlp.ffn_backend, twin.mlp.ffn_backend) == ("auto", "dense")
     with torch.no_grad():
@@ -255,10 +298,11 @@ def test_a_second_copy_of_the_bundle_reuses_the_first_ones_runtime_code(tmp_path
     second = importlib.import_module("second_bundle_copy.ffn_runtime")
     ops = importlib.import_module("second_bundle_copy.twell_ops")
     modeling = importlib.import_module("second_bundle_copy.modeling_sparsify")
-    assert second is not fr and second._SLOT is fr._SLOT
+    second_registry = importlib.import_module("second_bundle_copy.registry")
+    assert second is not fr and second_registry is not registry and second_registry.SLOT is registry.SLOT
     assert second.FFNRuntime is fr.FFNRuntime and second.FFNLayer is fr.FFNLayer
     assert ops.auto_dispatcher() is twell_ops.auto_dispatcher()
     assert modeling.SparseMLP is not ms.SparseMLP
     _, mlp = sparse_layer(None, cls=modeling.SparseMLP)
-    assert type(mlp.runtime) is fr.FFNRuntime and fr._SLOT.runtimes[mlp.runtime.key] is mlp.runtime
+    assert type(mlp.runtime) is fr.FFNRuntime and registry.SLOT.runtimes[mlp.runtime.key] is mlp.runtime
     assert second.runtime_of(types.SimpleNamespace(ffn_runtime=mlp.runtime)) is mlp.runtime

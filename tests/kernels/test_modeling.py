@@ -47,10 +47,11 @@ def test_every_copy_of_the_bundle_shares_one_runtime_code(tmp_path):
     make_source("llama", tmp_path / "src")
     out = convert(tmp_path / "src", tmp_path / "out", progress=False)
     code = ("import sys; import sparsify.kernels.ffn_runtime as first, sparsify.kernels.twell_ops; "
+            "from sparsify.kernels import registry; "
             "from transformers import AutoModelForCausalLM; "
             f"m = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True); "
             "pkg = type(m).__module__.rpartition('.')[0]; rt_mod = sys.modules[pkg + '.ffn_runtime']; "
-            "slot = sys.modules[first.REGISTRY].api1; "
+            "slot = registry.SLOT; "
             "print(rt_mod is not first, type(m.ffn_runtime) is first.FFNRuntime is rt_mod.FFNRuntime, "
             "slot.runtimes[m.ffn_runtime.key] is m.ffn_runtime, rt_mod.process_runtime() is first.process_runtime(), "
             "all(l.runtime is m.ffn_runtime for l in m.ffn_runtime.layers), len(m.ffn_runtime.layers))")

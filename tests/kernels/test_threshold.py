@@ -19,14 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparsify.kernels import twell_ops, twell_reference as ref, twell_triton as tt, twell_updown as tu
-from sparsify.kernels.dispatch import Policy, TwellPath
+from sparsify.kernels import ffn_runtime as fr, twell_ops, twell_reference as ref, twell_triton as tt, twell_updown as tu
+from sparsify.kernels.dispatch import Policy, TwellProbe
 
 from tests.kernels.helpers import FP32, assert_close, make_case
 from tests.kernels.test_dispatch import ALL_DENSE, EAGER_TWELL, Kernels, dispatcher, state
 
 ROOT = Path(__file__).resolve().parents[2]
-R6_SMALL = dict(BLOCK_M=32, BLOCK_K=32, num_warps=4, num_stages=2)  # interpreter-sized r6 blocks
+TMA_SMALL = dict(BLOCK_M=32, BLOCK_K=32, num_warps=4, num_stages=2)  # interpreter-sized TMA K1 blocks
 
 
 def dyadic_case(m, d, f, seed=0, dtype=torch.float32):
@@ -129,19 +129,19 @@ def test_pack_unpack_round_trip_with_threshold(entries):
 
 
 # ------------------------------------------------------------------------------------ K1 / K2 (interpreter)
-K1_CASES = {  # name: (rows, gate_pack kwargs); fp32 "r6" runs r5 (split entries), as it does in use
-    "r5": (37, dict(BLOCK_M=32, T=64, S=8)),
+K1_CASES = {  # name: (rows, gate_pack kwargs); fp32 "tma" runs the tiled K1 (split entries), as it does in use
+    "tiled": (37, dict(BLOCK_M=32, T=64, S=8)),
     "decode": (5, {}),
     "gemv": (1, dict(variant="gemv")),
-    "r6": (37, dict(variant="r6", **R6_SMALL)),
+    "tma": (37, dict(variant="tma", **TMA_SMALL)),
 }
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("k1", list(K1_CASES))
 def test_k1_packs_exactly_the_columns_above_theta(k1, dtype):
-    """Every K1 (r5 tiled GEMM with overflowing tiles, decode tiles, the GEMV at M = 1, r6's slot-major
-    epilogue) packs the torch packer's columns and values on g as the input dtype holds it."""
+    """Every K1 (the plain-tiled GEMM with overflowing tiles, decode tiles, the GEMV at M = 1, the TMA K1's
+    slot-major epilogue) packs the torch packer's columns and values on g as the input dtype holds it."""
     m, kw = K1_CASES[k1]
     x, wg, _, _ = dyadic_case(m, 48, 200, seed=5, dtype=dtype)
     g, g_dt = gate_as(x, wg)
@@ -149,9 +149,9 @@ def test_k1_packs_exactly_the_columns_above_theta(k1, dtype):
     assert midpoints(g, g_dt, th) >= (5 if dtype == torch.float16 else 0), "the case has no midpoint thetas"
     packed = tt.gate_pack(x, wg, threshold=th, **kw)
     expect_pack(packed, g_dt, th)
-    if k1 == "r5":
+    if k1 == "tiled":
         assert packed.overflowed().any() and not packed.overflowed().all()
-    if k1 == "r6" and dtype == torch.float16:
+    if k1 == "tma" and dtype == torch.float16:
         assert packed.entries == "fp16" and packed.tile == ref.TILE
 
 
@@ -226,12 +226,12 @@ def test_fused_decode_ffn_keeps_exactly_the_gates_above_theta(dtype):
 
 
 def test_theta_zero_is_relu_bit_for_bit_in_the_kernels():
-    """theta = 0 through K1 (r5, r6) and K2 (overflowing tiles) gives exactly the relu path's packing and
+    """theta = 0 through K1 (tiled, tma) and K2 (overflowing tiles) gives exactly the relu path's packing and
     output (fp32 and fp16; no gate value here rounds to zero in fp16)."""
-    for dtype, k1 in ((torch.float32, "r5"), (torch.float16, "r6")):
+    for dtype, k1 in ((torch.float32, "tiled"), (torch.float16, "tma")):
         x, wg, wu, wd = dyadic_case(37, 48, 300, seed=9, dtype=dtype)
         zero, wdt = torch.zeros(300), ref.transpose_down(wd)
-        kw = dict(BLOCK_M=32, T=64, S=8) if k1 == "r5" else dict(variant="r6", **R6_SMALL)
+        kw = dict(BLOCK_M=32, T=64, S=8) if k1 == "tiled" else dict(variant="tma", **TMA_SMALL)
         a, b = tt.gate_pack(x, wg, threshold=zero, **kw), tt.gate_pack(x, wg, **kw)
         kept = torch.arange(a.slots) < a.cnt.clamp(max=a.slots).unsqueeze(-1)
         assert torch.equal(a.cnt, b.cnt) and torch.equal(a.columns()[kept], b.columns()[kept]), k1
@@ -272,7 +272,7 @@ def test_compiled_call_passes_theta_through_the_op():
     x, wg, wu, wd = dyadic_case(5, 48, 200, seed=11)
     g, _ = gate_as(x, wg)
     th = make_theta(g, g, scale=0.3)
-    assert any(a.name == "threshold" for a in torch.ops.sparsify.ffn.default._schema.arguments)
+    assert any(a.name == "threshold" for a in getattr(torch.ops.sparsify, fr.OP).default._schema.arguments)
     fn = torch.compile(lambda a: twell_ops.twell_ffn(a, wg, wu, wd, backend="twell", threshold=th),
                        backend="aot_eager", fullgraph=True)
     assert_close(fn(x), ref.ffn_reference(x, wg, wu, wd, th), what="compiled twell", **FP32)
@@ -296,7 +296,8 @@ def test_an_older_copys_op_and_dispatcher_are_never_used(tmp_path):
             raise AssertionError("the older op ran")
 
         from sparsify.kernels import twell_ops, twell_reference as ref
-        assert hasattr(torch.ops.sparsify, "ffn") and not hasattr(torch.ops.sparsify, "twell_ffn_threshold")
+        from sparsify.kernels.ffn_runtime import OP
+        assert hasattr(torch.ops.sparsify, OP) and not hasattr(torch.ops.sparsify, "twell_ffn_threshold")
         assert not isinstance(twell_ops.auto_dispatcher(), OldDispatcher)
         assert sys.modules["sparsify_twell_ffn_auto"].auto is old_auto
         gen = torch.Generator().manual_seed(0)
@@ -321,28 +322,32 @@ def test_auto_counts_times_and_runs_with_the_calls_theta():
     g = x @ wg.t()
     th = torch.quantile(g, 0.9, dim=0)  # [F]: ~10% of each column above
     d = dispatcher(ALL_DENSE)
-    out = d.run(x, wg, wu, wd, threshold=th)
+    out = d.entry(x, wg, wu, wd, threshold=th)
     st = state(d, wg)
     assert st.theta is th and st.density == pytest.approx(float((g > th).float().mean()))
     assert d.sparse.thetas and all(t is th for t in d.sparse.thetas), "the twell path ran without theta"
     assert torch.equal(out, ref.ffn_dense(x, wg, wu, wd, th))
-    assert torch.equal(d.fast_path(x, wg, wu, wd, th), ref.ffn_dense(x, wg, wu, wd, th))
-    assert d.fast_path(x, wg, wu, wd) is None and d.fast_path(x, wg, wu, wd, th.clone()) is None
-    d.run(x, wg, wu, wd)  # no theta: a fresh bucket, counted and timed again
+    calls = st.calls
+    assert d.choose(x, wg, wu, wd, threshold=th).path == "dense" and st.calls == calls + 1  # the dense hot path
+    assert torch.equal(d.entry(x, wg, wu, wd, threshold=th), ref.ffn_dense(x, wg, wu, wd, th))
+    other = th.clone()
+    d.choose(x, wg, wu, wd, threshold=other)  # another theta object: a fresh bucket, counted and timed again
+    assert state(d, wg).theta is other
+    d.entry(x, wg, wu, wd)  # no theta: a fresh bucket, counted and timed again
     assert state(d, wg).theta is None and state(d, wg).density == pytest.approx(1.0)
-    assert torch.equal(d.run(x, wg, wu, wd), ref.ffn_dense(x, wg, wu, wd))
+    assert torch.equal(d.entry(x, wg, wu, wd), ref.ffn_dense(x, wg, wu, wd))
 
 
 def test_auto_dense_refresh_counts_above_theta():
-    """A dense bucket's refresh counts g > theta (the slow path's own dense expression, with theta)."""
+    """A dense bucket's refresh counts g > theta (the dense row's count, with theta)."""
     x, wg, wu, wd = make_case(20, 16, 64, 0.0, seed=13)
     th = torch.quantile(x @ wg.t(), 0.75, dim=0)
     d = dispatcher(ALL_DENSE, policy=Policy(refresh_dense=4))
-    d.run(x, wg, wu, wd, threshold=th)
+    d.entry(x, wg, wu, wd, threshold=th)
     st = state(d, wg)
     st.density = None
     while st.pending is None:
-        assert torch.equal(d.run(x, wg, wu, wd, threshold=th), ref.ffn_dense(x, wg, wu, wd, th))
+        assert torch.equal(d.entry(x, wg, wu, wd, threshold=th), ref.ffn_dense(x, wg, wu, wd, th))
     assert st.pending[0].item() == int((x @ wg.t() > th).sum())
 
 
@@ -351,17 +356,17 @@ def test_auto_twell_decision_with_theta_runs_the_kernels():
     g, _ = gate_as(x, wg)
     th = make_theta(g, g, scale=0.3)
     d = dispatcher(EAGER_TWELL, policy=Policy(graph_timed_m=0, prefill_max_density=1.0, cal_rounds=(5, 5)),
-                   kernels=TwellPath())
-    out = d.run(x, wg, wu, wd, threshold=th)
+                   kernels=TwellProbe())
+    out = d.entry(x, wg, wu, wd, threshold=th)
     assert d.last_backend == "twell" and state(d, wg).density == pytest.approx(float((g > th).float().mean()))
     assert_close(out, ref.ffn_reference(x, wg, wu, wd, th), what="auto twell with theta", **FP32)
 
 
 def test_fake_kernels_honour_theta():
-    """(the stand-in path of the dispatcher tests computes the thresholded FFN)"""
+    """(the stand-in TwELL row of the dispatcher tests computes the thresholded FFN)"""
     x, wg, wu, wd = make_case(4, 16, 64, 0.5, seed=15)
     th = torch.rand(64)
-    assert torch.equal(Kernels()(x, wg, wu, wd.t(), threshold=th), ref.ffn_dense(x, wg, wu, wd, th))
+    assert torch.equal(Kernels()(dispatcher(), x, wg, wu, wd, threshold=th), ref.ffn_dense(x, wg, wu, wd, th))
 
 
 # ---------------------------------------------------------------- GPU (run on the H200, skipped on CPU)
@@ -403,7 +408,7 @@ def test_gpu_theta_twell_auto_dense_match_oracle(m):
         got = twell_ops.twell_ffn(x, wg, wu, wd, backend=backend, threshold=th)
         want = bf16_rule_theta(got, x, wg, wu, wd, th, f"{backend} m={m}")
     assert (want - ref.ffn_reference(x, wg, wu, wd)).abs().max() > 0.2 * want.abs().max(), "theta does nothing"
-    packed = tt.gate_pack(x, wg, variant="r6", threshold=th)
+    packed = tt.gate_pack(x, wg, variant="tma", threshold=th)
     g = torch.nn.functional.linear(x, wg)  # bf16, as the dense path has it
     dense_active = int((g.float() > th).sum())
     assert abs(int(packed.cnt.sum()) - dense_active) <= max(2, dense_active // 1000), (int(packed.cnt.sum()), dense_active)
@@ -418,7 +423,7 @@ def test_gpu_theta_zero_is_relu_and_graphs_replay(m):
     x, wg, wu, wd, th = gpu_case(m, seed=41)
     zero = torch.zeros_like(th)
     wdt = ref.transpose_down(wd)
-    a, b = tt.gate_pack(x, wg, variant="r6", threshold=zero), tt.gate_pack(x, wg, variant="r6")
+    a, b = tt.gate_pack(x, wg, variant="tma", threshold=zero), tt.gate_pack(x, wg, variant="tma")
     kept = torch.arange(a.slots, device="cuda") < a.cnt.clamp(max=a.slots).unsqueeze(-1)
     assert torch.equal(a.cnt, b.cnt) and torch.equal(a.ent[kept], b.ent[kept])
     if m > tu.K2_SPLIT_MAX_M:

@@ -9,10 +9,10 @@ from sparsify.kernels import twell_reference as ref, twell_triton as tt, twell_u
 from sparsify.kernels.twell_ops import transpose_down
 
 from tests.kernels.helpers import (FP32, ZEROS, assert_close, bf16_rule, check_packed, check_packed_values, make_case,
-                                   r6_case)
+                                   tma_case)
 
 @pytest.mark.parametrize("zeros", ZEROS)
-def test_k1_gate_pack_matches_reference(zeros):
+def test_k1_tiled_matches_reference(zeros):
     x, wg, _, _ = make_case(37, 40, 300, zeros, seed=1)
     packed = tt.gate_pack(x, wg, BLOCK_M=32, T=64, S=8)
     check_packed(packed, x, wg, f"K1 zeros={zeros}")
@@ -35,7 +35,7 @@ def test_pack_unpack_round_trip():
         ref.twell_unpack(packed)
 
 
-# ------------------------------------------------ round 5: packed 32-bit entries (value bits << 16 | column)
+# ------------------------------------------------ packed 32-bit entries (value bits << 16 | column)
 @pytest.mark.parametrize("entries", ["bf16", "fp16"])
 def test_pack_entries_arithmetic(entries):
     """The word layout itself, on hand-computed values (1.0 is 0x3F80 in bf16, 0x3C00 in fp16)."""
@@ -96,7 +96,7 @@ def test_k1_k2_packed_entries_in_interpreter(entries, zeros):
 def test_k1_autotune_configs_are_valid():
     """Every block config the GPU autotuner may pick computes the right packing (run directly here)."""
     x, wg, _, _ = make_case(40, 24, 200, 0.9, seed=17)
-    for bm, bk, warps, stages in tt.K1_TUNE:
+    for bm, bk, warps, stages in tt.K1_TILED_TUNE:
         packed = tt.gate_pack(x, wg, BLOCK_M=bm, BLOCK_K=bk, num_warps=warps, num_stages=stages, entries="bf16")
         gate = x @ wg.t()
         want = ref.twell_pack(gate, packed.tile, packed.slots, entries="bf16")
@@ -113,23 +113,23 @@ def test_k1_autotuned_launch_in_interpreter(monkeypatch):
     key) with a stand-in benchmark (the real one needs a GPU driver): every config runs once, the first
     wins, the output is exact."""
     x, wg, _, _ = make_case(40, 24, 200, 0.9, seed=23)
-    tuner = tt.k1_autotuner()
+    tuner = tt.k1_tiled_autotuned
     ran = []
     monkeypatch.setattr(tuner, "_do_bench", lambda call, quantiles: ran.append(1) or call() or [float(len(ran))] * 3)
     monkeypatch.setattr(tuner, "cache", {})
     packed = tt.gate_pack(x, wg, autotune=True)
     best = tt.k1_best_config(24, 200, 40)
-    assert len(ran) == len(tt.K1_TUNE) and best["BLOCK_M"] == tt.K1_TUNE[0][0], (len(ran), best)
+    assert len(ran) == len(tt.K1_TILED_TUNE) and best["BLOCK_M"] == tt.K1_TILED_TUNE[0][0], (len(ran), best)
     want = ref.twell_pack(x @ wg.t(), packed.tile, packed.slots, entries="split")
     kept = torch.arange(packed.slots) < packed.cnt.clamp(max=packed.slots).unsqueeze(-1)
     assert torch.equal(packed.cnt, want.cnt) and torch.equal(packed.columns()[kept], want.col[kept])
 
 
-# ------------------------------------- round 6: K1 with 128 x 256 TMA tiles and slot-major epilogues
-R6_SMALL = dict(BLOCK_M=32, BLOCK_K=32, num_warps=4, num_stages=2)  # interpreter-sized blocks
+# ------------------------------------- the TMA-tiled K1: 128 x 256 TMA tiles and slot-major epilogues
+TMA_SMALL = dict(BLOCK_M=32, BLOCK_K=32, num_warps=4, num_stages=2)  # interpreter-sized blocks
 
 
-def check_r6_packing(packed, x, wg, what):
+def check_tma_packing(packed, x, wg, what):
     """Counts and slot columns equal the oracle's; values within packed_value_bound."""
     gate = x.float() @ wg.float().t()  # [M, F]
     want = ref.twell_pack(gate, ref.TILE, ref.SLOTS)
@@ -144,42 +144,42 @@ def check_r6_packing(packed, x, wg, what):
 
 @pytest.mark.parametrize("m,d,f", [(37, 40, 300), (70, 64, 512)])
 @pytest.mark.parametrize("zeros", [0.0, 0.9, 1.0])
-def test_r6_epilogues_pack_like_the_oracle(m, d, f, zeros):
+def test_tma_epilogues_pack_like_the_oracle(m, d, f, zeros):
     """The slot-major epilogue (tl.gather) with one or two tiles per program: the oracle's packing, and
     identical words for both (each tile sees the same accumulator)."""
-    x, wg, _, _ = r6_case(m, d, f, zeros, seed=31)
+    x, wg, _, _ = tma_case(m, d, f, zeros, seed=31)
     first = None
     for nsub in (1, 2):
-        packed = tt.gate_pack(x, wg, variant="r6", NSUB=nsub, **R6_SMALL)
-        kept = check_r6_packing(packed, x, wg, f"r6 NSUB={nsub}")
+        packed = tt.gate_pack(x, wg, variant="tma", NSUB=nsub, **TMA_SMALL)
+        kept = check_tma_packing(packed, x, wg, f"tma NSUB={nsub}")
         if first is None:
             first = packed
         assert torch.equal(packed.cnt, first.cnt) and torch.equal(packed.ent[kept], first.ent[kept]), nsub
 
 
-def test_r6_tune_configs_and_autotuned_launch(monkeypatch):
-    """Every block config of R6_TUNE packs like the oracle (run directly), and the autotuned launch
+def test_tma_tune_configs_and_autotuned_launch(monkeypatch):
+    """Every block config of K1_TMA_TUNE packs like the oracle (run directly), and the autotuned launch
     (descriptor pre-hook, grid from BLOCK_M and NSUB) runs each once with a stand-in benchmark."""
-    x, wg, _, _ = r6_case(40, 24, 200, 0.9, seed=33)
-    for bm, bk, nsub, warps, stages in tt.R6_TUNE:
-        packed = tt.gate_pack(x, wg, variant="r6", BLOCK_M=bm, BLOCK_K=bk, NSUB=nsub, num_warps=warps,
+    x, wg, _, _ = tma_case(40, 24, 200, 0.9, seed=33)
+    for bm, bk, nsub, warps, stages in tt.K1_TMA_TUNE:
+        packed = tt.gate_pack(x, wg, variant="tma", BLOCK_M=bm, BLOCK_K=bk, NSUB=nsub, num_warps=warps,
                               num_stages=stages)
-        check_r6_packing(packed, x, wg, f"R6_TUNE {bm, bk, nsub}")
-    tuner = tt.k1_r6_autotuner()
+        check_tma_packing(packed, x, wg, f"K1_TMA_TUNE {bm, bk, nsub}")
+    tuner = tt.k1_tma_autotuned
     ran = []
     monkeypatch.setattr(tuner, "_do_bench", lambda call, quantiles: ran.append(1) or call() or [float(len(ran))] * 3)
     monkeypatch.setattr(tuner, "cache", {})
-    packed = tt.gate_pack(x, wg, variant="r6", autotune=True)
-    assert len(ran) == len(tt.R6_TUNE), len(ran)
-    assert tt.k1_best_config(24, 200, 40, variant="r6")["BLOCK_M"] == tt.R6_TUNE[0][0]
-    check_r6_packing(packed, x, wg, "r6 autotuned")
+    packed = tt.gate_pack(x, wg, variant="tma", autotune=True)
+    assert len(ran) == len(tt.K1_TMA_TUNE), len(ran)
+    assert tt.k1_best_config(24, 200, 40, variant="tma")["BLOCK_M"] == tt.K1_TMA_TUNE[0][0]
+    check_tma_packing(packed, x, wg, "tma autotuned")
 
 
 @pytest.mark.parametrize("zeros", [0.0, 0.9, 1.0])
 @pytest.mark.parametrize("d,f", [(40, 300), (64, 256)])  # masked (d, F not block multiples) and unmasked loads
 def test_k1_gemv_packs_like_the_oracle(d, f, zeros):
     """variant "gemv" (M = 1): the oracle's packing at decode tiles and at another tile / slot shape, with a
-    BLOCK_K that splits d into several blocks; the same counts and words as r5's K1 in fp16 (packed entries)."""
+    BLOCK_K that splits d into several blocks; the same counts and words as the tiled K1 in fp16 (packed entries)."""
     x, wg, _, _ = make_case(1, d, f, zeros, seed=3)
     for cfg in ({}, {"BLOCK_K": 16}, {"T": 64, "S": 8}):
         packed = tt.gate_pack(x, wg, variant="gemv", **cfg)
@@ -193,8 +193,8 @@ def test_k1_gemv_packs_like_the_oracle(d, f, zeros):
     assert torch.equal(a.columns()[kept], b.columns()[kept])
 
 
-def test_r6_runs_the_gemv_k1_at_one_row(monkeypatch):
-    """auto's K1 ("r6") at M = 1 is _k1_gemv with GEMV_BLOCK_K (the decode sweep's fastest); at M > 1, or with
+def test_tma_runs_the_gemv_k1_at_one_row(monkeypatch):
+    """auto's K1 ("tma") at M = 1 is _k1_gemv with GEMV_BLOCK_K (the decode sweep's fastest); at M > 1, or with
     block overrides, it is not."""
     launches = []
     real = tt._k1_gemv
@@ -208,34 +208,34 @@ def test_r6_runs_the_gemv_k1_at_one_row(monkeypatch):
 
     monkeypatch.setattr(tt, "_k1_gemv", Spy())
     x, wg, _, _ = make_case(1, 40, 300, 0.9, seed=3)
-    a, b = tt.gate_pack(x, wg, variant="r6"), tt.gate_pack(x, wg, variant="gemv")
+    a, b = tt.gate_pack(x, wg, variant="tma"), tt.gate_pack(x, wg, variant="gemv")
     assert launches == [tt.GEMV_BLOCK_K] * 2
     kept = torch.arange(a.slots) < a.cnt.clamp(max=a.slots).unsqueeze(-1)  # later slots: undefined
     assert torch.equal(a.cnt, b.cnt) and torch.equal(a.val[kept], b.val[kept]) and torch.equal(a.col[kept], b.col[kept])
-    check_packed(a, x, wg, "r6 at M = 1")
-    tt.gate_pack(x, wg, variant="r6", BLOCK_K=16)
-    tt.gate_pack(make_case(2, 40, 300, 0.9, seed=3)[0], wg, variant="r6")
+    check_packed(a, x, wg, "tma at M = 1")
+    tt.gate_pack(x, wg, variant="tma", BLOCK_K=16)
+    tt.gate_pack(make_case(2, 40, 300, 0.9, seed=3)[0], wg, variant="tma")
     assert len(launches) == 2
 
 
-def test_k1_gemv_runs_r5_above_one_row():
-    """variant "gemv" at M > 1 is r5's K1 (the GEMV kernel reads one row of x)."""
+def test_k1_gemv_runs_the_tiled_k1_above_one_row():
+    """variant "gemv" at M > 1 is the plain-tiled K1 (the GEMV kernel reads one row of x)."""
     x, wg, _, _ = make_case(5, 40, 300, 0.9, seed=3)
     a, b = tt.gate_pack(x, wg, variant="gemv"), tt.gate_pack(x, wg)
     kept = torch.arange(a.slots) < a.cnt.clamp(max=a.slots).unsqueeze(-1)  # later slots: undefined
     assert torch.equal(a.cnt, b.cnt) and torch.equal(a.val[kept], b.val[kept])
     with pytest.raises(ValueError, match="'gemv'"):
-        tt.gate_pack(x, wg, variant="r7")
+        tt.gate_pack(x, wg, variant="r6")
 
 
-def test_r6_falls_back_to_r5_outside_its_domain():
+def test_tma_falls_back_to_the_tiled_k1_outside_its_domain():
     """fp32 inputs (split entries), decode M <= 16 (narrow tiles) and rows not 16-byte aligned (no TMA)
-    run round 5's K1: the same packing as variant r5."""
+    run the plain-tiled K1: the same packing as variant "tiled"."""
     x, wg, _, _ = make_case(37, 40, 300, 0.9, seed=34)  # fp32
     cases = {"fp32": (x, wg), "decode": (x[:5].half(), wg.half()),
              "unaligned": (x[:, :37].half(), wg[:, :37].half())}  # rows of 74 bytes
     for what, (xx, ww) in cases.items():
-        a, b = tt.gate_pack(xx, ww, variant="r6"), tt.gate_pack(xx, ww, variant="r5")
+        a, b = tt.gate_pack(xx, ww, variant="tma"), tt.gate_pack(xx, ww, variant="tiled")
         assert a.entries == b.entries and a.tile == b.tile, what
         kept = torch.arange(a.slots) < a.cnt.clamp(max=a.slots).unsqueeze(-1)  # later slots: undefined
         assert torch.equal(a.cnt, b.cnt) and torch.equal(a.columns()[kept], b.columns()[kept]), what
@@ -261,7 +261,7 @@ def test_packed_value_bound_matches_k1_rounding():
 def test_gpu_k1_pack_and_skewed_overflow():
     x, wg, wu, wd = make_case(512, 576, 1536, 0.98, seed=11, dtype=torch.bfloat16, device="cuda", skew=True)
     gate = x.float() @ wg.float().t()  # [M, F] from the same bf16 inputs, fp32 accumulation
-    for variant in ("r5", "r6"):
+    for variant in ("tiled", "tma"):
         packed = tt.gate_pack(x, wg, variant=variant)
         assert packed.entries == "bf16"
         check_packed_values(packed, x, wg, gate, f"gpu K1 {variant}")
@@ -286,7 +286,7 @@ def test_gpu_k1_gemv_decode(d, f):
 
 @pytest.mark.gpu
 def test_gpu_k1_autotuned_matches_fixed_config():
-    """The autotuned K1 (M > 16, CUDA) packs exactly what the fixed round-4 block config packs."""
+    """The autotuned K1 (M > 16, CUDA) packs exactly what the fixed block config packs."""
     x, wg, _, _ = make_case(1000, 576, 1536, 0.99, seed=21, dtype=torch.bfloat16, device="cuda")
     tuned = tt.gate_pack(x, wg)
     fixed = tt.gate_pack(x, wg, BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4)
@@ -305,21 +305,21 @@ def test_gpu_k1_autotuned_matches_fixed_config():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,d,f", [(17, 576, 1536), (300, 576, 1540), (1024, 2048, 8192), (4099, 2048, 8192)])
-def test_gpu_r6_matches_oracle(m, d, f):
-    """Round 6 on bf16 (F not a tile multiple, odd M): the autotuned K1 and fixed blocks with one or two
-    tiles per program pack the oracle's counts and columns with values in bound; r6c within bf16_rule."""
+def test_gpu_tma_matches_oracle(m, d, f):
+    """The TMA-tiled K1 on bf16 (F not a tile multiple, odd M): the autotuned K1 and fixed blocks with one or two
+    tiles per program pack the oracle's counts and columns with values in bound; variant tma within bf16_rule."""
     x, wg, wu, wd = make_case(m, d, f, 0.99, seed=36, dtype=torch.bfloat16, device="cuda")
     x[::5, 0] = -30.0  # every 5th row: all neurons active, all its tiles overflow
     gate = x.float() @ wg.float().t()  # [M, F]
     want = ref.twell_pack(gate, ref.TILE, ref.SLOTS)
     sure = (gate.abs() > 1e-2).all(dim=1)
     for extra in ({}, dict(NSUB=2), dict(NSUB=1, num_warps=4)):
-        packed = tt.gate_pack(x, wg, variant="r6", **extra)
-        what = f"gpu r6 {m}x{d}x{f} {extra or 'autotuned'}"
+        packed = tt.gate_pack(x, wg, variant="tma", **extra)
+        what = f"gpu tma {m}x{d}x{f} {extra or 'autotuned'}"
         assert packed.entries == "bf16" and packed.tile == ref.TILE, what
         assert torch.equal(packed.cnt[sure].cpu(), want.cnt[sure].cpu()), f"{what}: counts differ"
         kept = (torch.arange(ref.SLOTS, device="cuda") < packed.cnt.clamp(max=ref.SLOTS).unsqueeze(-1)) & sure.view(-1, 1, 1)
         assert torch.equal(packed.columns()[kept], want.columns()[kept].to(packed.cnt.device)), f"{what}: columns differ"
         check_packed_values(packed, x, wg, gate, what)
-    got = tu.twell_ffn_triton(x, wg, wu, transpose_down(wd), variant="r6c")
-    bf16_rule(got, x, wg, wu, wd, f"gpu r6c {m}x{d}x{f}")
+    got = tu.twell_ffn_triton(x, wg, wu, transpose_down(wd), variant="tma")
+    bf16_rule(got, x, wg, wu, wd, f"gpu tma {m}x{d}x{f}")

@@ -6,10 +6,9 @@ import pytest
 import torch
 
 from sparsify.kernels import twell_reference as ref, twell_triton as tt, twell_updown as tu
-from sparsify.kernels.dispatch import TwellPath
 from sparsify.kernels.twell_ops import transpose_down
 
-from tests.kernels.helpers import FP32, ZEROS, assert_close, bf16_rule, check_packed, make_case, r6_case
+from tests.kernels.helpers import FP32, ZEROS, assert_close, bf16_rule, check_packed, make_case, tma_case
 
 @pytest.mark.parametrize("zeros", ZEROS)
 def test_k2_updown_matches_reference(zeros):
@@ -46,7 +45,7 @@ def test_decode_path(m, zeros):
 @pytest.mark.parametrize("entries", ["split", "bf16"])
 @pytest.mark.parametrize("zeros", [0.0, 0.99, 1.0])
 def test_k2_compact_variant_equals_k2(entries, zeros):
-    """K2 reading per-row compacted lists (r5c) sums the same entries in the same order as plain K2."""
+    """K2 reading per-row compacted lists (what twell_ffn_triton runs) sums the same entries in the same order as plain K2."""
     x, wg, wu, wd = make_case(13, 40, 200, zeros, seed=27)
     x[::3, 0] = -1000.0  # a third of the rows: every neuron active, every tile overflows
     packed = tt.gate_pack(x, wg, BLOCK_M=32, T=64, S=8, entries=entries)
@@ -57,35 +56,34 @@ def test_k2_compact_variant_equals_k2(entries, zeros):
 
 
 def test_variants_and_default_encodings():
-    """Two prefill variants remain (r6c, the default, and its r5 fallback r5c), both with compacted K2;
-    the removed ones (kernels/NOTES.md, "Variants removed") are refused with the valid names."""
+    """Two prefill variants, named by their K1 ("tma", the default, and its fallback "tiled"), both with compacted
+    K2; the removed ones and the old round names (kernels/NOTES.md) are refused with the valid names."""
     assert tt.default_entries(torch.bfloat16) == "bf16" and tt.default_entries(torch.float16) == "fp16"
     assert tt.default_entries(torch.float32) == "split"
-    assert tt.VARIANTS == ("r6c", "r5c") and tt.DEFAULT_VARIANT == "r6c"
-    assert tt.split_variant("r6c") == ("r6", True) and tt.split_variant("r5c") == ("r5", True)
+    assert tt.VARIANTS == ("tma", "tiled") and tt.DEFAULT_VARIANT == "tma"
     x, wg, wu, wd = make_case(40, 16, 64, 0.9, seed=18)  # M > DECODE_MAX_M: K1 + K2
     wdt = transpose_down(wd)
-    out = tu.twell_ffn_triton(x, wg, wu, wdt, variant="r5c")
+    out = tu.twell_ffn_triton(x, wg, wu, wdt, variant="tiled")
     assert torch.equal(out, tu.updown(x, tt.gate_pack(x, wg), wg, wu, wdt, compact=True))
-    assert_close(out, ref.ffn_reference(x, wg, wu, wd), what="r5c variant", **FP32)
-    for gone in ("r4", "r5tma", "r5", "r6"):
-        with pytest.raises(ValueError, match=r"not one of \('r6c', 'r5c'\)"):
+    assert_close(out, ref.ffn_reference(x, wg, wu, wd), what="tiled variant", **FP32)
+    for gone in ("r4", "r5tma", "r5", "r6", "r5c", "r6c", "gemv"):
+        with pytest.raises(ValueError, match=r"not one of \('tma', 'tiled'\)"):
             tu.twell_ffn_triton(x, wg, wu, wdt, variant=gone)
-    with pytest.raises(ValueError, match="is not 'r5', 'r6' or 'gemv'"):
+    with pytest.raises(ValueError, match=r"not one of \('tma', 'tiled', 'gemv'\)"):
         tt.gate_pack(x, wg, variant="r5tma")
 
 
-def test_r6c_ffn_in_interpreter():
-    """The default variant (r6c: r6 K1, compacted K2) against K2 on the same packing and the oracle."""
-    assert tt.DEFAULT_VARIANT == "r6c"
-    x, wg, wu, wd = r6_case(37, 32, 256, 0.9, seed=35)
+def test_tma_ffn_in_interpreter():
+    """The default variant ("tma": the TMA-tiled K1, compacted K2) against K2 on the same packing and the oracle."""
+    assert tt.DEFAULT_VARIANT == "tma"
+    x, wg, wu, wd = tma_case(37, 32, 256, 0.9, seed=35)
     wdt = transpose_down(wd)
     got = tu.twell_ffn_triton(x, wg, wu, wdt)
-    packed = tt.gate_pack(x, wg, variant="r6")
+    packed = tt.gate_pack(x, wg, variant="tma")
     assert torch.equal(got, tu.updown(x, packed, wg, wu, wdt, compact=True))
     assert_close(got, ref.twell_updown_reference(x.float(), packed, wg.float(), wu.float(), wd.float()),
-                 what="r6c vs K2 oracle on its packing", rtol=2e-3, atol=1e-3)
-    assert_close(got, ref.ffn_reference(x, wg, wu, wd), what="r6c vs oracle", rtol=1e-2, atol=1e-3)
+                 what="tma vs K2 oracle on its packing", rtol=2e-3, atol=1e-3)
+    assert_close(got, ref.ffn_reference(x, wg, wu, wd), what="tma vs oracle", rtol=1e-2, atol=1e-3)
 
 
 # ------------------------------------------------- chunked decode K2 (d in chunks: no d-length registers)
@@ -119,7 +117,7 @@ def test_decode_k2_routes_to_chunked_from_its_d():
     for m, d in ((1, 64), (3, 48)):
         x, wg, wu, wd = make_case(m, d, 96, 0.9, seed=9)
         packed, wdt = tt.gate_pack(x, wg), transpose_down(wd)
-        routed_k1 = tt.gate_pack(x, wg, variant=tt.split_variant(tt.DEFAULT_VARIANT)[0])  # the GEMV K1 at M = 1
+        routed_k1 = tt.gate_pack(x, wg, variant=tt.DEFAULT_VARIANT)  # the GEMV K1 at M = 1
         chunked = tu.updown_decode_chunked(x, routed_k1, wu, wdt)
         split = tu.updown(x, packed, wg, wu, wdt, chunked=False)
         out = tu.twell_ffn_triton(x, wg, wu, wdt)
@@ -181,7 +179,8 @@ def test_fused_decode_ffn_refuses_strided_weights():
 
 def test_twell_ffn_routes_m1_on_fused_route_shapes_only(monkeypatch):
     """twell_ffn_triton runs the fused decode FFN with the table's launch at M = 1 on a FUSED_ROUTE shape (theta
-    passed on), and K1 + K2 everywhere else: M > 1, another shape, a variant asked for, a strided x."""
+    passed on), and K1 + K2 everywhere else: M > 1, another shape, a variant asked for, a strided x, fused=False,
+    and a call that asks for K1's count (auto's density refresh)."""
     d, f = 64, 160
     monkeypatch.setattr(tu, "FUSED_ROUTE", {(d, f): {"E": 8, "BD": 32, "BLOCK_K": 32}})
     calls = []
@@ -195,7 +194,7 @@ def test_twell_ffn_routes_m1_on_fused_route_shapes_only(monkeypatch):
         got = tu.twell_ffn_triton(x[:1], wg, wu, wdt, threshold=theta)
         assert calls == [{"E": 8, "BD": 32, "BLOCK_K": 32}]
         assert torch.equal(got, fused(x[:1], wg, wu, wdt, theta, E=8, BD=32, BLOCK_K=32))
-        k1k2 = tu.twell_ffn_triton(x[:1], wg, wu, wdt, variant="r5c", threshold=theta)  # a variant asked for
+        k1k2 = tu.twell_ffn_triton(x[:1], wg, wu, wdt, variant="tiled", threshold=theta)  # a variant asked for
         assert_close(got, k1k2, what=f"routed fused vs K1+K2 theta={theta is not None}", **FP32)
         assert_close(got, ref.ffn_reference(x[:1], wg, wu, wd, theta), what="routed fused vs oracle", **FP32)
     calls.clear()
@@ -205,15 +204,15 @@ def test_twell_ffn_routes_m1_on_fused_route_shapes_only(monkeypatch):
     tu.twell_ffn_triton(wide[:, ::2], wg, wu, wdt)  # strided x: K1 + K2, no error
     xo, wgo, wuo, wdo = make_case(1, d, f + 32, 0.9, seed=15)
     tu.twell_ffn_triton(xo, wgo, wuo, transpose_down(wdo))  # a shape not in the table
+    tu.twell_ffn_triton(x[:1], wg, wu, wdt, fused=False)
     assert calls == []
-    # auto's sparse path follows the route, except on a call that asks for K1's count (a density refresh)
-    got = TwellPath()(x[:1], wg, wu, wdt)
+    got = tu.twell_ffn_triton(x[:1], wg, wu, wdt)
     assert calls == [{"E": 8, "BD": 32, "BLOCK_K": 32}] and torch.equal(got, fused(x[:1], wg, wu, wdt, E=8, BD=32,
                                                                                    BLOCK_K=32))
     counts = []
-    counted = TwellPath()(x[:1], wg, wu, wdt, on_count=counts.append)
+    counted = tu.twell_ffn_triton(x[:1], wg, wu, wdt, on_count=counts.append)
     assert len(calls) == 1 and counts[0].item() == int((x[:1] @ wg.t() > 0).sum())
-    assert_close(counted, got, what="TwellPath with count (K1 + K2) vs routed", **FP32)
+    assert_close(counted, got, what="twell_ffn_triton with count (K1 + K2) vs routed", **FP32)
 
 
 def test_k2_decode_chunked_refuses_tiles_that_can_overflow():
@@ -245,10 +244,10 @@ def test_gpu_decode_k2_chunked_at_8192_matches_oracle(dtype, m):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,d,f", [(33, 2048, 8192), (300, 576, 1536), (1024, 2048, 8192)])
 def test_gpu_fallback_variant(m, d, f):
-    """r5c (r6c's fallback K1 everywhere, compacted K2) against the oracle, bf16."""
+    """"tiled" (the default's fallback K1 everywhere, compacted K2) against the oracle, bf16."""
     x, wg, wu, wd = make_case(m, d, f, 0.99, seed=26, dtype=torch.bfloat16, device="cuda")
-    got = tu.twell_ffn_triton(x, wg, wu, transpose_down(wd), variant="r5c")
-    bf16_rule(got, x, wg, wu, wd, f"gpu r5c {m}x{d}x{f}")
+    got = tu.twell_ffn_triton(x, wg, wu, transpose_down(wd), variant="tiled")
+    bf16_rule(got, x, wg, wu, wd, f"gpu tiled {m}x{d}x{f}")
 
 
 @pytest.mark.gpu

@@ -61,19 +61,20 @@ d <= 2^15 and the few roundings of the radius), + 2^-55 on ||x||_2 and + 2^-100 
    everything: below it no partial sum of 1. or 2. can overflow, above it nothing is claimed.
 The per-(m, j) decision is reduced to "any row m passes" per column j: the kernel then computes the column's
 exact gate for all M rows, so every row's packed entries are exactly gate_pack's (bitwise where both sum in the
-same order: the kernels here mirror `_k1_gate_pack` (M > 1) and `_k1_gemv` (M = 1) block for block).
+same order: the kernels here mirror `_k1_tiled` (M > 1) and `_k1_gemv` (M = 1) block for block).
 
 How tight: for Gaussian weights and inputs the Cauchy-Schwarz radius is ~ (s / sqrt(12)) sqrt(d) ||x|| against a
 gate spread ||w|| ||x|| / sqrt(d): their ratio is ~ 0.009 sqrt(d) for per-row int8 absmax (0.4 at d = 2048, 0.8
 at d = 8192) and ~4x that for e4m3. A weight outlier (the synth bias channel) blows up the per-row absmax scale:
-hold such channels exactly (`exact_cols`, `outlier_columns`) or use groups. eval/bench/bench_screen.py measures the
+hold such channels exactly (`exact_cols`, `outlier_columns`) or use groups. eval/research/bench_screen.py measures the
 pass fraction against the active fraction.
 
 Memory (`ScreenWeights.nbytes`): the copy is F d bytes (half of bf16 W_gate), + 12 bytes per (row, group)
 (scale, R, m: fp32), + 4 bytes per row (C), + the exact channels (F k x 2 bytes).
 
-Flat file: imports torch, the standard library and its siblings (triton through twell_triton, which imports it
-in try/except).
+Research code, not shipped: no backend runs it (eval/research/README.md has what it measured and why it stays
+out). It builds on the shipped kernels (sparsify.kernels: twell_triton's epilogue and helpers, the layout of
+twell_reference) and is imported as `gate_screen` with this folder on sys.path (bench_screen.py, the tests).
 """
 
 from __future__ import annotations
@@ -83,13 +84,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .twell_reference import DECODE_SLOTS, DECODE_TILE, TwellPacked, n_tiles
-from .twell_triton import (
+from sparsify.kernels.twell_reference import DECODE_SLOTS, DECODE_TILE, TwellPacked, n_tiles
+from sparsify.kernels.twell_triton import (
     ENT_CODES, GEMV_BLOCK_K, HAS_TRITON, default_entries, next_pow2, require_triton, theta_args, tl, triton,
 )
 
 if HAS_TRITON:
-    from .twell_triton import _k1_epilogue
+    from sparsify.kernels.twell_triton import _k1_epilogue
 
 U_ACC = 2.0**-23  # assumed unit roundoff of every fp32 operation of the gate / screen GEMMs (see 3. above)
 SLACK = 2.0**-6  # relative slack on every evaluated norm and on the radius
@@ -371,7 +372,7 @@ if HAS_TRITON:
     @triton.jit
     def _dot_k(a_ptrs, b_ptrs, acc, m_ok, cols_ok, D, offs_k, BK: tl.constexpr, IEEE: tl.constexpr):
         """acc + x [BM, D] @ W_gate rows [D, C] (cols_ok: the columns read; the others' loads masked to 0),
-        BK columns of D per step, _k1_gate_pack's loop block for block (the same sums in the same order)."""
+        BK columns of D per step, _k1_tiled's loop block for block (the same sums in the same order)."""
         for k in range(0, tl.cdiv(D, BK)):
             k_ok = offs_k < D - k * BK
             a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
@@ -401,7 +402,7 @@ if HAS_TRITON:
         kept as [BK1] vectors: no reduction inside the loop); phase 2 gathers the passed rows, CP at a time
         ([CP, BK2] loads of W_gate rows by index: work and traffic in proportion to the passed rows, not to
         T), each summed as _k1_gemv sums a row (same BK2 lanes: bitwise _k1_gemv's gate when BK2 = its
-        BLOCK_K). M > 1: phase 1 is tl.dot on [BLOCK_M, BK1] x [BK1, T]; phase 2 mirrors _k1_gate_pack
+        BLOCK_K). M > 1: phase 1 is tl.dot on [BLOCK_M, BK1] x [BK1, T]; phase 2 mirrors _k1_tiled
         (CP = T: masked columns) or gathers the passed columns CP (>= 16) at a time into [BK2, CP] dots.
         GROUPED: BK1 = the group size, scales and terms per (row, group)."""
         pid_n = tl.program_id(0)
@@ -564,7 +565,7 @@ if HAS_TRITON:
                 g = tl.sum(acc, 1)  # [CP]
                 gsum += tl.sum(tl.where(sel, g[:, None], -0.0), 0)
             gate = tl.where(m_ok[:, None], gsum[None, :], 0.0)  # [2, T]
-        elif CP == T:  # _k1_gate_pack's loop, columns that did not pass masked out
+        elif CP == T:  # _k1_tiled's loop, columns that did not pass masked out
             gate = tl.zeros([BLOCK_M, T], dtype=tl.float32)
             if npass > 0:
                 a_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
@@ -584,18 +585,18 @@ if HAS_TRITON:
                      ENT, HAS_THETA, RND)
 
 
-# The screened K1's launch parameters (gate_pack_screened's overrides; eval/bench/bench_screen.py --cuda sweeps them):
+# The screened K1's launch parameters (gate_pack_screened's overrides; eval/research/bench_screen.py --cuda sweeps them):
 # BK1 phase-1 columns per step (per-row screens; grouped: the group), BK2 phase-2 columns per step, CP passed
 # rows (M = 1) / columns (M > 1, >= 16; T: masked, no gather) per phase-2 chunk, CVT int8 conversion (1: integer
 # trick, 0: cast), num_warps, num_stages. The defaults keep the exact gates bitwise those of today's decode K1
-# (M = 1: BK2 = _k1_gemv's BLOCK_K; M > 1: _k1_gate_pack's blocks, CP = T); other BK2 / CP sum in another order
+# (M = 1: BK2 = _k1_gemv's BLOCK_K; M > 1: _k1_tiled's blocks, CP = T); other BK2 / CP sum in another order
 # (still covered by the bound: any order) and pack the same entries up to fp32 ties at the threshold.
 SCREEN_KEYS = ("BK1", "BK2", "CP", "CVT", "num_warps", "num_stages")
 
 
 def screen_config(m: int, sw: ScreenWeights, device_type: str) -> dict:
     """Blocks of the screened K1: decode tiles T = S = 32; phase 2 mirrors gate_pack's decode K1 (M = 1: the GEMV
-    K1 with BLOCK_K GEMV_BLOCK_K, passed rows gathered 8 at a time; else _k1_gate_pack with BLOCK_M 16,
+    K1 with BLOCK_K GEMV_BLOCK_K, passed rows gathered 8 at a time; else _k1_tiled with BLOCK_M 16,
     BLOCK_K 128, masked columns); phase 1 reads one group per step (per-row scales: 256 columns at M = 1, 128
     else)."""
     gemv = m == 1
@@ -663,7 +664,7 @@ def twell_ffn_screened(x2d: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tens
                        sw: ScreenWeights, threshold: torch.Tensor | None = None, **overrides) -> torch.Tensor:
     """The decode TwELL FFN with the screened K1: gate_pack_screened (overrides: SCREEN_KEYS), then the same K2
     as twell_ffn_triton (launches per call: K1, then K2's zero-fill, kernel and output cast, as twell's)."""
-    from .twell_updown import updown
+    from sparsify.kernels.twell_updown import updown
 
     packed = gate_pack_screened(x2d, w_gate, sw, threshold, **overrides)
     return updown(x2d, packed, w_gate, w_up, w_down_t, compact=True, threshold=threshold)

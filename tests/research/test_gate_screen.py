@@ -1,4 +1,4 @@
-"""The exact gate screen (kernels/gate_screen.py): the torch reference and the screened decode K1 never drop an
+"""The exact gate screen (eval/research/gate_screen.py, research code outside the shipped bundle): the torch reference and the screened decode K1 never drop an
 active row, on random and adversarial inputs (rows built to sit on the bound, one-ulp thresholds, large norms,
 all-zero rows, outlier channels, NaN); the screened K1 packs exactly what gate_pack packs and the screened FFN
 equals twell_ffn_triton (CPU: Triton interpreter; GPU tests marked `gpu`)."""
@@ -14,12 +14,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparsify.kernels import gate_screen as gs, twell_reference as ref, twell_triton as tt, twell_updown as tu
+from sparsify.kernels import twell_reference as ref, twell_triton as tt, twell_updown as tu
 from sparsify.kernels.twell_reference import transpose_down
 
 from tests.kernels.helpers import FP32, assert_close, bf16_rule, check_packed_values, make_case
 
 ROOT = Path(__file__).resolve().parents[2]
+RESEARCH = ROOT / "eval" / "research"
+if str(RESEARCH) not in sys.path:
+    sys.path.insert(0, str(RESEARCH))  # gate_screen.py is imported as its scripts import it
+
+import gate_screen as gs  # noqa: E402
 SCREENS = [("int8", None, 0), ("int8", 32, 0), ("fp8", None, 1), ("int8", None, 2), ("fp8", 32, 1)]
 
 
@@ -145,8 +150,8 @@ def _same_packing(got, want, what):
 
 
 def _k1(x, wg, th):
-    """The decode K1 that twell_ffn_triton runs: the GEMV K1 at M = 1, r5's _k1_gate_pack above."""
-    return tt.gate_pack(x, wg, variant="gemv" if x.shape[0] == 1 else "r5", threshold=th)
+    """The decode K1 that twell_ffn_triton runs: the GEMV K1 at M = 1, the plain-tiled _k1_tiled above."""
+    return tt.gate_pack(x, wg, variant="gemv" if x.shape[0] == 1 else "tiled", threshold=th)
 
 
 CASES = [(1, 128, 256, torch.float32), (1, 96, 200, torch.bfloat16), (5, 128, 256, torch.float32),
@@ -287,10 +292,28 @@ def test_overrides_checked():
         gs.gate_pack_screened(x, wg, gs.screen_weights(wg, "int8"), CP=8)
 
 
+def test_bench_screen_cuda_smoke_on_cpu(tmp_path):
+    """eval/research/bench_screen.py --cuda --smoke: the CUDA mode's code path (every variant's default launch and a
+    part of the launch sweep, each checked: pass mask covers the active rows, FFN within the bf16 rule of the fp32
+    reference) in the interpreter; both tables and the best config per case written."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    res = subprocess.run([sys.executable, str(RESEARCH / "bench_screen.py"), "--cuda", "--smoke", "--out",
+                          str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = json.loads((tmp_path / "screen.json").read_text())["rows"]
+    assert [r["M"] for r in rows] == [1, 8]
+    for r in rows:
+        assert not r["errors"] and "bad" not in r, (r["errors"], r.get("bad"))
+        assert len([c for c in r["configs"].values() if c["variant"] == "int8-row+ex"]) == 3
+        assert set(r["best"]) == {"int8-row+ex", "int8-g128+ex", "fp8-row+ex", "int8-row"}
+    md = (tmp_path / "screen.md").read_text()
+    assert "Launch sweep of the screened K1" in md and "Best per case" in md
+
+
 def test_bench_screen_cpu_mode_tiny(tmp_path):
-    """eval/bench/bench_screen.py --cpu on a tiny synthetic shape (no real model): JSON and table written, every
+    """eval/research/bench_screen.py --cpu on a tiny synthetic shape (no real model): JSON and table written, every
     rigorous bound checked inside (it asserts no active row is dropped)."""
-    res = subprocess.run([sys.executable, str(ROOT / "eval" / "bench" / "bench_screen.py"), "--cpu", "--shapes", "64x256",
+    res = subprocess.run([sys.executable, str(RESEARCH / "bench_screen.py"), "--cpu", "--shapes", "64x256",
                           "--tokens", "16", "--no-real", "--out", str(tmp_path)],
                          capture_output=True, text=True, env={**os.environ}, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""The exact gate screen for decode (kernels/gate_screen.py): pass fractions (CPU) and FFN speed (CUDA graphs).
+"""The exact gate screen for decode (eval/research/gate_screen.py): pass fractions (CPU) and FFN speed (CUDA graphs).
 
 CPU mode (pure torch, no kernel): for each screen variant, the fraction of (token, row) pairs the screen passes
 against the fraction really active, at M = 1 (per token) and M = 8 (union over 8 tokens: a column is read when any
@@ -10,17 +10,17 @@ i.e. the roofline speed-up bound vs dense. Cases:
   real: the SmolLM2-135M ReLU conversion (--model, fp32 weights cast to bf16), MLP inputs captured with hooks over
     --real-tokens tokens of held-out text (--data); the exact channels are chosen on the first half of the tokens
     and every fraction is measured on the second half.
-  PYTHONPATH=$PWD python eval/bench/bench_screen.py --cpu --out eval/results/gate-screen-cpu
+  PYTHONPATH=$PWD python eval/research/bench_screen.py --cpu --out eval/results/gate-screen-cpu
   (tiny: --cpu --shapes 64x256 --tokens 16 --no-real)
 CUDA mode (H200): dense / today's twell (twell_ffn_triton) / screened twell (twell_ffn_screened, each screen
 variant) FFN at M = 1, 8 on the three shapes at 0.957 zeros, timed side by side under CUDA graphs in interleaved
 rounds (eval/bench/bench_decode.py's time_graphs: ratios are medians of per-round paired ratios), with the screen's
 measured pass fraction per case:
-  source eval/device/device_env.sh; PYTHONPATH=$PWD python eval/bench/bench_screen.py --cuda --out $OUT/screen --budget-s 420
+  source eval/device/device_env.sh; PYTHONPATH=$PWD python eval/research/bench_screen.py --cuda --out $OUT/screen --budget-s 420
   The same run sweeps the screened K1's launch parameters (SWEEP: BK1 / BK2 / CP / CVT / warps / stages, per M
   bucket, on the variants of SWEEP_VARIANTS) beside each variant's default: a second table with every config's
   ratio to dense and to twell, the best per case and variant in bold (--no-sweep: defaults only).
-  CPU dry run of that code path: TRITON_INTERPRET=1 python eval/bench/bench_screen.py --cuda --smoke --out /tmp/scr
+  CPU dry run of that code path: TRITON_INTERPRET=1 python eval/research/bench_screen.py --cuda --smoke --out /tmp/scr
 Writes DIR/screen.json and DIR/screen.md.
 """
 
@@ -37,9 +37,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "eval" / "bench"))
+sys.path.insert(0, str(ROOT / "eval" / "bench"))  # bench_kernels, bench_decode, timing (gate_screen: this folder, on it already)
 
-from sparsify.kernels import gate_screen as gs  # noqa: E402
+import gate_screen as gs  # noqa: E402
 
 from bench_kernels import env_info, make_layer, set_sparsity  # noqa: E402
 
