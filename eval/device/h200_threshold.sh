@@ -24,7 +24,7 @@
 #   bash eval/device/h200_long.sh wait 540; PACK=$OUT bash eval/device/h200_threshold.sh pack    until it ends; metrics so far
 #   PACK=$OUT bash eval/device/h200_threshold.sh after     cloze on every finished run, the frontier (ZEROS=...: decode speed
 #                                                   per zeros level too; SPEED_AT=... gendata's rate)
-# Knobs: ARMS ("name=override ...;...", or 2 .. 7 for ARMS2 .. ARMS7 below), TOKENS (default 20M each), LEVERS / GEN_LEVERS, GEN_TOKENS / GEN_BATCH, ZEROS.
+# Knobs: ARMS ("name=override ...;...", or 2 .. 9 for ARMS2 .. ARMS9 below), TOKENS (default 20M each), LEVERS / GEN_LEVERS, GEN_TOKENS / GEN_BATCH, ZEROS.
 set -euo pipefail
 WORK=${WORK:-/tmp/sparsify-long}
 OUT_DIR=${RESULTS:-$WORK/results}
@@ -62,12 +62,23 @@ ARMS6="ce1_20M=$WARM;kl_100M=$WARM distill.ce=0 train.max_tokens=100_000_000 tra
 # KL-only with the zeros allocated by each layer's measured sensitivity (the recipe's mean, 95.3%; every layer in [0.90, 0.99])
 ARMS7="ce1_20M=$WARM;kl_20M=$WARM distill.ce=0;\
 klsens_20M=$WARM distill.ce=0 sparsity.allocate=sensitivity"
+# ARMS8 (issue 41, one GPU, SLOTS=2, ~22 min on one H200): the recipe's own frontier point again for its cloze (it
+# has none), beside the floor it stands on under today's recipe (no sparsity pressure: ReLU swap, CE + KL, decay
+# towards the start), both at 100M tokens
+ARMS8="rec_100M=$WARM train.max_tokens=100_000_000 train.eval_every=610;\
+floor_100M=sparsity.method=l1 sparsity.target=none sparsity.l1=0 train.max_tokens=100_000_000 train.eval_every=610"
+# ARMS9 (issue 41, a short lease, SLOTS=3, ~10 min): 20M levers beside ARMS7's ce1_20M (1.538x): a little CE
+# (distill.ce=0.1), the sensitivity allocation damped by a narrow range, and the decay towards the start at 0.3
+ARMS9="ce01_20M=$WARM distill.ce=0.1;sens9397_20M=$WARM sparsity.allocate=sensitivity sparsity.allocate_range=[0.93,0.97];\
+wd3_20M=$WARM train.weight_decay=0.3"
 [ "${ARMS}" = 2 ] && ARMS=$ARMS2
 [ "${ARMS}" = 3 ] && ARMS=$ARMS3
 [ "${ARMS}" = 4 ] && ARMS=$ARMS4
 [ "${ARMS}" = 5 ] && ARMS=$ARMS5
 [ "${ARMS}" = 6 ] && ARMS=$ARMS6
 [ "${ARMS}" = 7 ] && ARMS=$ARMS7
+[ "${ARMS}" = 8 ] && ARMS=$ARMS8
+[ "${ARMS}" = 9 ] && ARMS=$ARMS9
 export TOKENS=${TOKENS:-20_000_000} EVAL_EVERY=${EVAL_EVERY:-305}
 
 case "${1:-}" in
