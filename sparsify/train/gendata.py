@@ -232,7 +232,7 @@ def _rate(batches: list[tuple[int, float]]) -> dict:
     """Sampling speed of one process: tokens/s over its batches, and without its first (CUDA: graph capture and
     compilation happen in the first generate() of a batch size), the rate of a long run."""
     tokens, seconds = sum(t for t, _ in batches), sum(s for _, s in batches)
-    out = {"batches": len(batches), "tokens": tokens, "seconds": round(seconds, 3),
+    out = {"batches": len(batches), "tokens": tokens, "seconds": round(seconds, 6),  # (a tiny run takes ms)
            "tokens_per_s": round(tokens / seconds, 1) if seconds else None}
     if len(batches) > 1:
         rest_t, rest_s = tokens - batches[0][0], seconds - batches[0][1]
