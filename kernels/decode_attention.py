@@ -54,7 +54,7 @@ if HAS_TRITON:
                     s = tl.dot(q, tl.trans(k), input_precision="ieee")
                 else:
                     s = tl.dot(q, tl.trans(k))
-                s = tl.where(keep[None, :], s * scale, float("-inf"))  # [GP, BLOCK_N]
+                s = tl.where(keep[None, :], s * scale.to(tl.float32), float("-inf"))  # [GP, BLOCK_N] (fp32: torch.compile passes scale as fp64)
                 m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: the block keeps a position
                 alpha = tl.exp(m_i - m_new)
                 p = tl.exp(s - m_new[:, None])
@@ -87,7 +87,7 @@ def decode_attention_crop(query: torch.Tensor, key: torch.Tensor, value: torch.T
         return None
     groups = heads // kv
     out = torch.empty_like(query)
-    m = mask.view(torch.uint8)
+    m = mask.to(torch.uint8)  # (a copy of batch x length bytes: inductor cannot lower a bool view as uint8)
     _decode_attn_crop[(batch, kv)](
         query, key, value, m, out, length, float(scale if scale is not None else d**-0.5),
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2),
