@@ -54,7 +54,7 @@ if HAS_TRITON:
                     s = tl.dot(q, tl.trans(k), input_precision="ieee")
                 else:
                     s = tl.dot(q, tl.trans(k))
-                s = tl.where(keep[None, :], s * scale.to(tl.float32), float("-inf"))  # [GP, BLOCK_N] (fp32: torch.compile passes scale as fp64)
+                s = tl.where(keep[None, :], (s * scale).to(tl.float32), float("-inf"))  # [GP, BLOCK_N], fp32 (compiled: fp64 scale)
                 m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: the block keeps a position
                 alpha = tl.exp(m_i - m_new)
                 p = tl.exp(s - m_new[:, None])
