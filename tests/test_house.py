@@ -125,6 +125,71 @@ def test_the_checks_see_a_circle_and_a_climb():
     assert "sparsify.errors" in edges["sparsify.folder.convert"]
 
 
+BUNDLE_IMPORTS = {"torch", "triton", "transformers", "__future__", "math", "os", "typing", "dataclasses", "functools",
+                  "logging", "warnings", "itertools", "collections", "enum", "contextlib", "json", "time", "re", "sys",
+                  "types", "weakref"}  # the standard library modules the bundle uses (torch, transformers, stdlib, siblings)
+FFN_FILES = ("ffn_runtime", "twell_ops", "dispatch", "modeling_sparsify", "decode_capture", "fast_decode")
+
+
+def test_shipped_code_is_flat_and_self_contained():
+    """Every file a model folder ships imports only its siblings (`from .sibling import x`), torch, transformers
+    and the standard library; triton only inside a try block."""
+    from sparsify.folder.format import shipped_code_files
+
+    files = shipped_code_files()
+    names = {f.name for f in files}
+    assert "modeling_sparsify.py" in names and "twell_ops.py" in names
+    assert "twell_train.py" not in names  # fine-tuning kernels stay in the package, not in model folders
+    problems = []
+    for f in files:
+        tree = ast.parse(f.read_text())
+        guarded = {id(n) for t in ast.walk(tree) if isinstance(t, ast.Try) for n in ast.walk(t)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level > 0:
+                if node.level != 1 or node.module is None or "." in node.module or f"{node.module}.py" not in names:
+                    problems.append(f"{f.name}:{node.lineno} relative import must be `from .sibling import x`")
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                # inside try blocks too: only triton is optional, nothing else may be imported at all
+                mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
+                allowed = BUNDLE_IMPORTS if id(node) in guarded else BUNDLE_IMPORTS - {"triton"}
+                problems += [f"{f.name}:{node.lineno} imports {m}" for m in mods if m.split(".")[0] not in allowed]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_bundle_rebinds_no_global():
+    """No file of the bundle rebinds module state (`global x`, or `X += ...` at module level): the registry is the
+    one process-wide store (its mutable values: tests/kernels/test_ffn_runtime.py)."""
+    from sparsify.folder.format import shipped_code_files
+
+    bad = {}
+    for f in shipped_code_files():
+        tree = ast.parse(f.read_text())
+        found = [f"global {', '.join(n.names)}" for n in ast.walk(tree) if isinstance(n, ast.Global)]
+        found += [ast.unparse(n) for n in tree.body if isinstance(n, ast.AugAssign)]
+        if found:
+            bad[f.name] = found
+    assert not bad, bad
+
+
+def test_sparse_mlp_forward_is_one_call_into_the_runtime():
+    tree = ast.parse((KERNELS / "modeling_sparsify.py").read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "SparseMLP"]
+    (forward,) = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "forward"]
+    first = min([d.lineno for d in forward.decorator_list] + [forward.lineno])
+    assert forward.end_lineno - first + 1 <= 10, ast.unparse(forward)
+    calls = [n for n in ast.walk(forward) if isinstance(n, ast.Call)]
+    assert [ast.unparse(c.func) for c in calls] == ["self.runtime.ffn"]
+
+
+def test_ffn_backends_are_declared_once():
+    def declares(name: str) -> bool:
+        tree = ast.parse((KERNELS / f"{name}.py").read_text())
+        return any(isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "BACKENDS" for t in n.targets)
+                   for n in tree.body)
+
+    assert [name for name in FFN_FILES if declares(name)] == ["ffn_runtime"]
+
+
 def test_the_bundle_imported_as_a_top_level_kernels_registers_nothing():
     """With the repository root on sys.path, transformers' probe for the Hub's `kernels` package imports our
     kernels/ folder as `kernels`: that must not import the bundle (its op registration would win over the
