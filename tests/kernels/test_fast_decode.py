@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from sparsify.folder.synth import synth
 
-from tests.folder.test_synth import TINY
+from tests.tiny import SYNTH_CONFIG as TINY
 
 
 @pytest.fixture(scope="module")

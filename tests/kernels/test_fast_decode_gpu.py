@@ -10,7 +10,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopP
 
 from sparsify.folder.synth import synth
 
-from tests.folder.test_synth import TINY
+from tests.tiny import SYNTH_CONFIG as TINY
 
 
 @pytest.mark.gpu

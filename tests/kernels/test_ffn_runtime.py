@@ -1,6 +1,6 @@
 """The FFN runtime (kernels/ffn_runtime.py): one owner per model for the backend, auto's decisions, the held answers,
 the backend table and the step check's twin, found through the one registry by every copy of the bundle (CPU;
-auto runs on a fake clock from test_dispatch, dispatching CPU calls to a stand-in TwELL row)."""
+auto runs on a fake clock (tests/kernels/fake_auto.py), dispatching CPU calls to a stand-in TwELL row)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from sparsify.kernels import ffn_runtime as fr, modeling_sparsify as ms, registr
 from sparsify.kernels.dispatch import Policy
 
 from tests.kernels.helpers import make_case
-from tests.kernels.test_dispatch import ALL_DENSE, EAGER_TWELL, GRAPH_ONLY_TWELL, Kernels, dispatcher, state
+from tests.kernels.fake_auto import ALL_DENSE, EAGER_TWELL, GRAPH_ONLY_TWELL, dispatcher, state
 
 KERNEL_DIR = Path(fr.__file__).parent
 FFN_FILES = ("ffn_runtime", "twell_ops", "dispatch", "modeling_sparsify", "decode_capture", "fast_decode")
@@ -87,7 +87,7 @@ def sparse_layer(runtime, seed: int = 41, cls=ms.SparseMLP):
 
 
 def fake_runtime(times, backend: str = "auto", **kwargs) -> fr.FFNRuntime:
-    """A runtime whose auto is test_dispatch's (fake clock) and whose layers take its backend table on CPU, the
+    """A runtime whose auto is tests/kernels/fake_auto.py's (fake clock) and whose layers take its backend table on CPU, the
     TwELL row a stand-in (Kernels: the dense FFN, its calls logged)."""
     d = dispatcher(times, **kwargs)
     return fr.FFNRuntime(backend, dispatcher=d, devices=("cpu",),

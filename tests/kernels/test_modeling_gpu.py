@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 from sparsify.families import mlp_modules
 from sparsify.folder.convert import convert
 
-from tests.test_families import make_source
+from tests.tiny import make_source
 
 
 @pytest.mark.gpu
@@ -47,7 +47,7 @@ def test_fast_decode_graphs_match_eager_on_cuda(backend, loop, tmp_path):
 
     from sparsify.folder.synth import synth
 
-    from tests.folder.test_synth import TINY
+    from tests.tiny import SYNTH_CONFIG as TINY
 
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     synth(tmp_path / "config.json", tmp_path / "m", zeros=0.9, dtype="fp32", device="cuda", progress=False)
@@ -79,7 +79,7 @@ def test_compiled_fast_decode_matches_eager_on_cuda(backend, tmp_path):
 
     from sparsify.folder.synth import synth
 
-    from tests.folder.test_synth import TINY
+    from tests.tiny import SYNTH_CONFIG as TINY
 
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     synth(tmp_path / "config.json", tmp_path / "m", zeros=0.9, dtype="fp32", device="cuda", progress=False)
