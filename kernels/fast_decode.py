@@ -171,6 +171,13 @@ class FastDecode:
         self._keep = None  # nucleus_keep compiled (keep_fn)
         self.keep_error: str | None = None
 
+    def set_compile(self, compile: bool, **options) -> None:
+        """Decode steps through torch.compile or not, with extra torch.compile `options` (e.g. backend="eager"):
+        what was compiled before and any earlier compile failure are dropped, so the next step compiles afresh."""
+        self.compile, self.compile_options = bool(compile), dict(options)
+        self._compiled = self._keep = None
+        self.compile_error = self.keep_error = None
+
     def decode_forward(self):
         """The forward decode steps run and graphs capture: the model's own, or (`compile`) that forward
         through torch.compile, made once (dynamo keeps one compiled graph per input shapes and FFN state)."""
@@ -621,9 +628,15 @@ def reused_cache(model, fast: FastDecode, args: tuple, kwargs: dict):
     return fast.cache
 
 
+def fast_decode_of(model) -> FastDecode | None:
+    """The model's FastDecode (`.enabled`, `.compile`, `.replays`, `.captures`, ...): made by enable_fast_decode
+    (sparsify models have it from load); None before."""
+    return model.__dict__.get("_fast_decode")
+
+
 def _fast_generate_kwargs(model, args: tuple, kwargs: dict) -> dict:
     """generate() kwargs with a static cache as the default on CUDA (unless the caller chose a cache)."""
-    fast = model.__dict__.get("_fast_decode")
+    fast = fast_decode_of(model)
     on_device = model.device.type == "cuda" or (fast is not None and fast.cpu_emulation)
     if fast is None or not fast.enabled or not on_device or not _no_sliding_window(model.config):
         return kwargs
@@ -645,8 +658,8 @@ def enable_fast_decode(model, enabled: bool = True, compile: bool | None = None)
     cache length, then one dynamic-shape compile serves the others); None leaves the setting as it is.
     A model on "sdpa" with grouped-query attention attends its one-token steps on the KV heads as they are
     (DECODE_SDPA, `.attention`). Returns the FastDecode object (`.enabled`, `.compile`, `.replays`,
-    `.captures`). Sparsify models have it from load."""
-    fast = model.__dict__.get("_fast_decode")
+    `.captures`; fast_decode_of(model) too). Sparsify models have it from load."""
+    fast = fast_decode_of(model)
     if fast is None:
         forward, plain_generate = model.forward, model.generate  # bound methods of the class
 

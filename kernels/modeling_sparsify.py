@@ -28,12 +28,12 @@ import torch
 import torch.nn as nn
 import transformers
 
-from .fast_decode import FastDecode, enable_fast_decode
+from .fast_decode import FastDecode, enable_fast_decode, fast_decode_of
 from .ffn_runtime import BACKENDS, TWIN, FFNRuntime, check_backend
 from .twell_reference import threshold_act
 
 __all__ = ["SparseMLP", "sparsify_mlps", "set_ffn_backend", "default_backend", "enable_fast_decode", "FastDecode",
-           "THRESHOLD_ACT", "threshold_mode", "FFNRuntime", "TWIN"]
+           "fast_decode_of", "THRESHOLD_ACT", "threshold_mode", "FFNRuntime", "TWIN"]
 # The activation field of a thresholded folder: not an activation stock transformers knows, so its model classes
 # refuse the folder (KeyError naming this string) instead of building a ReLU model that drops the thresholds.
 THRESHOLD_ACT = "relu_threshold (load with trust_remote_code=True)"

@@ -6,7 +6,8 @@ and reads its activation from one config field at construction time. Converting 
 that field to "relu"; the weights do not change. The input of `down_proj` is exactly h = act(gate) * up
 in every row, which is where the L1 penalty and the sparsity statistics hook in.
 
-To add a family: add a row, and a tiny config to tests/test_families.py's table.
+To add a family: add a row (tests/test_families.py tests each on tests/tiny.py's FAMILY_CONFIG; the extras a
+family needs go in FAMILY_EXTRA there).
 """
 
 from __future__ import annotations

@@ -7,31 +7,12 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from sparsify.families import FAMILIES, family_for, mlp_modules
 from sparsify.folder.convert import convert
 
-TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-            bos_token_id=1, eos_token_id=2, pad_token_id=0)
-# family-specific extras a tiny config needs
-EXTRA = {
-    "gemma2": dict(sliding_window=16, query_pre_attn_scalar=8),
-    "gemma3_text": dict(sliding_window=16, query_pre_attn_scalar=8),
-}
-
-
-def make_source(model_type: str, folder):
-    torch.manual_seed(0)
-    config = CONFIG_MAPPING[model_type](**TINY, **EXTRA.get(model_type, {}))
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # non-trivial weights everywhere, norms included
-        for p in model.parameters():
-            p.normal_(0, 0.2)
-    model.save_pretrained(folder)
-    return model
-
+from tests.tiny import FAMILY_CONFIG, make_source
 
 def relu_reference(model):
     """The source model with each gated MLP's activation replaced by ReLU: the function convert promises."""
@@ -60,7 +41,7 @@ def test_family_convert_and_load(model_type, tmp_path):
         assert torch.equal(src_weights[k], out_weights[k]), k
     assert (tmp_path / "src" / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
 
-    ids = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, FAMILY_CONFIG["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = relu_reference(source)(ids).logits
         silu = AutoModelForCausalLM.from_pretrained(tmp_path / "src").eval()(ids).logits

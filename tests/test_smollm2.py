@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from sparsify.folder.convert import convert
+from sparsify.kernels.fast_decode import fast_decode_of
 from sparsify.demo import HELDOUT_TEXT, smollm2_gguf
 
 
@@ -49,8 +50,8 @@ def test_real_gguf_fast_decode_matches_eager_dense_for_64_tokens(smol):
     eager = stock.generate(prompt, max_new_tokens=64, do_sample=False)
     del stock
     remote = AutoModelForCausalLM.from_pretrained(smol, trust_remote_code=True, dtype=torch.float32).eval()
-    remote._fast_decode.cpu_emulation = True
+    fast_decode_of(remote).cpu_emulation = True
     fast = remote.generate(prompt, max_new_tokens=64, do_sample=False)
-    assert remote._fast_decode.replays == 62
-    assert remote._fast_decode.compile and remote._fast_decode.compile_error is None
+    assert fast_decode_of(remote).replays == 62
+    assert fast_decode_of(remote).compile and fast_decode_of(remote).compile_error is None
     assert torch.equal(eager, fast)

@@ -1,11 +1,39 @@
 """Tiny real models for tests: a byte-level BPE trained on the sample text and a two-layer ReLU Llama, saved as a
-model folder. No downloads; a second or so on CPU."""
+model folder; tiny configs for synth and for every family. No downloads; a second or so on CPU."""
 
 from pathlib import Path
 
 import torch
 
 TEXT = Path(__file__).parent / "data" / "sample_text.txt"
+# a config for `sparsify synth` (a SiLU Llama of 3 layers; synth makes it a ReLU folder of chosen sparsity)
+SYNTH_CONFIG = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 384, "num_hidden_layers": 3,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "hidden_act": "silu",
+                "max_position_embeddings": 512, "tie_word_embeddings": False}
+# a tiny config of every supported family (make_source)
+FAMILY_CONFIG = dict(vocab_size=96, hidden_size=32, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                     bos_token_id=1, eos_token_id=2, pad_token_id=0)
+# family-specific extras a tiny config needs
+FAMILY_EXTRA = {
+    "gemma2": dict(sliding_window=16, query_pre_attn_scalar=8),
+    "gemma3_text": dict(sliding_window=16, query_pre_attn_scalar=8),
+}
+
+
+def make_source(model_type: str, folder):
+    """A tiny random model of the family `model_type` (FAMILY_CONFIG; weights ~ N(0, 0.2), norms included) saved
+    to `folder`: a source for convert. Returns the model."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = CONFIG_MAPPING[model_type](**FAMILY_CONFIG, **FAMILY_EXTRA.get(model_type, {}))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # non-trivial weights everywhere, norms included
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.save_pretrained(folder)
+    return model
 
 
 def tiny_tokenizer():

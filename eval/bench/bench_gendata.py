@@ -69,10 +69,10 @@ def old_batch(model, tok, s, device: str) -> tuple[int, list]:
 
 
 def new_batch(model, tok, s, device: str) -> tuple[int, list]:
-    """gendata's batch as it is now (its own _sample_batch); (tokens counted, the documents' ids)."""
-    from sparsify.train.gendata import _sample_batch
+    """gendata's batch as it is now (its own sample_batch); (tokens counted, the documents' ids)."""
+    from sparsify.train.gendata import sample_batch
 
-    docs = _sample_batch(model, tok, s, [""] * s.batch_size, device)
+    docs = sample_batch(model, tok, s, [""] * s.batch_size, device)
     return sum(d["tokens"] for d in docs), [d["ids"] for d in docs]
 
 
@@ -171,7 +171,7 @@ def measure(mode: str, model_arg: str, sizes: list[int], old_sizes: list[int], a
             torch.cuda.reset_peak_memory_stats()
         base = gd.GenSettings(model_arg, 1, seq_len, a.temperature, a.top_p, None, (sizes or old_sizes)[0], a.seed)
         tic = time.perf_counter()
-        model, tok = gd._load(base, device, False)  # on CUDA: enable_fast_decode(compile=True), as gendata does
+        model, tok = gd.load_sampler(base, device, False)  # on CUDA: enable_fast_decode(compile=True), as gendata does
         load_s = time.perf_counter() - tic
         fast = fd.enable_fast_decode(model)
         fast.cpu_emulation = a.cpu

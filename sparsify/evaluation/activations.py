@@ -26,7 +26,7 @@ class SparsityRecorder:
     def __init__(self, model: Any):
         modules = [mlp.down_proj for mlp in mlp_modules(model)]  # its input is h = act(gate) * up in every family
         self.keep = slice(None)
-        self.layers = [_LayerStats() for _ in modules]
+        self.layers = [LayerStats() for _ in modules]
         self.handles = [m.register_forward_pre_hook(self._hook(i)) for i, m in enumerate(modules)]
 
     def _hook(self, i: int):
@@ -53,7 +53,7 @@ def kernel_layout() -> tuple[int, int]:
     return TILE, SLOTS
 
 
-class _LayerStats:
+class LayerStats:
     """Accumulators stay on h's device (no host synchronisation per forward pass); result() reads them once."""
 
     def __init__(self):

@@ -63,7 +63,7 @@ def speed_section(model: Any, tokens: Any, grid: SpeedGrid) -> dict:
         prefill, decode, share = _speed_rows(model, tokens, grid, backends, seqs)
     return {"available": True, "backends": backends, "device": torch.cuda.get_device_name(model.device),
             "dtype": str(model.dtype).removeprefix("torch."), "prefill": prefill, "decode": decode,
-            "ffn_share": share, "speedup": _speedups(prefill, decode)}
+            "ffn_share": share, "speedup": speedups(prefill, decode)}
 
 
 def _speed_rows(model: Any, tokens: Any, grid: SpeedGrid, backends: list[str],
@@ -74,12 +74,12 @@ def _speed_rows(model: Any, tokens: Any, grid: SpeedGrid, backends: list[str],
     for b in grid.batches:
         for s in seqs:
             prefill += [{"batch": b, "seq": s, **r} for r in
-                        _each_backend(model, backends, _prefill_row, _text_batch(tokens, b, s, dev), grid.repeats)]
+                        _each_backend(model, backends, _prefill_row, text_batch(tokens, b, s, dev), grid.repeats)]
     for b in grid.decode_batches:
-        prompt = _text_batch(tokens, b, grid.decode_prompt, dev)
+        prompt = text_batch(tokens, b, grid.decode_prompt, dev)
         decode += [{"batch": b, "prompt": grid.decode_prompt, "new_tokens": grid.decode_tokens, **r}
                    for r in _each_backend(model, backends, _decode_row, prompt, grid)]
-    mid = _text_batch(tokens, grid.batches[len(grid.batches) // 2], seqs[-1], dev)
+    mid = text_batch(tokens, grid.batches[len(grid.batches) // 2], seqs[-1], dev)
     share = {r.pop("backend"): r for r in _each_backend(model, backends, _ffn_share, mid) if not r.get("repeat")}
     return prefill, decode, share
 
@@ -97,7 +97,7 @@ def _each_backend(model: Any, backends: list[str], fn, *args) -> list[dict]:
     return rows
 
 
-def _text_batch(tokens: Any, batch: int, seq: int, device: Any = "cpu") -> Any:
+def text_batch(tokens: Any, batch: int, seq: int, device: Any = "cpu") -> Any:
     """[B, S] consecutive text tokens (the text repeated when too short): each row a different passage."""
     import torch
 
@@ -221,7 +221,7 @@ def _ffn_share(model: Any, ids: Any) -> dict:
     return {"batch": ids.shape[0], "seq": ids.shape[1], "total_ms": total, "ffn_ms": ffn, "ffn_share": ffn / total}
 
 
-def _speedups(prefill: list[dict], decode: list[dict]) -> dict:
+def speedups(prefill: list[dict], decode: list[dict]) -> dict:
     """twell and auto tokens/s over dense tokens/s for each shape measured with all (same run, same weights)."""
     def ratios(rows: list[dict], key: tuple[str, ...]) -> list[dict]:
         by = {(r["backend"], bool(r.get("repeat")), *(r[k] for k in key)): r.get("tokens_per_s") for r in rows}

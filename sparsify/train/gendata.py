@@ -108,12 +108,12 @@ def gendata(model: str, out: str | os.PathLike, *, tokens: int, seq_len: int = 5
         elif not str(device).startswith("cuda"):
             settings.batch_size = CPU_BATCH
         else:  # the model decides (its KV cache per row): loaded once, for the sampling too
-            loaded = _load(settings, device, progress)
+            loaded = load_sampler(settings, device, progress)
             settings.batch_size = auto_batch_size(loaded[0], seq_len, prompts is not None)
-    work = _open_work(work_dir(out), settings)
+    work = open_work(work_dir(out), settings)
     batches, have = _done_batches(work)
     try:
-        tok = _sample(settings, work, batches, have, device, progress, loaded) if have < tokens else None
+        tok = sample_batches(settings, work, batches, have, device, progress, loaded) if have < tokens else None
     except BaseException as e:
         if not isinstance(e, Exception):  # Ctrl-C, SIGTERM: the CLI says this instead of "nothing half-written"
             e.note = (f"the batches finished so far are kept in {work} (OUT is not written yet); run the same "
@@ -154,7 +154,7 @@ def auto_batch_size(model: Any, seq_len: int, prompted: bool, total_memory: int 
     return rows
 
 
-def _open_work(work: Path, settings: GenSettings) -> Path:
+def open_work(work: Path, settings: GenSettings) -> Path:
     """The work folder, new or from an unfinished run with the same settings. One that holds no finished batch
     (a start that failed, say on a mistyped model) has nothing to keep: it takes the new settings."""
     path = work / "settings.json"
@@ -188,7 +188,8 @@ def _done_batches(work: Path) -> tuple[int, int]:
     return k, total
 
 
-def _load(s: GenSettings, device: str, progress: bool) -> tuple[Any, Any]:
+def load_sampler(s: GenSettings, device: str, progress: bool) -> tuple[Any, Any]:
+    """(model, tokenizer) of `s.model` on `device`, as the sampling runs them (on CUDA: fast decode, compiled)."""
     from sparsify.evaluation.loading import load_model, parse_models
     from sparsify.folder.gguf import no_transformers_bars
 
@@ -201,21 +202,21 @@ def _load(s: GenSettings, device: str, progress: bool) -> tuple[Any, Any]:
     return model, tok
 
 
-def _sample(s: GenSettings, work: Path, start: int, have: int, device: str, progress: bool,
-            loaded: tuple[Any, Any] | None = None) -> Any:
+def sample_batches(s: GenSettings, work: Path, start: int, have: int, device: str, progress: bool,
+                   loaded: tuple[Any, Any] | None = None) -> Any:
     """Whole batches from `start` on until `have` reaches the budget (the bar stops at it); returns the tokenizer.
-    loaded: (model, tokenizer) already loaded by _load, else loaded here."""
+    loaded: (model, tokenizer) already loaded by load_sampler, else loaded here."""
     import torch
     from tqdm.auto import tqdm
 
-    model, tok = loaded or _load(s, device, progress)
+    model, tok = loaded or load_sampler(s, device, progress)
     prompts = _read_prompts(s.prompts)
     bar = tqdm(total=s.tokens, initial=min(have, s.tokens), unit="tok", disable=not progress, desc="gendata")
     k, rate = start, []  # rate: (tokens, seconds) of each batch this process sampled
     while have < s.tokens:
         torch.manual_seed(s.seed * 1_000_003 + k)  # batch k's own seed: the same text whatever ran before it
         tic = time.perf_counter()
-        rows = _sample_batch(model, tok, s, _batch_prompts(prompts, k, s.batch_size), device)
+        rows = sample_batch(model, tok, s, _batch_prompts(prompts, k, s.batch_size), device)
         new = sum(r["tokens"] for r in rows)
         rate.append((new, time.perf_counter() - tic))  # (the ids are on the host: the batch is done)
         lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
@@ -256,9 +257,9 @@ def _batch_prompts(prompts: list[str], k: int, size: int) -> list[str]:
     return [prompts[(k * size + i) % len(prompts)] for i in range(size)]
 
 
-def _sample_batch(model: Any, tok: Any, s: GenSettings, prompts: list[str], device: str) -> list[dict]:
+def sample_batch(model: Any, tok: Any, s: GenSettings, prompts: list[str], device: str) -> list[dict]:
     """One batch: each prompt continued by exactly `seq_len` sampled tokens (no stop at EOS; prompts of different
-    lengths left-padded), each row split into documents at its EOS tokens (_documents)."""
+    lengths left-padded), each row split into documents at its EOS tokens (split_documents)."""
     import torch
 
     start = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
@@ -272,13 +273,13 @@ def _sample_batch(model: Any, tok: Any, s: GenSettings, prompts: list[str], devi
                              top_p=s.top_p, top_k=0, max_new_tokens=s.seq_len, eos_token_id=None, pad_token_id=pad)
     rows = []
     for prompt, row in zip(prompts, gen[:, width:].tolist()):
-        for first, ids_ in enumerate(_documents(row, tok.eos_token_id)):
+        for first, ids_ in enumerate(split_documents(row, tok.eos_token_id)):
             rows.append({"text": tok.decode(ids_, skip_special_tokens=True), "prompt": prompt if first == 0 else "",
                          "tokens": len(ids_), "ids": ids_})
     return rows
 
 
-def _documents(row: list[int], eos: int | None) -> list[list[int]]:
+def split_documents(row: list[int], eos: int | None) -> list[list[int]]:
     """A row's sampled ids split after each `eos`: one id list per document, each with its closing EOS (the last
     one ends without, at --seq-len); an EOS alone (right after another, or first) makes no document."""
     docs, cur = [], []
@@ -305,7 +306,7 @@ def _finish(work: Path, out: Path, s: GenSettings, tok: Any, device: str, progre
                 if left == 0:
                     break
                 if row["tokens"] > left:  # the document reaching the count: its first `left` tokens
-                    tok = tok if tok is not None else _load(s, device, progress)[1]
+                    tok = tok if tok is not None else load_sampler(s, device, progress)[1]
                     row.update(text=tok.decode(row["ids"][:left], skip_special_tokens=True), tokens=left)
                 kept.append({"text": row["text"], "prompt": row["prompt"], "tokens": row["tokens"]})
                 left -= row["tokens"]

@@ -19,7 +19,7 @@ def test_layer_stats_match_hand_computed_values():
     active[1, 256:261] = True  # 5 in tile 2
     active[2, [0, 1, 299]] = True  # 2 in tile 0, 1 in tile 2
     active[3, 128:145] = True  # 17 in tile 1 -> overflows 16 (but would fit the old 31-slot layout)
-    stats = prof._LayerStats()
+    stats = prof.LayerStats()
     stats.add(active)
     r = stats.result()
     assert r["tokens"] == 4 and r["width"] == 300
@@ -37,7 +37,7 @@ def test_layer_stats_match_hand_computed_values():
 def test_union_reuse_counts_blocks_across_chunks():
     torch.manual_seed(0)
     active = torch.rand(100, 64) < 0.1  # [N, F]
-    whole, chunked = prof._LayerStats(), prof._LayerStats()
+    whole, chunked = prof.LayerStats(), prof.LayerStats()
     whole.add(active)
     for part in active.split([7, 30, 1, 62]):  # windows of uneven length carry partial blocks over
         chunked.add(part)

@@ -29,7 +29,7 @@ def test_report_with_speed_rows_draws_speed_plot_and_tables(tmp_path):
     rows.append({"backend": "dense", "repeat": True, "batch": 8, "seq": 512, "tokens_per_s": 780.0})
     speed = {"available": True, "backends": ["dense", "twell"], "device": "GPU", "dtype": "bfloat16",
              "prefill": rows, "decode": [], "ffn_share": {"dense": {"batch": 8, "seq": 512, "ffn_share": 0.4}},
-             "speedup": sp._speedups(rows, [])}
+             "speedup": sp.speedups(rows, [])}
     report = {"provenance": ev.provenance("cpu"), "models": [{"name": "m", "source": "x", "speed": speed}]}
     out = tmp_path / "r"
     rp.write_report(report, out)

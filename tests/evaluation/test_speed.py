@@ -19,7 +19,7 @@ def test_speed_section_restores_backends_when_a_run_fails(tiny_sparse_folder, mo
     before = {m: m.ffn_backend for m in mlp_modules(model)}
     assert "twell" not in before.values()  # the folder default, so a leftover "twell" shows
     monkeypatch.setattr(type(model), "device", property(lambda self: FakeDevice()))
-    monkeypatch.setattr(sp, "_text_batch", lambda tokens, b, s, device: torch.zeros(b, s, dtype=torch.long))
+    monkeypatch.setattr(sp, "text_batch", lambda tokens, b, s, device: torch.zeros(b, s, dtype=torch.long))
 
     def interrupted(model, backends, fn, *args):  # the first shape switches the backend, then Ctrl-C
         model.set_ffn_backend("twell")
@@ -39,7 +39,7 @@ def test_speedups_pair_backends_by_shape():
                 {"backend": "twell", "batch": 8, "seq": 64, "error": "out of memory"},
                 {"backend": "auto", "batch": 8, "seq": 64, "tokens_per_s": 380.0}]
     decode = [{"backend": "stock", "batch": 1, "tokens_per_s": 50.0}]
-    got = sp._speedups(prefill, decode)
+    got = sp.speedups(prefill, decode)
     assert got["prefill"] == [
         {"batch": 1, "seq": 64, "twell_over_dense": 1.2, "auto_over_dense": 1.25, "dense_noise": pytest.approx(0.02)},
         {"batch": 8, "seq": 64, "twell_over_dense": None, "auto_over_dense": 0.95, "dense_noise": None}]
@@ -48,7 +48,7 @@ def test_speedups_pair_backends_by_shape():
 
 def test_text_batch_uses_consecutive_real_tokens():
     tokens = torch.arange(10)
-    batch = sp._text_batch(tokens, 3, 4, "cpu")  # needs 12 tokens: the text repeats
+    batch = sp.text_batch(tokens, 3, 4, "cpu")  # needs 12 tokens: the text repeats
     assert batch.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 0, 1]]
 
 
@@ -81,8 +81,8 @@ def test_speed_section_plumbing_with_cpu_stand_ins(tiny_sparse_folder, monkeypat
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 123 * 2**20)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "stand-in")
     monkeypatch.setattr(type(model), "device", property(lambda self: FakeDevice()))
-    text_batch = sp._text_batch
-    monkeypatch.setattr(sp, "_text_batch", lambda tokens, b, s, device: text_batch(tokens, b, s, "cpu"))
+    text_batch = sp.text_batch
+    monkeypatch.setattr(sp, "text_batch", lambda tokens, b, s, device: text_batch(tokens, b, s, "cpu"))
     grid = sp.SpeedGrid(batches=(1, 2), seqs=(16, 4096), decode_batches=(2,), decode_prompt=8, decode_tokens=3, repeats=2)
     speed = sp.speed_section(model, sp.speed_tokens(tok, TEXT), grid)
     assert speed["backends"] == ["dense", "twell", "auto"] and speed["device"] == "stand-in"

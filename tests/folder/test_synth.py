@@ -10,9 +10,8 @@ from sparsify.cli import main as cli
 from sparsify.errors import SparsifyError
 from sparsify.folder.synth import measure_zeros, neuron_rates, synth
 
-TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 384, "num_hidden_layers": 3,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "hidden_act": "silu",
-        "max_position_embeddings": 512, "tie_word_embeddings": False}
+from tests.tiny import SYNTH_CONFIG as TINY
+
 PHI3 = {"model_type": "phi3", "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 400, "hidden_act": "silu",
         "max_position_embeddings": 512, "tie_word_embeddings": True, "pad_token_id": 0}

@@ -154,7 +154,7 @@ def test_bench_auto_overhead_smoke_on_cpu(tmp_path):
     cache) runs end to end on a tiny synth folder, restores the grant, and writes its JSON."""
     from sparsify.folder.synth import synth
 
-    from tests.folder.test_synth import TINY
+    from tests.tiny import SYNTH_CONFIG as TINY
 
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     synth(tmp_path / "config.json", tmp_path / "model", zeros=0.9, dtype="fp32", progress=False)

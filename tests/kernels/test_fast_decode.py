@@ -14,8 +14,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from sparsify.folder.synth import synth
+from sparsify.kernels.fast_decode import fast_decode_of
 
-from tests.folder.test_synth import TINY
+from tests.tiny import SYNTH_CONFIG as TINY
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +25,8 @@ def tiny(tmp_path_factory):
     (root / "config.json").write_text(json.dumps(TINY))
     synth(root / "config.json", root / "model", zeros=0.9, dtype="fp32", progress=False)
     model = AutoModelForCausalLM.from_pretrained(root / "model", trust_remote_code=True, dtype=torch.float32).eval()
-    assert model._fast_decode.compile  # folders compile their decode step by default (on CUDA, or emulated)
-    model._fast_decode.compile = False  # these tests check the capture flow; one test below compiles
+    assert fast_decode_of(model).compile  # folders compile their decode step by default (on CUDA, or emulated)
+    fast_decode_of(model).compile = False  # these tests check the capture flow; one test below compiles
     return model
 
 
@@ -34,7 +35,7 @@ def test_fast_decode_equals_eager_dynamic_cache_and_reuses_its_graph(tiny, loop)
     """Both fast paths (the greedy graph loop; transformers' loop with the forward replayed) give the eager
     dynamic-cache tokens; the reused cache keeps its graph across calls, another batch size gets its own."""
     ids = torch.randint(3, TINY["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(1))
-    fast = tiny._fast_decode
+    fast = fast_decode_of(tiny)
     fast.cpu_emulation = False  # plain CPU: transformers' default dynamic cache, eager
     ref = tiny.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False)
     fast.cpu_emulation, fast.loop = True, loop
@@ -71,7 +72,7 @@ def top2_gap(scores) -> float:
 
 def test_greedy_loop_stops_and_pads_like_transformers(tiny):
     ids = torch.randint(3, TINY["vocab_size"], (3, 5), generator=torch.Generator().manual_seed(3))
-    fast = tiny._fast_decode
+    fast = fast_decode_of(tiny)
     plain = tiny.generate(ids, max_new_tokens=80, do_sample=False)
     eos = int(plain[0, 5 + 3])  # a token row 0 emits early: an end-of-sequence id for this test
     # no eos, then eos ids (the graph of the first call must not be replayed without the eos mask), then others
@@ -92,7 +93,7 @@ def test_greedy_loop_stops_and_pads_like_transformers(tiny):
 
 
 def test_fast_decode_keeps_out_of_what_it_cannot_replay(tiny):
-    fast = tiny._fast_decode
+    fast = fast_decode_of(tiny)
     ids = torch.tensor([[1, 2, 3]])
     fast.cpu_emulation = True
     try:
@@ -115,7 +116,7 @@ def test_fast_decode_keeps_out_of_what_it_cannot_replay(tiny):
 def test_a_backend_switch_gets_its_own_graph(tiny):
     """Graphs bake in the FFN backend: after set_ffn_backend the next call captures anew."""
     ids = torch.randint(3, TINY["vocab_size"], (1, 6), generator=torch.Generator().manual_seed(3))
-    fast = tiny._fast_decode
+    fast = fast_decode_of(tiny)
     fast.cpu_emulation = True
     try:
         for loop in (True, False):
@@ -140,7 +141,7 @@ def test_compiled_decode_gives_the_same_tokens_and_falls_back_when_compiling_fai
     from torch._dynamo.utils import counters
 
     ids = torch.randint(3, TINY["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(4))
-    fast = tiny._fast_decode
+    fast = fast_decode_of(tiny)
     ref = tiny.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)
 
     def failing(gm, example_inputs):
@@ -153,13 +154,13 @@ def test_compiled_decode_gives_the_same_tokens_and_falls_back_when_compiling_fai
         for loop in (True, False):
             fast.loop = loop
             assert tiny.enable_fast_decode(compile=True) is fast and fast.compile
-            fast.compile_options, fast._compiled = {"backend": "eager"}, None
+            fast.set_compile(True, backend="eager")
             got = tiny.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)
             assert torch.equal(ref, got) and fast.compile and fast.compile_error is None
         assert counters["stats"]["unique_graphs"] >= 2 and not counters["graph_break"]
         for loop in (True, False):
-            fast.loop, fast.compile, fast.compile_error = loop, True, None
-            fast.compile_options, fast._compiled = {"backend": failing}, None
+            fast.loop = loop
+            fast.set_compile(True, backend=failing)
             fast.drop_graphs()  # (graphs captured above would be replayed without compiling)
             torch._dynamo.reset()
             caplog.clear()
@@ -169,8 +170,8 @@ def test_compiled_decode_gives_the_same_tokens_and_falls_back_when_compiling_fai
             assert not fast.compile and "compiler unavailable" in fast.compile_error
             assert "torch.compile of the decode step failed" in caplog.text
     finally:
-        fast.cpu_emulation, fast.loop, fast.compile = False, True, False
-        fast.compile_options, fast._compiled, fast.compile_error = {}, None, None
+        fast.cpu_emulation, fast.loop = False, True
+        fast.set_compile(False)
         torch._dynamo.reset()
 
 
@@ -180,7 +181,7 @@ def test_step_check_keeps_the_faster_of_the_twell_step_and_its_dense_twin(tiny, 
     """A captured decode step with TwELL layers (the greedy loop's step, or the forward transformers' loop
     replays) is captured again all dense; the dense twin is kept unless the TwELL step is >= 1% faster;
     tokens are the same either way; no check without free cache room for the timed replays."""
-    fast = tiny._fast_decode
+    fast = fast_decode_of(tiny)
     captured, graphs = [], []
     saved = fast.capture, fast.step_timer, fast.twell_in_step
 
@@ -275,8 +276,9 @@ def test_compiled_step_through_the_twell_op_is_one_graph(tiny, monkeypatch):
     for w in gates:  # as an eager CUDA prefill leaves it: every bucket decided (dense: no CUDA clock needed)
         store.put("states", w, {1 << b: dispatch.LayerState(decision="dense", graph_decision="dense", density=0.1,
                                                             density0=0.1) for b in range(8)})
-    fast = tiny._fast_decode
-    fast.cpu_emulation, fast.compile, fast.compile_options, fast._compiled = True, True, {"backend": "eager"}, None
+    fast = fast_decode_of(tiny)
+    fast.cpu_emulation = True
+    fast.set_compile(True, backend="eager")
     fast.drop_graphs()
     fast.cache = fast.cache_key = None
     torch._dynamo.reset()
@@ -286,7 +288,8 @@ def test_compiled_step_through_the_twell_op_is_one_graph(tiny, monkeypatch):
         assert fast.compile and fast.compile_error is None
         assert {m.last_path for m in tiny.modules() if isinstance(m, mod.SparseMLP)} == {"twell_ffn:dense"}  # prefill
     finally:
-        fast.cpu_emulation, fast.compile, fast.compile_options, fast._compiled = False, False, {}, None
+        fast.cpu_emulation = False
+        fast.set_compile(False)
         fast.drop_graphs()
         for w in gates:
             store.drop("states", w)
@@ -396,7 +399,7 @@ def test_sampling_loop_same_seed_same_tokens_whether_it_captures_or_replays(tiny
     seed gives the same tokens in a call that captures the step (its warm-up draws are undone) and in one that
     replays it; another seed gives others; rows draw their own tokens."""
     ids = torch.randint(3, TINY["vocab_size"], (3, 5), generator=torch.Generator().manual_seed(8))
-    fast = tiny._fast_decode
+    fast = fast_decode_of(tiny)
     saved = fast.capture
     fast.cpu_emulation, fast.capture = True, warming_capture
     fresh(fast)
@@ -421,7 +424,7 @@ def test_sampling_loop_compiles_its_nucleus_step_and_falls_back_when_that_fails(
     first call in the prefill), with the tokens of the eager step for the same seed; a compiler that fails
     leaves a warning, the eager step and the same tokens."""
     ids = torch.randint(3, TINY["vocab_size"], (2, 5), generator=torch.Generator().manual_seed(9))
-    fast = tiny._fast_decode
+    fast = fast_decode_of(tiny)
     nucleus_keep = sys.modules[type(fast).__module__].nucleus_keep  # (the folder's own copy of fast_decode)
     traced = []
 
@@ -433,8 +436,7 @@ def test_sampling_loop_compiles_its_nucleus_step_and_falls_back_when_that_fails(
         raise RuntimeError("compiler unavailable")
 
     def draw(compiler):
-        fast.compile_options, fast._compiled, fast._keep = {"backend": compiler}, None, None
-        fast.compile, fast.compile_error, fast.keep_error = compiler is not None, None, None
+        fast.set_compile(compiler is not None, backend=compiler)
         fresh(fast)
         torch._dynamo.reset()
         torch.manual_seed(0)
@@ -445,15 +447,15 @@ def test_sampling_loop_compiles_its_nucleus_step_and_falls_back_when_that_fails(
         ref = draw(None)
         assert fast.keep_fn() is nucleus_keep
         got = draw(eager_compiler)
-        assert fast._keep is not None and fast.keep_fn() is fast._keep and fast.keep_error is None
+        assert fast.keep_fn() is not nucleus_keep and fast.keep_fn() is fast.keep_fn() and fast.keep_error is None
         assert traced.count(True) == 1 and traced.count(False) >= 1  # the step once, the forward too
         with caplog.at_level("WARNING", logger="sparsify"):
             again = draw(failing)
         assert "compiler unavailable" in fast.keep_error and "nucleus step failed" in caplog.text
         assert fast.keep_fn() is nucleus_keep
     finally:
-        fast.cpu_emulation, fast.compile, fast.compile_options = False, False, {}
-        fast._compiled, fast._keep, fast.compile_error, fast.keep_error = None, None, None, None
+        fast.cpu_emulation = False
+        fast.set_compile(False)
         fresh(fast)
         torch._dynamo.reset()
     assert torch.equal(ref, got) and torch.equal(ref, again)
@@ -469,7 +471,7 @@ def test_sampling_plan_serves_only_what_the_loop_draws_exactly(tiny):
     for bad in ({"top_k": None}, {"top_k": 5}, {"temperature": 0.0}, {"top_p": 0.0}, {"min_p": 0.1},
                 {"attention_mask": torch.tensor([[0, 1, 1], [1, 1, 1]])}, {"do_sample": False}):
         assert sampling_plan(tiny, (ids,), {"max_new_tokens": 4, **SAMPLE, **bad}) is None, bad
-    fast = tiny._fast_decode
+    fast = fast_decode_of(tiny)
     fast.cpu_emulation = True
     loops = fast.loops
     try:
@@ -488,7 +490,7 @@ def test_every_sampled_token_is_in_the_top_p_nucleus_of_its_step(tiny, temperatu
     from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
     ids = torch.randint(3, TINY["vocab_size"], (4, 5), generator=torch.Generator().manual_seed(9))
-    fast = tiny._fast_decode
+    fast = fast_decode_of(tiny)
     plain, logits = fast.forward, []
 
     def recording(**kwargs):  # the loop's forward (prefill and decode steps), its last-position logits kept
@@ -520,7 +522,7 @@ def test_sampling_at_a_tiny_temperature_is_greedy(tiny):
     out = tiny.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False, output_scores=True,
                         return_dict_in_generate=True)
     assert top2_gap(out.scores) > 1e-5, "a near-tie between logits: choose another prompt seed"
-    fast = tiny._fast_decode
+    fast = fast_decode_of(tiny)
     fast.cpu_emulation = True
     fresh(fast)
     try:

@@ -9,8 +9,9 @@ from transformers import AutoModelForCausalLM
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
 from sparsify.folder.synth import synth
+from sparsify.kernels.fast_decode import fast_decode_of
 
-from tests.folder.test_synth import TINY
+from tests.tiny import SYNTH_CONFIG as TINY
 
 
 @pytest.mark.gpu
@@ -24,7 +25,7 @@ def test_sampling_graph_loop_on_cuda_is_seeded_and_draws_from_the_nucleus(compil
     synth(tmp_path / "config.json", tmp_path / "model", zeros=0.9, dtype="fp32", progress=False)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "model", trust_remote_code=True,
                                                  dtype=torch.float32).cuda().eval()
-    fast = model._fast_decode
+    fast = fast_decode_of(model)
     fast.compile = compiled
     ids = torch.randint(3, TINY["vocab_size"], (4, 6), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     temperature, top_p, new = 1.3, 0.6, 24

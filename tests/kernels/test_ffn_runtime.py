@@ -1,18 +1,15 @@
 """The FFN runtime (kernels/ffn_runtime.py): one owner per model for the backend, auto's decisions, the held answers,
 the backend table and the step check's twin, found through the one registry by every copy of the bundle (CPU;
-auto runs on a fake clock from test_dispatch, dispatching CPU calls to a stand-in TwELL row)."""
+auto runs on a fake clock (tests/kernels/fake_auto.py), dispatching CPU calls to a stand-in TwELL row)."""
 
 from __future__ import annotations
 
 import __future__
-import ast
 import copy
 import importlib
-import inspect
 import logging
 import shutil
 import sys
-import textwrap
 import types
 from pathlib import Path
 
@@ -24,7 +21,7 @@ from sparsify.kernels import ffn_runtime as fr, modeling_sparsify as ms, registr
 from sparsify.kernels.dispatch import Policy
 
 from tests.kernels.helpers import make_case
-from tests.kernels.test_dispatch import ALL_DENSE, EAGER_TWELL, GRAPH_ONLY_TWELL, Kernels, dispatcher, state
+from tests.kernels.fake_auto import ALL_DENSE, EAGER_TWELL, GRAPH_ONLY_TWELL, dispatcher, state
 
 KERNEL_DIR = Path(fr.__file__).parent
 FFN_FILES = ("ffn_runtime", "twell_ops", "dispatch", "modeling_sparsify", "decode_capture", "fast_decode")
@@ -57,16 +54,13 @@ def mutable_globals(module) -> list[str]:
 
 def test_no_module_level_mutable_state_but_the_registry():
     """No file of the bundle (every one a model folder ships) holds state of its own at module level: no mutable
-    values, no `global` rebinding; the registry is the one process-wide store."""
+    values; the registry is the one process-wide store."""
     bad = {}
     names = [f.stem for f in shipped_code_files()]
     assert {"registry", "twell_triton", "twell_updown", "decode_attention", *FFN_FILES} <= set(names), names
     for name in names:
         module = importlib.import_module(f"sparsify.kernels.{name}")
-        found = mutable_globals(module)
-        tree = ast.parse(inspect.getsource(module))
-        found += [f"global {', '.join(n.names)}" for n in ast.walk(tree) if isinstance(n, ast.Global)]
-        found += [ast.unparse(n) for n in tree.body if isinstance(n, ast.AugAssign)]
+        found = mutable_globals(module)  # (no `global` rebinding either: a house rule, tests/test_house.py)
         if found:
             bad[name] = found
     assert not bad, bad
@@ -76,21 +70,8 @@ def test_no_module_level_mutable_state_but_the_registry():
     assert mutable_globals(probe) == ["cache", "names", "obj", "bound"]
 
 
-def test_sparse_mlp_forward_is_one_call_into_the_runtime():
-    source = textwrap.dedent(inspect.getsource(ms.SparseMLP.forward))
-    assert len(source.strip().splitlines()) <= 10, source
-    calls = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call)]
-    assert [ast.unparse(c.func) for c in calls] == ["self.runtime.ffn"]
-
-
 def test_backends_are_declared_once():
-    def declares(name: str) -> bool:
-        tree = ast.parse((KERNEL_DIR / f"{name}.py").read_text())
-        return any(isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "BACKENDS" for t in n.targets)
-                   for n in tree.body)
-
-    assert [name for name in FFN_FILES if declares(name)] == ["ffn_runtime"]
-    assert twell_ops.BACKENDS is ms.BACKENDS is fr.BACKENDS
+    assert twell_ops.BACKENDS is ms.BACKENDS is fr.BACKENDS  # (declared in ffn_runtime only: tests/test_house.py)
 
 
 # ------------------------------------------------------------------------- a model's layers on a fake auto
@@ -106,7 +87,7 @@ def sparse_layer(runtime, seed: int = 41, cls=ms.SparseMLP):
 
 
 def fake_runtime(times, backend: str = "auto", **kwargs) -> fr.FFNRuntime:
-    """A runtime whose auto is test_dispatch's (fake clock) and whose layers take its backend table on CPU, the
+    """A runtime whose auto is tests/kernels/fake_auto.py's (fake clock) and whose layers take its backend table on CPU, the
     TwELL row a stand-in (Kernels: the dense FFN, its calls logged)."""
     d = dispatcher(times, **kwargs)
     return fr.FFNRuntime(backend, dispatcher=d, devices=("cpu",),

@@ -11,7 +11,7 @@ from sparsify.families import THRESHOLD_ACT, family_for, mlp_modules
 from sparsify.folder.convert import convert
 from sparsify.kernels.twell_reference import threshold_act
 
-from tests.test_families import make_source
+from tests.tiny import make_source
 from tests.tiny import thresholded_copy
 
 

@@ -6,8 +6,9 @@ from transformers import AutoModelForCausalLM
 
 from sparsify.families import mlp_modules
 from sparsify.folder.convert import convert
+from sparsify.kernels.fast_decode import fast_decode_of
 
-from tests.test_families import make_source
+from tests.tiny import make_source
 
 
 @pytest.mark.gpu
@@ -47,13 +48,13 @@ def test_fast_decode_graphs_match_eager_on_cuda(backend, loop, tmp_path):
 
     from sparsify.folder.synth import synth
 
-    from tests.folder.test_synth import TINY
+    from tests.tiny import SYNTH_CONFIG as TINY
 
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     synth(tmp_path / "config.json", tmp_path / "m", zeros=0.9, dtype="fp32", device="cuda", progress=False)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "m", trust_remote_code=True, dtype=torch.float32).cuda().eval()
     ids = torch.randint(0, TINY["vocab_size"], (3, 9), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    fast = model._fast_decode
+    fast = fast_decode_of(model)
     fast.compile = False  # the capture flow alone (compiled: the test below)
     model.set_ffn_backend("dense")
     fast.enabled = False
@@ -79,13 +80,13 @@ def test_compiled_fast_decode_matches_eager_on_cuda(backend, tmp_path):
 
     from sparsify.folder.synth import synth
 
-    from tests.folder.test_synth import TINY
+    from tests.tiny import SYNTH_CONFIG as TINY
 
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     synth(tmp_path / "config.json", tmp_path / "m", zeros=0.9, dtype="fp32", device="cuda", progress=False)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "m", trust_remote_code=True, dtype=torch.float32).cuda().eval()
     ids = torch.randint(0, TINY["vocab_size"], (2, 9), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-    fast = model._fast_decode
+    fast = fast_decode_of(model)
     model.set_ffn_backend("dense")
     fast.enabled = False
     eager = model.generate(ids, max_new_tokens=64, do_sample=False)
@@ -139,7 +140,7 @@ def test_thresholded_folder_runs_twell_with_its_thresholds_on_cuda(model_type, t
     dense_err = (logits["dense"] - ref).abs().max().item()
     for backend in ("twell", "auto"):
         assert (logits[backend] - ref).abs().max().item() <= 2 * dense_err + 1e-3 * scale, backend
-    fast = model._fast_decode
+    fast = fast_decode_of(model)
     model.set_ffn_backend("dense")
     fast.enabled = False
     eager = model.generate(ids[:2, :4], max_new_tokens=8, do_sample=False)

@@ -17,7 +17,7 @@ import pytest
 
 from sparsify.folder.convert import convert
 
-from tests.test_families import make_source
+from tests.tiny import make_source
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "data"

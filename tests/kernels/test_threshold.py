@@ -23,7 +23,7 @@ from sparsify.kernels import ffn_runtime as fr, twell_ops, twell_reference as re
 from sparsify.kernels.dispatch import Policy, TwellProbe
 
 from tests.kernels.helpers import FP32, assert_close, make_case
-from tests.kernels.test_dispatch import ALL_DENSE, EAGER_TWELL, Kernels, dispatcher, state
+from tests.kernels.fake_auto import ALL_DENSE, EAGER_TWELL, Kernels, dispatcher, state
 
 ROOT = Path(__file__).resolve().parents[2]
 TMA_SMALL = dict(BLOCK_M=32, BLOCK_K=32, num_warps=4, num_stages=2)  # interpreter-sized TMA K1 blocks

@@ -85,9 +85,7 @@ def test_flat_copy_imports_like_a_model_folder(tmp_path, monkeypatch):
     (pkg / "__init__.py").write_text("")
     for path in KERNEL_DIR.glob("*.py"):  # what a model folder holds (shipped_code_files)
         if path.name != "__init__.py":
-            shutil.copy(path, pkg / path.name)
-            text = path.read_text()
-            assert "import sparsify" not in text and "from . import" not in text, f"{path.name} imports badly"
+            shutil.copy(path, pkg / path.name)  # (their imports: tests/test_house.py)
     monkeypatch.syspath_prepend(str(tmp_path))
     mod = importlib.import_module("model_folder_pkg.twell_ops")
     x, wg, wu, wd = make_case(3, 16, 64, 0.9, seed=9)

@@ -9,8 +9,6 @@ import math
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,65 +16,8 @@ import pytest
 import torch
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
-TRAIN_TEXT = REPO / "sparsify" / "corpus" / "python-tutorial.txt"
-VALID_TEXT = REPO / "sparsify" / "corpus" / "python-howto-heldout.txt"
-STEPS = 40
-
-
-@pytest.fixture(scope="session")
-def tiny_silu(tmp_path_factory, smol_tokenizer_dir) -> Path:
-    """A random 2-layer SiLU Llama (hidden 32, F = 64) with the real 49152-token SmolLM2 tokenizer."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    folder = tmp_path_factory.mktemp("tiny-silu")
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True, hidden_act="silu",
-                         max_position_embeddings=256)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    AutoTokenizer.from_pretrained(smol_tokenizer_dir).save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture(scope="session")
-def tokens(tiny_silu, tmp_path_factory) -> Path:
-    """TRAIN_TEXT / VALID_TEXT tokenised once: a prepared folder, the data.train of the in-process runs (the CLI
-    runs read the text itself)."""
-    from transformers import AutoTokenizer
-
-    from sparsify.train.config import DataSection
-    from sparsify.train.data import prepare_data
-
-    cfg = DataSection(train=[str(TRAIN_TEXT)], validation=[str(VALID_TEXT)], num_proc=1)
-    return prepare_data(cfg, AutoTokenizer.from_pretrained(tiny_silu), tmp_path_factory.mktemp("tokens") / "data",
-                        progress=False)
-
-
-def recipe_dict(source: Path, out: Path, keep: bool = False, tokens: Path | None = None, outputs: bool = False,
-                **train) -> dict:
-    """The test recipe: `tokens` (a prepared folder) in place of the text when given; `outputs`: plots and
-    TensorBoard too (off where a test does not look at them: they cost seconds per run)."""
-    data = {"train": [str(tokens)]} if tokens else {"train": [str(TRAIN_TEXT)], "validation": [str(VALID_TEXT)]}
-    return {
-        "model": {"source": str(source)},
-        "data": {**data, "num_proc": 1},
-        "sparsity": {"l1": 0.05, "normalization": "sum_hidden", "reinit_dead": True},
-        "distill": {"kd": 1.0},
-        "train": {"max_steps": STEPS, "seq_len": 32, "batch_size": 2, "lr": 3e-3, "warmup_steps": 4,
-                  "save_every": 10, "log_every": 5, "eval_batches": 2, **train},
-        "output": {"dir": str(out), "plots": outputs, "tensorboard": outputs, "keep_checkpoints_when_done": keep},
-    }
-
-
-def metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def cli(args: list[str], **kw) -> subprocess.Popen:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "sparsify", *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+from tests.train.helpers import (REPO, STEPS, TRAIN_TEXT, VALID_TEXT, assert_same_run, cli, metrics, recipe_dict,
+                                 torchrun)
 
 
 @pytest.fixture(scope="module")
@@ -293,21 +234,6 @@ def test_resume_checks_the_global_batch_not_its_split():
     check_resume_recipe(saved, 1, same, 2, Path("out/checkpoints/step-1"))  # 4 x 1 x 1 == 1 x 2 x 2
     with pytest.raises(SparsifyError, match=r"global batch .*: 4 in the checkpoint .* now 8"):
         check_resume_recipe(saved, 1, same, 4, Path("out/checkpoints/step-1"))
-
-
-def torchrun(path: Path, *extra: str) -> None:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "-m", "sparsify", "finetune", "--no-progress", *extra, str(path)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-
-
-def assert_same_run(ref: list[dict], got: list[dict], rel: float) -> None:
-    assert [m["step"] for m in got] == [m["step"] for m in ref]
-    for a, b in zip(ref, got):
-        key = "loss" if "loss" in a else "val_loss"
-        assert b[key] == pytest.approx(a[key], rel=rel, abs=0), (a["step"], key, a[key], b[key])
 
 
 # fsdp: 75 s on 2 busy CPU cores (two processes, then a resume); ddp: 38 s

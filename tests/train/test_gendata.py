@@ -65,8 +65,8 @@ def test_a_run_with_every_batch_sampled_before_still_stops_at_the_count(model, t
     whole = gendata(model, tmp_path / "whole", tokens=21, seq_len=8, batch_size=2, device="cpu", progress=False)
     out = tmp_path / "out"
     more = gd.GenSettings(str(model), 64, seq_len=8, batch_size=2)
-    gd._sample(more, gd._open_work(work_dir(out), more), 0, 0, "cpu", False)
-    monkeypatch.setattr(gd, "_sample", lambda *a: pytest.fail("sampled again"))
+    gd.sample_batches(more, gd.open_work(work_dir(out), more), 0, 0, "cpu", False)
+    monkeypatch.setattr(gd, "sample_batches", lambda *a: pytest.fail("sampled again"))
     gendata(model, out, tokens=21, seq_len=8, batch_size=2, device="cpu", progress=False)
     assert texts(out) == texts(whole) and json.loads((out / "gendata.json").read_text())["tokens"] == 21
 
@@ -136,7 +136,7 @@ def test_a_start_that_finished_no_batch_does_not_block_the_corrected_command(mod
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
-    monkeypatch.setattr(gd, "_sample", interrupted)
+    monkeypatch.setattr(gd, "sample_batches", interrupted)
     assert cli(["gendata", str(model), "-o", str(tmp_path / "b"), "--tokens", "10", "--device", "cpu", "-q"]) == 130
     err = capsys.readouterr().err
     assert f"interrupted; the batches finished so far are kept in {work_dir(tmp_path / 'b')}" in err
@@ -168,11 +168,11 @@ def rows_of(folder):
 
 
 def test_documents_split_after_each_eos():
-    from sparsify.train.gendata import _documents
+    from sparsify.train.gendata import split_documents
 
-    assert _documents([5, 0, 0, 7, 8, 0, 9], 0) == [[5, 0], [7, 8, 0], [9]]  # a lone EOS makes no document
-    assert _documents([0, 4, 0], 0) == [[4, 0]] and _documents([3, 4], None) == [[3, 4]]
-    assert _documents([0, 0], 0) == []
+    assert split_documents([5, 0, 0, 7, 8, 0, 9], 0) == [[5, 0], [7, 8, 0], [9]]  # a lone EOS makes no document
+    assert split_documents([0, 4, 0], 0) == [[4, 0]] and split_documents([3, 4], None) == [[3, 4]]
+    assert split_documents([0, 0], 0) == []
 
 
 def test_rows_go_on_after_eos_as_new_documents_that_fill_the_budget(eos_model, tmp_path):
@@ -187,12 +187,12 @@ def test_rows_go_on_after_eos_as_new_documents_that_fill_the_budget(eos_model, t
     assert sum(r["tokens"] for r in rows) == 250 and len(rows) > 250 / 32 + 10  # many documents per row
     assert all(r["tokens"] >= 1 and r["prompt"] == "" for r in rows)
     more = gd.GenSettings(str(eos_model), 10**6, seq_len=32, batch_size=4, seed=2)
-    work = gd._open_work(work_dir(tmp_path / "b"), more)
-    model, tok = gd._load(more, "cpu", False)
+    work = gd.open_work(work_dir(tmp_path / "b"), more)
+    model, tok = gd.load_sampler(more, "cpu", False)
     import torch
 
     torch.manual_seed(7)
-    docs = gd._sample_batch(model, tok, more, ["", "", "", ""], "cpu")
+    docs = gd.sample_batch(model, tok, more, ["", "", "", ""], "cpu")
     lone = 0
     torch.manual_seed(7)
     with torch.inference_mode():
@@ -208,12 +208,12 @@ def test_rows_go_on_after_eos_as_new_documents_that_fill_the_budget(eos_model, t
 
 
 def fast_loader(monkeypatch, served):
-    """gendata's _load with the fast decode regime on CPU (cpu_emulation), counting generate() calls the graph
+    """gendata's load_sampler with the fast decode regime on CPU (cpu_emulation), counting generate() calls the graph
     loop served."""
     from sparsify.kernels.fast_decode import enable_fast_decode
     from sparsify.train import gendata as gd
 
-    plain = gd._load
+    plain = gd.load_sampler
 
     def load(s, device, progress):
         model, tok = plain(s, device, progress)
@@ -222,7 +222,7 @@ def fast_loader(monkeypatch, served):
         served.append(fast)
         return model, tok
 
-    monkeypatch.setattr(gd, "_load", load)
+    monkeypatch.setattr(gd, "load_sampler", load)
 
 
 def test_the_fast_sampling_loop_samples_gendata_and_a_killed_run_continues_it(eos_model, tmp_path, monkeypatch):
@@ -238,7 +238,7 @@ def test_the_fast_sampling_loop_samples_gendata_and_a_killed_run_continues_it(eo
     assert rows_of(a) == rows_of(b) and sum(r["tokens"] for r in rows_of(a)) == 300
     out = tmp_path / "c"  # batch 0 sampled by one process, then the rest by another (which captures anew)
     s = gd.GenSettings(str(eos_model), 100, seq_len=40, batch_size=4, seed=5)
-    gd._sample(s, gd._open_work(work_dir(out), s), 0, 0, "cpu", False)
+    gd.sample_batches(s, gd.open_work(work_dir(out), s), 0, 0, "cpu", False)
     gendata(eos_model, out, tokens=300, seq_len=40, batch_size=4, seed=5, device="cpu", progress=False)
     assert rows_of(out) == rows_of(a)
 
@@ -255,7 +255,7 @@ def test_batch_size_defaults_to_8_on_the_cpu_and_an_unfinished_runs_own(model, t
     assert "(batch size 8)" in capsys.readouterr().out
     out = tmp_path / "more"
     started = gd.GenSettings(str(model), 64, seq_len=8, batch_size=3)
-    gd._sample(started, gd._open_work(work_dir(out), started), 0, 0, "cpu", False)  # a run stopped early
+    gd.sample_batches(started, gd.open_work(work_dir(out), started), 0, 0, "cpu", False)  # a run stopped early
     gendata(model, out, tokens=50, seq_len=8, device="cpu", progress=False)  # continued without --batch-size
     assert json.loads((out / "gendata.json").read_text())["settings"]["batch_size"] == 3
 
@@ -289,7 +289,7 @@ def test_on_cuda_without_a_batch_size_the_model_is_loaded_once_and_sized(model, 
     import sparsify.evaluation.loading as loading
     from sparsify.train import gendata as gd
 
-    real_load, loads, sized = gd._load, [], []
+    real_load, loads, sized = gd.load_sampler, [], []
     monkeypatch.setattr(loading, "pick_device", lambda device: "cuda:0")
 
     def load(s, device, progress):
@@ -300,10 +300,10 @@ def test_on_cuda_without_a_batch_size_the_model_is_loaded_once_and_sized(model, 
         sized.append((type(m).__name__, seq_len, prompted))
         return 3
 
-    monkeypatch.setattr(gd, "_load", load)
+    monkeypatch.setattr(gd, "load_sampler", load)
     monkeypatch.setattr(gd, "auto_batch_size", auto)
-    real_sample = gd._sample
-    monkeypatch.setattr(gd, "_sample", lambda s, work, start, have, device, progress, loaded=None:
+    real_sample = gd.sample_batches
+    monkeypatch.setattr(gd, "sample_batches", lambda s, work, start, have, device, progress, loaded=None:
                         real_sample(s, work, start, have, "cpu", progress, loaded))
     out = gendata(model, tmp_path / "g", tokens=30, seq_len=6, progress=False)
     assert loads == ["cuda:0"] and sized and sized[0][1:] == (6, False)

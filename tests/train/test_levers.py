@@ -11,7 +11,7 @@ from sparsify.errors import SparsifyError
 from sparsify.train.config import SparsitySection
 from sparsify.train.objective import L1Control, StepStats
 from sparsify.train.preflight import load_recipe
-from tests.train.test_finetune import TRAIN_TEXT, VALID_TEXT, metrics, recipe_dict, tiny_silu, tokens  # noqa: F401 (fixtures)
+from tests.train.helpers import TRAIN_TEXT, VALID_TEXT, metrics, recipe_dict
 
 
 def test_mlp_distillation_trains_with_a_finite_logged_term_and_the_ood_headline(tiny_silu, tmp_path):
@@ -148,7 +148,7 @@ def test_decay_to_start_under_fsdp2_matches_one_process(tiny_silu, tmp_path):
     gloo ranks with batch 1 each log the losses of one process with batch 2 (float sums in another order)."""
     import yaml
 
-    from tests.train.test_finetune import assert_same_run, cli, torchrun
+    from tests.train.helpers import assert_same_run, cli, torchrun
 
     runs = {}
     for mode in ("one", "fsdp"):

@@ -9,7 +9,6 @@ makes every gate negative with x != 0.
 
 from __future__ import annotations
 
-import gc
 import os
 import subprocess
 import sys
@@ -22,11 +21,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from sparsify.errors import SparsifyError
 from sparsify.families import mlp_modules
 from sparsify.kernels.train import twell_train as tt
-from sparsify.train.config import SparsitySection
-from sparsify.train.mlp import TrainMLPs
 from sparsify.train.model import checkpoint_activations
 from sparsify.train.objective import SparsityCounts
 from sparsify.train.packed_ffn import AUTO_OFF, AUTO_ON, PackedFFN, capacity_grid, dense_saved_bytes, saved_bytes
+
+from tests.train.helpers import adamw_steps, l1_of, packed_ffn, tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
 DENSE = 50.0
@@ -319,26 +318,6 @@ def test_bad_arguments_are_named():
 
 
 # ------------------------------------------------------------------------------------------- model integration
-def tiny_llama(layers=2, hidden=16, f=48, seed=0):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=hidden, intermediate_size=f, num_hidden_layers=layers,
-                      num_attention_heads=2, num_key_value_heads=1, hidden_act="relu")
-    return LlamaForCausalLM(cfg)
-
-
-def packed_ffn(model, mode, normalization="sum_hidden"):
-    """The model's training MLPs, and train.kernels=`mode` over them (as finetune sets them up)."""
-    mlps = TrainMLPs(model, SparsitySection(normalization=normalization))
-    return mlps, PackedFFN(mlps.layers, mode)
-
-
-def l1_of(mlps, counts, tokens):
-    """Ends a recorded forward: its L1 terms summed over layers; its counts added to the step's."""
-    terms = mlps.take()
-    counts.add_forward(terms.nonzeros, terms.fired, tokens)
-    return terms.l1.sum()
-
-
 def train_steps(model, mode, steps=3, capacity=None, checkpointing=False, normalization="sum_hidden"):
     """A finetune-like loop (training MLPs, CE + coef * L1, AdamW); returns per-step (loss, grads, stats)."""
     if checkpointing:
@@ -544,7 +523,7 @@ def test_fused_gate_up_family_matches_dense():
 DIST_SCRIPT = """
 import sys, torch, torch.distributed as dist
 sys.path.insert(0, {root!r})
-from tests.train.test_packed_ffn import distributed_worker
+from tests.train.helpers import distributed_worker
 distributed_worker({mode!r}, {out!r})
 """
 
@@ -555,50 +534,6 @@ def train_full_batch(model, batches, mode):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     adamw_steps(model, mlps, opt, batches)
     return model
-
-
-def adamw_steps(train, mlps, opt, batches) -> None:
-    """One AdamW step per batch of `train` (the model, or its DDP / FSDP wrapper): CE + 0.05 x the MLPs' L1."""
-    for ids in batches:
-        mlps.start()
-        logits = train(input_ids=ids[:, :-1]).logits
-        l1 = l1_of(mlps, SparsityCounts(), ids[:, :-1].numel())
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()) + 0.05 * l1
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-
-def distributed_worker(mode, out):
-    """One rank of test_packed_ffn_under_ddp_and_fsdp2: half of every batch, packed FFN, DDP or FSDP2."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    model = tiny_llama()
-    batches = [torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(s)) for s in range(2)]
-    halves = [b[2 * rank: 2 * rank + 2] for b in batches]
-    mlps, _ = packed_ffn(model, "twell")
-    if mode == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-        train = model
-    else:
-        train = torch.nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    adamw_steps(train, mlps, opt, halves)
-    state = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-             for n, p in model.named_parameters()}
-    if rank == 0:
-        torch.save(state, out)
-    # DDP's reducer must go before its process group: destroyed after it, gloo's teardown hung now and then
-    # (3 of ~40 runs here; faulthandler showed the main thread past this function's return, in C++ teardown)
-    del train, model, opt
-    gc.collect()
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])

@@ -17,7 +17,7 @@ from sparsify.train.config import SparsitySection
 from sparsify.train.mlp import ThresholdReLU, TrainMLPs
 from sparsify.train.objective import StepStats, ThresholdControl, neuron_shape
 
-from .test_finetune import metrics, recipe_dict, tiny_silu, tokens  # noqa: F401  (fixtures)
+from tests.train.helpers import metrics, recipe_dict
 
 THRESHOLD = ["sparsity.method=threshold", "sparsity.target=[0.9, 0.8]", "sparsity.warmup_target=0.7",
              "sparsity.warmup_tokens=384", "train.log_every=2", "train.save_every=4", "train.keep_checkpoints=10",
@@ -256,7 +256,7 @@ def test_compiled_threshold_run_matches_eager_and_compiles_once(tiny_silu, token
     from sparsify.train.finetune import finetune
     from sparsify.train.preflight import load_recipe
 
-    from .test_finetune import assert_same_run
+    from tests.train.helpers import assert_same_run
 
     runs, frames = [], []
     for compiled in (False, True):
