@@ -27,6 +27,8 @@ import torch.nn.functional as F
 
 from .twell_reference import threshold_act
 
+SMALL_UP = 1 << 17  # elements of W_up[cols] up to which a 16-bit up projection runs in float32 (up_rows)
+
 
 def active(g: torch.Tensor, threshold: torch.Tensor | None = None) -> torch.Tensor:
     """[..., F] bool: the gate values the activation keeps, g > theta (float32 theta [F]) or g > 0."""
@@ -36,6 +38,16 @@ def active(g: torch.Tensor, threshold: torch.Tensor | None = None) -> torch.Tens
 def active_count(x2d: torch.Tensor, w_gate: torch.Tensor, threshold: torch.Tensor | None = None) -> torch.Tensor:
     """The density probe's count on the CPU: active gate values of x2d [M, d] (int64 scalar tensor)."""
     return active(F.linear(x2d, w_gate), threshold).sum()
+
+
+def up_rows(x2d: torch.Tensor, w_up: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """x2d W_up[cols]^T [M, k] in x's dtype. A small 16-bit product runs in float32 and is rounded once (what a
+    16-bit GEMM's float32 accumulator gives): oneDNN's 16-bit GEMM costs ~15 us of setup at every new k, more than
+    the conversion of the k rows (kernels/NOTES.md, "CPU sparse decode")."""
+    rows = w_up.index_select(0, cols)  # [k, d]
+    if x2d.dtype == torch.float32 or rows.numel() > SMALL_UP:
+        return F.linear(x2d, rows)
+    return F.linear(x2d.float(), rows.float()).to(x2d.dtype)
 
 
 def sparse_ffn(x2d: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down_t: torch.Tensor,
@@ -48,11 +60,11 @@ def sparse_ffn(x2d: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_do
         on_count(on.sum())
     if x2d.shape[0] == 1:  # decode: the token's own neurons, no union to build
         cols = on[0].nonzero().squeeze(1)  # [k]
-        h = g[:, cols] * F.linear(x2d, w_up.index_select(0, cols))  # [1, k] (g > theta there: act(g) = g)
+        h = g.index_select(1, cols) * up_rows(x2d, w_up, cols)  # [1, k] (g > theta there: act(g) = g)
         return F.embedding_bag(cols.unsqueeze(0), w_down_t, mode="sum", per_sample_weights=h)  # [1, d]
     cols = on.any(0).nonzero().squeeze(1)  # [k] the union over the tokens
-    u = F.linear(x2d, w_up.index_select(0, cols))  # [M, k]
-    h = threshold_act(g[:, cols], None if threshold is None else threshold[cols]) * u  # [M, k], 0 where off
+    u = up_rows(x2d, w_up, cols)  # [M, k]
+    h = threshold_act(g.index_select(1, cols), None if threshold is None else threshold[cols]) * u  # 0 where off
     rows, pos = on[:, cols].nonzero(as_tuple=True)  # each token's active entries, in token order
     offsets = torch.zeros(x2d.shape[0], dtype=torch.long)
     offsets[1:] = torch.bincount(rows, minlength=x2d.shape[0])[:-1].cumsum(0)
