@@ -60,6 +60,8 @@ def sparse_ffn(x2d: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_do
         on_count(on.sum())
     if x2d.shape[0] == 1:  # decode: the token's own neurons, no union to build
         cols = on[0].nonzero().squeeze(1)  # [k]
+        if not cols.numel():  # (embedding_bag takes no empty 2-D bag)
+            return x2d.new_zeros(1, w_down_t.shape[1])
         h = g.index_select(1, cols) * up_rows(x2d, w_up, cols)  # [1, k] (g > theta there: act(g) = g)
         return F.embedding_bag(cols.unsqueeze(0), w_down_t, mode="sum", per_sample_weights=h)  # [1, d]
     cols = on.any(0).nonzero().squeeze(1)  # [k] the union over the tokens
