@@ -11,7 +11,7 @@ both once as a loop of calls, the order alternating; a ratio is the median of th
    (its calibration done) before the rounds; auto's decision per M is printed beside the ratio.
 3. generate() end to end: `--new` new tokens after a `--prompt`-token prompt, greedy, batch 1, backend "dense" vs
    "auto" (the folder's default) on `sparsify synth` folders (SmolLM2-135M; Llama-3.2-1B cut to 4 layers), made
-   under --synth-dir if missing; the greedy tokens of both must be identical.
+   under --synth-dir if missing; the greedy tokens of both are compared (identical, or where they first differ).
 torch.set_num_threads(--threads) before anything runs. Writes DIR/cpu-decode.json and DIR/report.md with --out.
 """
 
@@ -38,6 +38,7 @@ SHAPES = ((576, 1536), (2048, 8192), (4096, 14336))
 MS = (1, 2, 4, 8, 16, 64, 256, 2048)
 SYNTH = (("smollm2-135m", "eval/configs/smollm2-135m.json", None), ("llama-3.2-1b-4l", "eval/configs/llama-3.2-1b.json", 4))
 POOL = 32  # distinct inputs the calls cycle through
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def ffn_case(d: int, f: int, zeros: float, rows: int, seed: int = 0):
@@ -117,13 +118,18 @@ def synth_folder(root: Path, name: str, config: str, layers: int | None, zeros: 
     return out
 
 
-def generate_e2e(root: Path, zeros: float, prompt: int, new: int, rounds: int) -> list[dict]:
+def first_difference(a: torch.Tensor, b: torch.Tensor, prompt: int) -> str:
+    diff = (a != b).any(0).nonzero()
+    return "identical" if len(diff) == 0 else f"first difference at new token {int(diff[0]) - prompt + 1}"
+
+
+def generate_e2e(root: Path, zeros: float, prompt: int, new: int, rounds: int, dtype: str) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
     rows = []
     for name, config, layers in SYNTH:
         folder = synth_folder(root, name, config, layers, zeros)
-        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=DTYPES[dtype]).eval()
         vocab = model.get_input_embeddings().weight.shape[0]
         ids = torch.randint(0, vocab, (1, prompt), generator=torch.Generator().manual_seed(1))
 
@@ -143,16 +149,16 @@ def generate_e2e(root: Path, zeros: float, prompt: int, new: int, rounds: int) -
                 times[b].append(s)
                 if not torch.equal(out, tokens[b]):
                     raise RuntimeError(f"{name}: greedy tokens of {b} changed between calls")
-        same = torch.equal(tokens["auto"], tokens["dense"])
+        same = first_difference(tokens["auto"], tokens["dense"], prompt)
         layers_on = [m.auto_decisions() for m in model.ffn_runtime.layers]
         sparse_m1 = sum(1 for dec in layers_on if (dec.get(1) or {}).get("eager") == "twell")
         ratio = med([d / a for d, a in zip(times["dense"], times["auto"])])
-        rows.append({"model": name, "prompt": prompt, "new_tokens": new, "dense_s": med(times["dense"]),
-                     "auto_s": med(times["auto"]), "speedup": ratio, "tokens_identical": same,
+        rows.append({"model": name, "dtype": dtype, "prompt": prompt, "new_tokens": new, "dense_s": med(times["dense"]),
+                     "auto_s": med(times["auto"]), "speedup": ratio, "greedy_tokens": same,
                      "layers_sparse_at_m1": f"{sparse_m1} of {len(layers_on)}", "rounds": rounds,
                      "decisions": layers_on})
         print(f"generate {name}: dense {med(times['dense']):.2f} s  auto {med(times['auto']):.2f} s  "
-              f"auto/dense speed {ratio:.2f}x  tokens identical: {same}  (M=1 sparse in {sparse_m1} of "
+              f"auto/dense speed {ratio:.2f}x  greedy tokens: {same}  (M=1 sparse in {sparse_m1} of "
               f"{len(layers_on)} layers)", flush=True)
         del model
     return rows
@@ -178,10 +184,10 @@ def markdown(report: dict) -> str:
     lines += ["", "| auto vs dense | M | dense ms | auto ms | auto vs dense | auto chose |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['shape']} | {r['m']} | {r['dense_ms']:.3f} | {r['auto_ms']:.3f} | {r['speedup']:.2f}x | "
               f"{r['decision']} |" for r in report["auto"]]
-    lines += ["", "| generate() | prompt + new | dense s | auto s | auto vs dense | tokens identical | M=1 sparse |",
-              "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['model']} | {r['prompt']} + {r['new_tokens']} | {r['dense_s']:.2f} | {r['auto_s']:.2f} | "
-              f"**{r['speedup']:.2f}x** | {r['tokens_identical']} | {r['layers_sparse_at_m1']} |" for r in report["generate"]]
+    lines += ["", "| generate() | dtype | prompt + new | dense s | auto s | auto vs dense | greedy tokens | M=1 sparse |",
+              "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['model']} | {r['dtype']} | {r['prompt']} + {r['new_tokens']} | {r['dense_s']:.2f} | {r['auto_s']:.2f} | "
+              f"**{r['speedup']:.2f}x** | {r['greedy_tokens']} | {r['layers_sparse_at_m1']} |" for r in report["generate"]]
     return "\n".join(lines) + "\n"
 
 
@@ -194,6 +200,7 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--new", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=5, help="paired generate() rounds per model")
+    ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="generate()'s model dtype (default bf16)")
     ap.add_argument("--synth-dir", default=str(Path(tempfile.gettempdir()) / "sparsify-cpu-decode-synth"),
                     help="where the synth folders are (made if missing)")
     ap.add_argument("--sections", default="ffn,auto,generate")
@@ -211,7 +218,7 @@ def main() -> int:
     report["ffn_m1"] = ffn_m1(args.zeros, args.budget_ms, shapes) if "ffn" in sections else []
     ms = tuple(int(m) for m in args.ms.split(","))
     report["auto"] = auto_vs_dense(args.zeros, ms, args.budget_ms, shapes) if "auto" in sections else []
-    report["generate"] = (generate_e2e(Path(args.synth_dir), args.zeros, args.prompt, args.new, args.rounds)
+    report["generate"] = (generate_e2e(Path(args.synth_dir), args.zeros, args.prompt, args.new, args.rounds, args.dtype)
                           if "generate" in sections else [])
     report["provenance"]["load_avg_at_end"] = os.getloadavg()
     print(markdown(report))
