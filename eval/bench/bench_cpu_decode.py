@@ -11,7 +11,8 @@ both once as a loop of calls, the order alternating; a ratio is the median of th
    (its calibration done) before the rounds; auto's decision per M is printed beside the ratio.
 3. generate() end to end: `--new` new tokens after a `--prompt`-token prompt, greedy, batch 1, backend "dense" vs
    "auto" (the folder's default) on `sparsify synth` folders (SmolLM2-135M; Llama-3.2-1B cut to 4 layers), made
-   under --synth-dir if missing; the greedy tokens of both are compared (identical, or where they first differ).
+   under --synth-dir if missing; the greedy tokens of both are compared (identical, or where they first differ),
+   in bf16 (the folders' dtype) and fp32 (`--dtypes`).
 torch.set_num_threads(--threads) before anything runs. Writes DIR/cpu-decode.json and DIR/report.md with --out.
 """
 
@@ -123,11 +124,11 @@ def first_difference(a: torch.Tensor, b: torch.Tensor, prompt: int) -> str:
     return "identical" if len(diff) == 0 else f"first difference at new token {int(diff[0]) - prompt + 1}"
 
 
-def generate_e2e(root: Path, zeros: float, prompt: int, new: int, rounds: int, dtype: str) -> list[dict]:
+def generate_e2e(root: Path, zeros: float, prompt: int, new: int, rounds: int, dtypes: list[str]) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
     rows = []
-    for name, config, layers in SYNTH:
+    for (name, config, layers), dtype in [(s, t) for t in dtypes for s in SYNTH]:
         folder = synth_folder(root, name, config, layers, zeros)
         model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=DTYPES[dtype]).eval()
         vocab = model.get_input_embeddings().weight.shape[0]
@@ -157,7 +158,7 @@ def generate_e2e(root: Path, zeros: float, prompt: int, new: int, rounds: int, d
                      "auto_s": med(times["auto"]), "speedup": ratio, "greedy_tokens": same,
                      "layers_sparse_at_m1": f"{sparse_m1} of {len(layers_on)}", "rounds": rounds,
                      "decisions": layers_on})
-        print(f"generate {name}: dense {med(times['dense']):.2f} s  auto {med(times['auto']):.2f} s  "
+        print(f"generate {name} {dtype}: dense {med(times['dense']):.2f} s  auto {med(times['auto']):.2f} s  "
               f"auto/dense speed {ratio:.2f}x  greedy tokens: {same}  (M=1 sparse in {sparse_m1} of "
               f"{len(layers_on)} layers)", flush=True)
         del model
@@ -200,7 +201,8 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--new", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=5, help="paired generate() rounds per model")
-    ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="generate()'s model dtype (default bf16)")
+    ap.add_argument("--dtypes", default="bf16,fp32", help="generate()'s model dtypes (bf16: the folders' own; fp32 too by "
+                    "default: its greedy tokens part ways from dense far later than bf16's)")
     ap.add_argument("--synth-dir", default=str(Path(tempfile.gettempdir()) / "sparsify-cpu-decode-synth"),
                     help="where the synth folders are (made if missing)")
     ap.add_argument("--sections", default="ffn,auto,generate")
@@ -218,7 +220,8 @@ def main() -> int:
     report["ffn_m1"] = ffn_m1(args.zeros, args.budget_ms, shapes) if "ffn" in sections else []
     ms = tuple(int(m) for m in args.ms.split(","))
     report["auto"] = auto_vs_dense(args.zeros, ms, args.budget_ms, shapes) if "auto" in sections else []
-    report["generate"] = (generate_e2e(Path(args.synth_dir), args.zeros, args.prompt, args.new, args.rounds, args.dtype)
+    report["generate"] = (generate_e2e(Path(args.synth_dir), args.zeros, args.prompt, args.new, args.rounds,
+                                       args.dtypes.split(","))
                           if "generate" in sections else [])
     report["provenance"]["load_avg_at_end"] = os.getloadavg()
     print(markdown(report))
