@@ -45,7 +45,7 @@ def up_rows(x2d: torch.Tensor, w_up: torch.Tensor, cols: torch.Tensor) -> torch.
     16-bit GEMM's float32 accumulator gives): oneDNN's 16-bit GEMM costs ~15 us of setup at every new k, more than
     the conversion of the k rows (kernels/NOTES.md, "CPU sparse decode")."""
     rows = w_up.index_select(0, cols)  # [k, d]
-    if x2d.dtype == torch.float32 or rows.numel() > SMALL_UP:
+    if x2d.dtype not in (torch.bfloat16, torch.float16) or rows.numel() > SMALL_UP:
         return F.linear(x2d, rows)
     return F.linear(x2d.float(), rows.float()).to(x2d.dtype)
 
