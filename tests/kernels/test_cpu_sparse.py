@@ -60,7 +60,7 @@ def check_dense_function(got, x, wg, wu, wd, theta, what):
     assert_close(got, oracle, rtol=0.0, atol=2 * base + 1e-3 * oracle.abs().max().item(), what=f"{what} vs oracle")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 7])
 @pytest.mark.parametrize("thresholded", [False, True])
 def test_the_sparse_row_computes_the_dense_ffn(dtype, m, thresholded):
