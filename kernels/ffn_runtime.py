@@ -13,8 +13,8 @@ An FFNRuntime belongs to one model (Sparse<Base> makes it; a SparseMLP built alo
 One decision, one call. `SparseMLP.forward(x)` is `self.runtime.ffn(self, x)`. A call no answer holds for asks
 one question, `answer`: backend "auto" asks the dispatcher (dense or TwELL for this layer, token count and
 regime), a forced backend is its own answer; then it calls one function, the backend table's row for the
-answer on x's device. Where the layer cannot take the table (CPU input, gradients, biases or adapters, the
-step check's all-dense twin, backend "dense": `kernel_reason`) it runs its own torch expression, as stock
+answer on x's device. Where the layer cannot take the table (x off the runtime's `devices`, gradients, biases or
+adapters, the step check's all-dense twin, backend "dense": `kernel_reason`) it runs its own torch expression, as stock
 transformers does. The same `run` (answer, then the row) is the op's body, what auto's calibration times, and
 what twell_ops.twell_ffn calls after its argument checks.
 

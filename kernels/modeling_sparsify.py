@@ -9,8 +9,9 @@ folder as a dense ReLU model; `auto_map` points AutoModelForCausalLM here, to `S
 SparseMLP keeps the parameter names (gate_proj / up_proj / down_proj, or Phi-3's fused gate_up_proj), so
 state dicts load unchanged, and it calls those modules whenever gradients may flow (training, LoRA). Its forward
 is one call into the model's FFNRuntime (ffn_runtime.py: the backend, auto's decisions, the backend table), which
-at inference on CUDA with Triton runs the row of its backend table that its answer names, and anywhere else the
-layer's own torch expression (`torch_ffn`), identical to the stock model's.
+at inference on CUDA with Triton, and on the CPU (its sparse row, cpu_sparse.py), runs the row of its backend table
+that its answer names, and anywhere else the layer's own torch expression (`torch_ffn`), identical to the stock
+model's.
 
 Thresholded folders (FATReLU / JumpReLU-style, h = g * [g > theta] * up): config.json's activation field
 (`hidden_act`, Gemma 2/3: `hidden_activation`) holds THRESHOLD_ACT, which stock transformers refuses
