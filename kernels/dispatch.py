@@ -27,12 +27,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 from typing import Callable, NamedTuple
 
 import torch
 from torch.utils.weak import WeakIdRef
 
+from .cpu_sparse import active_count
 from .twell_reference import ffn_dense, transpose_down
 from .twell_triton import DEFAULT_VARIANT, gate_pack
 from .twell_updown import k2_spills
@@ -49,6 +51,9 @@ class Policy:
     drift: float = 1.25  # relative density change that triggers a re-timing
     max_retune: int = 8  # re-timings per (layer, M bucket)
     margin: float = 0.97  # twell must be at least 3% faster than dense (median paired ratio)
+    host_margin: float = 0.85  # CPU calls (the host clock): 15% faster. Calibration repeats one input (its active rows
+    # cached, its pattern learnt): at 576 x 1536, M = 2..8, a 0.97 margin kept the sparse row where inputs that change
+    # from call to call ran it at 0.90-0.96x of dense, 0.9 at M = 4 where they ran it at 0.88x (kernels/NOTES.md)
     agree_tol: float = 0.25  # twell's output rows within this fraction of the row's max |dense| (output_fault)
     row_floor: float = 0.1  # ... a row's scale floored at this fraction of the whole output's
     graph_timed_m: int = 256  # up to this M, also time both paths inside CUDA graphs (eager decode is CPU-bound)
@@ -88,6 +93,36 @@ class CudaClock:
             for _ in range(calls):
                 fn()
         return graph
+
+
+def stream_capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False where CUDA was never initialised: a CPU-only
+    torch has no capture query to ask)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+class HostClock:
+    """Wall-clock time of calls on the CPU (the CPU's sparse row, kernels/cpu_sparse.py) and what auto asks it:
+    the density count (a torch count of the gate) and K2's spill rule (never: no K2 there). No `capture`: CPU
+    calls have no graph regime, so their buckets are timed eagerly only."""
+
+    @staticmethod
+    def ms(fn, n: int) -> float:
+        """ms per call of n back-to-back calls of fn."""
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - start) * 1e3 / n
+
+    @staticmethod
+    def sync() -> None:
+        pass
+
+    count = staticmethod(active_count)
+
+    @staticmethod
+    def spills(m: int, d: int) -> bool:
+        return False
 
 
 class WeightStore:
@@ -235,15 +270,19 @@ class Dispatcher:
         entry: what calibration runs and times, (x2d, w_gate, w_up, w_down, w_down_t, threshold) -> y: a call of
             backend "auto" that asks this dispatcher and runs its answer (FFNRuntime.run; an FFNRuntime made
             with this dispatcher sets it when it is None).
+        host: the clock and probe of calls on CPU tensors (HostClock: `ms`, `sync`, `count`, `spills`; with no
+            `capture` they have no graph regime); None: CPU calls use `clock` and `sparse` too (tests' fakes).
 
     One per FFNRuntime (ffn_runtime.py), i.e. per model, plus the process runtime's for bare twell_ffn calls.
     """
 
-    def __init__(self, clock=None, store=None, policy: Policy = Policy(), capturing=None, sparse=None, entry=None):
+    def __init__(self, clock=None, store=None, policy: Policy = Policy(), capturing=None, sparse=None, entry=None,
+                 host=None):
         self.clock = clock or CudaClock()
+        self.host = host
         self.store = store if store is not None else WeightStore()
         self.policy = policy
-        self.capturing = capturing or torch.cuda.is_current_stream_capturing
+        self.capturing = capturing or stream_capturing
         self.sparse = sparse or TwellProbe()
         self.entry = entry
         self.last_backend: str | None = None  # what the most recent call ran
@@ -340,7 +379,7 @@ class Dispatcher:
             self.last_backend = st.decision
             return self._holds(st, st.decision)
         if st.density is None:  # first call of this layer/bucket: one synchronous count
-            st.density = float(self.sparse.count(x2d, w_gate, threshold).item()) / (m * f)
+            st.density = float(self._side(x2d)[1].count(x2d, w_gate, threshold).item()) / (m * f)
         if st.decision is None or st.retune:
             st.retunes += st.decision is not None
             st.retune = False
@@ -351,6 +390,10 @@ class Dispatcher:
         # no note here: two layers of one shape that decided differently would log at every refresh
         self.last_backend = st.decision
         return self._holds(st, st.decision, (lambda nnz: self._count_async(st, nnz, m * f)) if refresh else None)
+
+    def _side(self, x2d: torch.Tensor) -> tuple:
+        """(clock, probe) for a call on x2d: `host` for CPU tensors where there is one, else `clock`, `sparse`."""
+        return (self.clock, self.sparse) if x2d.is_cuda or self.host is None else (self.host, self.host)
 
     def _holds(self, st: LayerState, path: str, on_count=None) -> Answer:
         """`path` for this call, holding for the caller's next calls up to the bucket's next refresh when it is
@@ -403,10 +446,10 @@ class Dispatcher:
         this bucket's decision forced, i.e. exactly what a later call runs, after a check of twell's output
         against the dense FFN; prefill buckets denser than prefill_max_density, and buckets whose K2 would
         spill, go dense untimed."""
-        p = self.policy
+        p, (clock, probe) = self.policy, self._side(x2d)
         if x2d.shape[0] > p.graph_timed_m and st.density > p.prefill_max_density:  # measured sparsity decides
             return self._dense_by_rule(st, f"prefill density > {p.prefill_max_density}")
-        if self.sparse.spills(*x2d.shape):  # hundreds of times slower: not worth a timing
+        if probe.spills(*x2d.shape):  # hundreds of times slower: not worth a timing
             return self._dense_by_rule(st, f"K2 spills at M = {x2d.shape[0]}, d = {x2d.shape[1]}")
         call = lambda: self.entry(x2d, w_gate, w_up, w_down, w_down_t, st.theta)  # noqa: E731
 
@@ -427,13 +470,14 @@ class Dispatcher:
                 return
             eager = self._paired_rounds({"dense": (force("dense"), call), "twell": (force("twell"), call)}, x2d)
             graph = (self._graph_rounds(st, x2d, w_gate, w_up, w_down, w_down_t, force)
-                     if x2d.shape[0] <= p.graph_timed_m else None)
+                     if x2d.shape[0] <= p.graph_timed_m and hasattr(clock, "capture") else None)
         except BaseException:
             st.decision = st.graph_decision = None  # never keep a forced decision
             raise
         finally:
             st.timing = False
-        st.decision, info = decide(eager["dense"], eager["twell"], graph["twell"] if graph else None, p)
+        rule = p if clock is self.clock else replace(p, margin=p.host_margin)
+        st.decision, info = decide(eager["dense"], eager["twell"], graph["twell"] if graph else None, rule)
         st.graph_decision = st.decision
         st.times = {"density": st.density, **info}
         if graph is not None:
@@ -446,13 +490,13 @@ class Dispatcher:
         once as a loop of back-to-back calls (prepare() untimed before it), in an order that flips every
         round, so drifts and the order cancel in the per-round ratios. Loop lengths come from one warm call
         each (~cal_loop_ms per loop); rounds fill cal_budget_ms within cal_rounds."""
-        p, est = self.policy, {}
+        p, est, clock = self.policy, {}, self._side(x2d)[0]
         for name, (prepare, fn) in fns.items():
             prepare()
             fn()  # warm: compiles, autotunes, allocates
             if x2d.is_cuda:
-                self.clock.sync()
-            est[name] = max(self.clock.ms(fn, 1), 1e-3)
+                clock.sync()
+            est[name] = max(clock.ms(fn, 1), 1e-3)
         calls = {k: max(1, min(p.cal_max_calls, round(p.cal_loop_ms / v))) for k, v in est.items()}
         rounds = int(p.cal_budget_ms / sum(calls[k] * est[k] for k in fns))
         rounds = max(p.cal_rounds[0], min(p.cal_rounds[1], rounds)) | 1  # odd: the median is one round's ratio
@@ -462,7 +506,7 @@ class Dispatcher:
             for k in names if r % 2 == 0 else names[::-1]:
                 prepare, fn = fns[k]
                 prepare()
-                out[k].append(self.clock.ms(fn, calls[k]) / per_call)
+                out[k].append(clock.ms(fn, calls[k]) / per_call)
         return out
 
     def _graph_rounds(self, st, x2d, w_gate, w_up, w_down, w_down_t, force) -> dict[str, list[float]]:

@@ -13,8 +13,8 @@ An FFNRuntime belongs to one model (Sparse<Base> makes it; a SparseMLP built alo
 One decision, one call. `SparseMLP.forward(x)` is `self.runtime.ffn(self, x)`. A call no answer holds for asks
 one question, `answer`: backend "auto" asks the dispatcher (dense or TwELL for this layer, token count and
 regime), a forced backend is its own answer; then it calls one function, the backend table's row for the
-answer on x's device. Where the layer cannot take the table (CPU input, gradients, biases or adapters, the
-step check's all-dense twin, backend "dense": `kernel_reason`) it runs its own torch expression, as stock
+answer on x's device. Where the layer cannot take the table (x off the runtime's `devices`, gradients, biases or
+adapters, the step check's all-dense twin, backend "dense": `kernel_reason`) it runs its own torch expression, as stock
 transformers does. The same `run` (answer, then the row) is the op's body, what auto's calibration times, and
 what twell_ops.twell_ffn calls after its argument checks.
 
@@ -49,7 +49,8 @@ from types import MappingProxyType
 import torch
 import torch.nn as nn
 
-from .dispatch import Answer, CudaClock, Dispatcher, WeightStore
+from .cpu_sparse import sparse_rows
+from .dispatch import Answer, CudaClock, Dispatcher, HostClock, WeightStore
 from .registry import API, SLOT as _SLOT
 from .twell_reference import ffn_dense, threshold_act
 from .twell_triton import HAS_TRITON
@@ -93,15 +94,19 @@ def twell_rows(auto: Dispatcher, x, w_gate, w_up, w_down, w_down_t=None, thresho
 
 # The backend table: (device type, answer) -> the function that computes the FFN on x [..., d], each called as
 # row(dispatcher, x, w_gate, w_up, w_down, w_down_t, threshold, on_count). A row stands only where it can run
-# (TwELL: triton on CUDA; on CPU its interpreter, for tests); an (device, "dense") row missing runs dense_rows.
-# A new backend is a row here: a CPU sparse decode would be ("cpu", "twell"), with "cpu" in the runtime's
-# `devices` so that its layers take the table and auto times it there.
+# (TwELL: triton on CUDA); an (device, "dense") row missing runs dense_rows. A new backend is a row here, with its
+# device in the runtime's `devices` (DEVICES by default) so that its layers take the table and auto times it there.
+# ("cpu", "twell") is the CPU's sparse decode (cpu_sparse.py: the gate GEMM, then only the active rows of W_up and
+# W_down^T), except under Triton's interpreter (TRITON_INTERPRET=1: the tests' way to run the TwELL kernels on the
+# CPU), where it is the TwELL row and CPU layers keep their torch expression unless a runtime lists "cpu" itself.
+INTERPRETED = HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
 BACKEND_TABLE = MappingProxyType({
     ("cuda", "dense"): dense_rows,
     ("cpu", "dense"): dense_rows,
     **({("cuda", "twell"): twell_rows} if HAS_TRITON else {}),
-    **({("cpu", "twell"): twell_rows} if HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1" else {}),
+    ("cpu", "twell"): twell_rows if INTERPRETED else sparse_rows,
 })
+DEVICES = ("cuda",) if INTERPRETED else ("cuda", "cpu")  # the device types a runtime's layers take the table on
 _FORCED = MappingProxyType({path: Answer(path) for path in ("dense", "twell")})  # a forced backend's answers
 
 
@@ -171,18 +176,20 @@ class FFNRuntime:
 
     Args:
         backend: "auto" | "twell" | "dense".
-        dispatcher: auto's Dispatcher; default: a real one (CUDA clock). Its calibration times this runtime's
-            `run` (set as its entry when it has none).
+        dispatcher: auto's Dispatcher; default: a real one (CUDA clock, and the wall clock for CPU calls). Its
+            calibration times this runtime's `run` (set as its entry when it has none).
         devices: device types whose inference calls take the backend table and which "auto" dispatches (elsewhere
-            a layer runs its torch expression and a bare "auto" call runs dense); tests add "cpu" with a fake clock.
+            a layer runs its torch expression and a bare "auto" call runs dense); default DEVICES (CUDA and the CPU,
+            the CPU left out under Triton's interpreter); tests add "cpu" with a fake clock.
         kernels: the backend table, (device type, answer) -> row (BACKEND_TABLE; tests pass stand-in rows).
     """
 
-    def __init__(self, backend: str = "auto", dispatcher: Dispatcher | None = None, devices=("cuda",),
+    def __init__(self, backend: str = "auto", dispatcher: Dispatcher | None = None, devices=DEVICES,
                  kernels=BACKEND_TABLE):
         check_backend(backend)
         self.backend = backend
-        self.dispatcher = dispatcher if dispatcher is not None else Dispatcher(CudaClock(), WeightStore())
+        self.dispatcher = (dispatcher if dispatcher is not None
+                           else Dispatcher(CudaClock(), WeightStore(), host=HostClock()))
         if self.dispatcher.entry is None:
             self.dispatcher.entry = self.run
         self.devices = tuple(devices)
@@ -285,7 +292,8 @@ class FFNRuntime:
         answer = self.answer(x, w_gate, w_up, w_down, None, mlp.threshold, self.backend, device=device)
         row = self.kernels.get((device, answer.path), dense_rows)
         y = row(self.dispatcher, x, w_gate, w_up, w_down, None, mlp.threshold, answer.on_count)
-        _announce(f"twell_ffn (backend={self.backend})", "CUDA inference with Triton")
+        _announce(f"twell_ffn (backend={self.backend}, {device})",
+                  "CUDA inference with Triton" if device == "cuda" else f"{device} inference, backend table row")
         rec.path = f"twell_ffn:{answer.path}"
         if answer.calls and self.grants:
             rec.answer, rec.given, rec.left, rec.in_capture = answer.path, answer.calls, answer.calls, answer.in_capture

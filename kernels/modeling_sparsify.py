@@ -9,8 +9,9 @@ folder as a dense ReLU model; `auto_map` points AutoModelForCausalLM here, to `S
 SparseMLP keeps the parameter names (gate_proj / up_proj / down_proj, or Phi-3's fused gate_up_proj), so
 state dicts load unchanged, and it calls those modules whenever gradients may flow (training, LoRA). Its forward
 is one call into the model's FFNRuntime (ffn_runtime.py: the backend, auto's decisions, the backend table), which
-at inference on CUDA with Triton runs the row of its backend table that its answer names, and anywhere else the
-layer's own torch expression (`torch_ffn`), identical to the stock model's.
+at inference on CUDA with Triton, and on the CPU (its sparse row, cpu_sparse.py), runs the row of its backend table
+that its answer names, and anywhere else the layer's own torch expression (`torch_ffn`), identical to the stock
+model's.
 
 Thresholded folders (FATReLU / JumpReLU-style, h = g * [g > theta] * up): config.json's activation field
 (`hidden_act`, Gemma 2/3: `hidden_activation`) holds THRESHOLD_ACT, which stock transformers refuses
@@ -202,18 +203,24 @@ def _sparse_class(base_name: str) -> type:
             logger.warning("sparsify: the checkpoint has no thresholds for %s; they run at 0 (plain ReLU)",
                            ", ".join(missing))
 
-    cls = type(f"Sparse{base_name}", (base,), {
-        "__init__": __init__, "__module__": __name__, "__doc__": f"{base_name} with SparseMLP FFNs.",
-        "set_ffn_backend": set_ffn_backend, "enable_fast_decode": enable_fast_decode,
-        "_initialize_missing_keys": _initialize_missing_keys,
+    # __name__ is the base's: transformers' pipelines accept a model by its class name (check_model_type against
+    # the task's mapping), save_pretrained writes it as the architecture; __qualname__ (repr) says Sparse<Base>.
+    cls = type(base_name, (base,), {
+        "__init__": __init__, "__module__": __name__, "__qualname__": f"Sparse{base_name}",
+        "__doc__": f"{base_name} with SparseMLP FFNs.", "set_ffn_backend": set_ffn_backend,
+        "enable_fast_decode": enable_fast_decode, "_initialize_missing_keys": _initialize_missing_keys,
     })
     return cls
 
 
 def __getattr__(name: str) -> type:
     """`Sparse<Base>` for any transformers `<Base>` causal LM, built on first access (PEP 562) and kept as a module
-    attribute (later accesses find it there)."""
-    if name.startswith("Sparse") and name.endswith("ForCausalLM"):
-        cls = globals()[name] = _sparse_class(name[len("Sparse"):])
+    attribute under both names (later accesses find it there): folders' auto_map names `Sparse<Base>`, and
+    save_pretrained of a loaded model writes `<Base>` (the class's __name__)."""
+    base_name = name.removeprefix("Sparse")
+    base = getattr(transformers, base_name, None) if name.endswith("ForCausalLM") else None
+    if isinstance(base, type) and issubclass(base, transformers.PreTrainedModel):
+        cls = globals().get(f"Sparse{base_name}") or _sparse_class(base_name)
+        globals()[f"Sparse{base_name}"] = globals()[base_name] = cls
         return cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -28,7 +28,7 @@ def test_real_gguf_stock_and_remote_logits_agree(smol):
         a = stock(ids).logits
         del stock
         remote = AutoModelForCausalLM.from_pretrained(smol, trust_remote_code=True, dtype=torch.float32).eval()
-        assert type(remote).__name__ == "SparseLlamaForCausalLM"
+        assert type(remote).__qualname__ == "SparseLlamaForCausalLM"
         b = remote(ids).logits
     assert (a - b).abs().max().item() <= 1e-4
 

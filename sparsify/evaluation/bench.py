@@ -14,6 +14,10 @@ Every model runs through `model.generate()`. Regimes:
 Variants of one sparsify folder: "dense" (its FFN through cuBLAS, i.e. the speed of the original model of
 the same shape) and "sparse" (the `auto` dispatcher a user gets). Other folders run "stock".
 
+`--device cpu` runs the same report on the CPU (issue 43): regime "eager" (transformers' loop and dynamic cache, what
+generate() runs there), "sparse" being `auto` with the CPU's sparse row (kernels/cpu_sparse.py), the wall clock for
+every timing, and the number of torch threads stated in the report (`--threads`, default torch's own).
+
 For each (batch, prompt length) every variant is warmed up once (kernel compiles, dispatcher timing, graph
 capture), then timed `repeats` times, variants alternating in an order that flips every round. Each timed call
 follows one untimed forward of the prompt after its variant is set: a model in use keeps the state `auto`
@@ -38,10 +42,20 @@ from sparsify.evaluation.loading import ffn_backend_of, installed_modeling, load
 from sparsify.evaluation.speed import int_list
 from sparsify.families import mlp_modules
 
-GPU_ONLY = ("sparsify bench is GPU-only: it needs a CUDA GPU and none is visible here (CPU timings say nothing "
-            "about the TwELL kernels). On CPU, `sparsify eval` measures accuracy, perplexity and sparsity.")
+GPU_ONLY = ("sparsify bench --device cuda needs a CUDA GPU and none is visible here. `--device cpu` times generate() on "
+            "the CPU instead (the CPU's sparse FFN row against dense); `sparsify eval` measures accuracy, perplexity "
+            "and sparsity.")
 
 REGIMES = ("graphs", "compiled", "hf-graphs", "eager")
+CPU_REGIMES = ("eager",)  # no CUDA graphs on the CPU: transformers' loop and dynamic cache
+
+
+def sync(device: str) -> None:
+    """Wait for the device's queued work (CUDA); the CPU's calls return when done."""
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
 
 
 class _FirstToken:
@@ -52,9 +66,7 @@ class _FirstToken:
 
     def __call__(self, input_ids, scores):
         if self.at is None:
-            import torch
-
-            torch.cuda.synchronize()
+            sync(scores.device.type)
             self.at = time.perf_counter()
         return scores
 
@@ -67,16 +79,17 @@ def time_generate(model: Any, ids: Any, new_tokens: int) -> dict:
     import torch
     from transformers import LogitsProcessorList
 
+    device = ids.device.type
     fast = model.__dict__.get("_fast_decode")
     loop = fast is not None and fast.enabled and fast.loop
     extra = {} if loop else {"logits_processor": LogitsProcessorList([_FirstToken()])}
     if fast is not None:
         fast.timing, replays = loop, fast.replays
-    torch.cuda.synchronize()
+    sync(device)
     start = time.perf_counter()
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **extra)
-    torch.cuda.synchronize()
+    sync(device)
     end = time.perf_counter()
     if out.shape[1] != ids.shape[1] + new_tokens:
         raise RuntimeError(f"generate() returned {out.shape[1] - ids.shape[1]} tokens, expected {new_tokens}")
@@ -102,17 +115,15 @@ def paired_prefill_ms(model: Any, ids: Any, variants: dict[str, Any], rounds: in
     prompt, no cache, no sampling), each variant set and warmed by one untimed forward in every round, in an
     order that flips every round. TTFT from a few generate() calls is a host-bound number with a wide spread;
     these rounds pair the variants tightly enough to say whether sparse prefill is slower."""
-    import torch
-
     out: dict[str, list[float]] = {name: [] for name in variants}
     names = list(variants)
     for r in range(rounds):
         for name in names if r % 2 == 0 else names[::-1]:
             use_variant(model, ids, variants[name])
-            torch.cuda.synchronize()
+            sync(ids.device.type)
             start = time.perf_counter()
             prompt_forward(model, ids)
-            torch.cuda.synchronize()
+            sync(ids.device.type)
             out[name].append((time.perf_counter() - start) * 1e3)
     return out
 
@@ -158,8 +169,11 @@ def bench_model(model: Any, *, batches: tuple[int, ...], prompts: tuple[int, ...
     """Rows {regime, variant, batch, prompt, ttft_ms, decode_tok_s, step_ms, ...} for one loaded model."""
     import torch
 
-    if model.device.type != "cuda":
-        raise SparsifyError(GPU_ONLY)
+    device = model.device.type
+    if device not in ("cuda", "cpu"):
+        raise SparsifyError(f"sparsify bench runs on CUDA or the CPU, not {device}.")
+    if device == "cpu" and set(regimes) - set(CPU_REGIMES):
+        raise SparsifyError(f"--regimes {','.join(regimes)}: on the CPU only {','.join(CPU_REGIMES)} runs (no CUDA graphs).")
     fast = installed_modeling().enable_fast_decode(model)
     folder_compile = fast.compile  # (a sparsify folder compiles by default; each regime sets its own)
     variants = _variants(model)
@@ -175,7 +189,7 @@ def bench_model(model: Any, *, batches: tuple[int, ...], prompts: tuple[int, ...
         fast.enabled, fast.loop = regime != "eager", regime in ("graphs", "compiled")
         fast.compile, fast.compile_error = regime == "compiled", None
         fast.step_checks.clear()
-        ids = _prompt(vocab, batch, prompt, tokens, "cuda")
+        ids = _prompt(vocab, batch, prompt, tokens, device)
         times: dict[str, list[dict]] = {v: [] for v in variants}
         outputs: dict[str, Any] = {}
         compiled: dict[str, bool] = {}  # per variant: still compiled after its warm-up (a failure turns it off)
@@ -192,9 +206,10 @@ def bench_model(model: Any, *, batches: tuple[int, ...], prompts: tuple[int, ...
                     t.pop("tokens")
                     times[name].append(t)
             prefill = paired_prefill_ms(model, ids, variants, PREFILL_ROUNDS)
-        except torch.cuda.OutOfMemoryError:
-            torch.cuda.empty_cache()
-            rows.append({"regime": regime, "batch": batch, "prompt": prompt, "skipped": "out of GPU memory"})
+        except torch.OutOfMemoryError:
+            if device == "cuda":
+                torch.cuda.empty_cache()
+            rows.append({"regime": regime, "batch": batch, "prompt": prompt, "skipped": f"out of {device} memory"})
             continue
         same = None
         if len(outputs) == 2:  # greedy tokens of the two variants: equal, or the first position they differ
@@ -247,7 +262,11 @@ def quartiles(xs: list[float]) -> tuple[float, float]:
 
 
 def markdown(report: dict) -> str:
+    cpu = report.get("device") == "cpu"
     lines = [f"# Generation speed: {report['gpu']}", "",
+             *(["On the CPU: transformers' generation loop and dynamic cache (regime eager); dense = the FFN as "
+                "three dense GEMMs, sparse = `auto` with the CPU's sparse row (kernels/cpu_sparse.py); wall clock; "
+                f"{report['settings'].get('threads')} torch threads.", ""] if cpu else []),
              "`model.generate()` end to end, greedy, "
              f"{report['settings']['new_tokens']} new tokens. decode tok/s = batch x tokens after the first / "
              "their time; TTFT = prompt processing + first token. dense = the same weights with the FFN on "
@@ -359,6 +378,18 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo where there is one)."""
+    import platform
+
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
+                platform.processor() or "unknown")
+
+
 def gpu_provenance() -> dict:
     import importlib.metadata as md
     import subprocess
@@ -382,12 +413,12 @@ def gpu_provenance() -> dict:
 
 
 def bench(models: list[str], *, batches=(1, 8, 32), prompts=(128, 512, 2048), new_tokens: int = 256,
-          repeats: int = 5, regimes=("compiled",), dtype: str = "bf16", text: str | Path | None = None,
+          repeats: int = 5, regimes=None, dtype: str = "bf16", text: str | Path | None = None,
           out: str | Path | None = None, trust_remote_code: bool = False, budget_s: float | None = None,
-          progress: bool = True, overwrite: bool = False) -> dict:
-    """Benchmark each model (`[NAME=]PATH`); writes OUT/bench.json, report.md and decode.png if `out` (an existing
-    `out` is refused before any work unless `overwrite`, and unless it is empty or an earlier bench's; it is
-    replaced whole at the end)."""
+          progress: bool = True, overwrite: bool = False, device: str = "cuda", threads: int | None = None) -> dict:
+    """Benchmark each model (`[NAME=]PATH`) on `device` ("cuda" or "cpu": regime eager, `threads` torch threads);
+    writes OUT/bench.json, report.md and decode.png if `out` (an existing `out` is refused before any work unless
+    `overwrite`, and unless it is empty or an earlier bench's; it is replaced whole at the end)."""
     import gc
 
     import torch
@@ -396,8 +427,17 @@ def bench(models: list[str], *, batches=(1, 8, 32), prompts=(128, 512, 2048), ne
 
     if out is not None:
         check_output(out, overwrite, "--out", kind="bench")
-    if not torch.cuda.is_available():
+    if device not in ("cuda", "cpu"):
+        raise SparsifyError(f"--device {device}: choose cuda or cpu.")
+    regimes = tuple(regimes or (CPU_REGIMES if device == "cpu" else ("compiled",)))
+    if device == "cuda" and not torch.cuda.is_available():
         raise SparsifyError(GPU_ONLY)
+    if device == "cpu" and set(regimes) - set(CPU_REGIMES):
+        raise SparsifyError(f"--regimes {','.join(regimes)}: on the CPU only {','.join(CPU_REGIMES)} runs (no CUDA graphs).")
+    if threads is not None:
+        if threads < 1:
+            raise SparsifyError(f"--threads {threads}: must be at least 1.")
+        torch.set_num_threads(threads)
     if new_tokens < 2:
         raise SparsifyError("--new-tokens must be at least 2 (decode speed is measured after the first token).")
     if repeats < 1:
@@ -406,14 +446,17 @@ def bench(models: list[str], *, batches=(1, 8, 32), prompts=(128, 512, 2048), ne
     if bad:
         raise SparsifyError(f"--regimes {','.join(bad)}: choose from {','.join(REGIMES)}.")
     specs = parse_models(models)
-    report: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "provenance": gpu_provenance(),
+    hardware = (torch.cuda.get_device_name() if device == "cuda"
+                else f"CPU ({cpu_name()}), {torch.get_num_threads()} torch threads")
+    report: dict[str, Any] = {"gpu": hardware, "device": device, "provenance": gpu_provenance(),
                               "settings": {"batches": list(batches), "prompts": list(prompts),
                                            "new_tokens": new_tokens, "repeats": repeats, "dtype": dtype,
-                                           "regimes": list(regimes)},
+                                           "regimes": list(regimes),
+                                           **({"threads": torch.get_num_threads()} if device == "cpu" else {})},
                               "models": {}}
     text_ids = None
     for spec in specs:
-        model, tok = load_model(spec, "cuda", dtype, trust_remote_code=trust_remote_code)
+        model, tok = load_model(spec, device, dtype, trust_remote_code=trust_remote_code)
         if text is not None and tok is not None:
             text_ids = tok(Path(text).read_text(encoding="utf-8"), return_tensors="pt").input_ids[0]
         info = model.config.to_dict().get("sparsify", {}) or {}
@@ -430,7 +473,8 @@ def bench(models: list[str], *, batches=(1, 8, 32), prompts=(128, 512, 2048), ne
             "rows": rows, "speedups": speedups(rows)}
         del model
         gc.collect()
-        torch.cuda.empty_cache()
+        if device == "cuda":
+            torch.cuda.empty_cache()
     if out is not None:
         with atomic_dir(out, overwrite, "--out", kind="bench") as tmp:
             (tmp / "bench.json").write_text(json.dumps(report, indent=1) + "\n")
@@ -441,7 +485,7 @@ def bench(models: list[str], *, batches=(1, 8, 32), prompts=(128, 512, 2048), ne
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
-        "GPU only (needs a CUDA GPU; on CPU it stops with an error). End-to-end generation speed: "
+        "On a CUDA GPU, or with --device cpu on the CPU (eager regime, the CPU's sparse FFN row). End-to-end generation speed: "
         "model.generate() time to first token and decode tokens/s "
         "for batch x prompt-length grids, the sparse FFN against the same weights on dense cuBLAS, in the same "
         "run and cache/graph regime. Works on any sparsify folder, including `sparsify synth` ones.")
@@ -450,11 +494,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", type=int_list, default=(128, 512, 2048), help="prompt lengths (default 128,512,2048)")
     parser.add_argument("--new-tokens", type=int, default=256, help="tokens generated per call (default 256)")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per variant and case (default 5)")
-    parser.add_argument("--regimes", default="compiled",
+    parser.add_argument("--regimes", default=None,
                         help="comma list of compiled (greedy graph loop with the step through torch.compile: "
                              "what folders do by default; a compile per variant and shape), graphs (the same "
                              "uncompiled), hf-graphs (transformers' loop, forward from a graph), eager "
-                             "(dynamic cache). Default: compiled only")
+                             "(dynamic cache). Default: compiled only on CUDA, eager (the only one) on the CPU")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="default bf16")
     parser.add_argument("--text", default=None, help="prompt text file (default: random token ids)")
     parser.add_argument("--budget-s", type=float, default=None, help="skip remaining cases after this many seconds")
@@ -464,13 +508,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trust-remote-code", action="store_true", help="allow other folders' own modeling code")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out folder (only an empty one or an earlier "
                         "bench's)")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                        help="cuda (default) or cpu: regime eager, the CPU's sparse row against dense, wall clock")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads on the CPU (default: torch's own)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no per-case lines")
 
 
 def main(args: argparse.Namespace) -> int:
     report = bench(args.models, batches=args.batch, prompts=args.prompt, new_tokens=args.new_tokens,
-                   repeats=args.repeats, regimes=tuple(args.regimes.split(",")), dtype=args.dtype, text=args.text,
+                   repeats=args.repeats, regimes=tuple((args.regimes or ("eager" if args.device == "cpu" else "compiled")).split(",")), dtype=args.dtype, text=args.text,
                    out=args.out, trust_remote_code=args.trust_remote_code, budget_s=args.budget_s,
-                   progress=not args.quiet, overwrite=args.overwrite)
+                   progress=not args.quiet, overwrite=args.overwrite, device=args.device, threads=args.threads)
     print(markdown(report) if args.out is None else f"bench: wrote {args.out}/report.md")
     return 0

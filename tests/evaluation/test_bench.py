@@ -106,3 +106,28 @@ def test_paired_prefill_warms_each_variant_and_flips_the_order(monkeypatch):
     order = [v for v, _ in log[::2]]
     assert order == ["dense", "sparse", "sparse", "dense", "dense", "sparse"]
     assert [v for v, _ in log[1::2]] == order and not any(c for _, c in log)  # warm + timed, no cache
+
+
+def test_bench_on_the_cpu_reports_dense_and_sparse_with_its_threads(tmp_path):
+    """`--device cpu`: the same report (dense and sparse in one run, greedy tokens compared, paired prefill rounds),
+    regime eager only, the number of torch threads stated; graph regimes are refused there."""
+    from sparsify.evaluation import bench as bench_mod
+    from sparsify.folder.convert import convert
+    from tests.tiny import tiny_model_folder
+
+    with pytest.raises(SparsifyError, match="on the CPU only eager runs"):
+        bench_mod.bench([str(tmp_path)], device="cpu", regimes=("compiled",), progress=False)
+    tiny_model_folder(tmp_path / "src")
+    folder = convert(tmp_path / "src", tmp_path / "out", progress=False)
+    threads = torch.get_num_threads()
+    try:
+        report = bench_mod.bench([f"tiny={folder}"], device="cpu", threads=1, batches=(1,), prompts=(8,),
+                                 new_tokens=4, repeats=1, dtype="fp32", progress=False, out=tmp_path / "bench")
+    finally:
+        torch.set_num_threads(threads)
+    assert report["device"] == "cpu" and report["settings"]["threads"] == 1 and "1 torch threads" in report["gpu"]
+    rows = report["models"]["tiny"]["rows"]
+    assert [(r["regime"], r["variant"]) for r in rows] == [("eager", "dense"), ("eager", "sparse")]
+    assert rows[0]["greedy_tokens"] == "equal" and len(rows[0]["prefill_ms_rounds"]) == bench_mod.PREFILL_ROUNDS
+    text = (tmp_path / "bench" / "report.md").read_text()
+    assert "1 torch threads" in text and "| eager | 1 | 8 | **" in text

@@ -60,7 +60,7 @@ def test_sparsify_folder_loads_installed_code_never_the_folders_copy(tmp_path, t
         model, tok = ld.load_model(spec, "cpu", "auto", trust_remote_code=trust)
         assert not marker.exists() and spec.code == "installed"
         module = sys.modules[type(model).__module__]
-        assert type(model).__name__ == "SparseLlamaForCausalLM"
+        assert type(model).__qualname__ == "SparseLlamaForCausalLM"
         assert Path(module.__file__).resolve() == (REPO / "kernels" / "modeling_sparsify.py").resolve()
         assert type(model.ffn_runtime) is sys.modules["sparsify.kernels.ffn_runtime"].FFNRuntime  # installed kernels
         assert [type(m).__name__ for m in mlp_modules(model)] == ["SparseMLP"] * 2  # the TwELL path is there

@@ -226,3 +226,21 @@ def test_bench_gqa_decode_smoke_on_cpu(tmp_path):
     for r in data["steps"]:
         assert r["fold_same_tokens"] and r["enable_gqa_same_tokens"] and r["sdpa_tok_s"] > 0
     assert "enable_gqa x" in (out / "gqa-decode.md").read_text()
+
+
+def test_bench_cpu_decode_smoke(tmp_path):
+    """eval/bench/bench_cpu_decode.py's FFN and auto sections on a tiny shape without Triton's interpreter (the CPU's
+    sparse row): its code paths, JSON and tables, not its timings."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, str(ROOT / "eval" / "bench" / "bench_cpu_decode.py"), "--sections", "ffn,auto",
+                          "--shapes", "64x256", "--ms", "1,4", "--budget-ms", "20", "--threads", "1", "--out", str(tmp_path)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    report = json.loads((tmp_path / "cpu-decode.json").read_text())
+    assert report["provenance"]["threads"] == 1 and [r["shape"] for r in report["ffn_m1"]] == ["64x256"]
+    assert [r["m"] for r in report["auto"]] == [1, 4] and all(r["decision"] in ("twell", "dense") for r in report["auto"])
+    assert all(0 < r["active"] < 0.2 for r in report["ffn_m1"]) and report["generate"] == []  # (95.7% zeros)
+    assert "| FFN, M = 1, bf16 |" in (tmp_path / "report.md").read_text()
+    res = subprocess.run([sys.executable, str(ROOT / "eval" / "bench" / "bench_cpu_decode.py"), "--sections", "ffn"],
+                         capture_output=True, text=True, env={**env, "TRITON_INTERPRET": "1"}, timeout=300)
+    assert res.returncode != 0 and "unset it" in res.stderr

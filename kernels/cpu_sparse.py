@@ -1,0 +1,81 @@
+"""The sparse FFN on the CPU: the backend table's ("cpu", "twell") row (ffn_runtime.py), plain torch ops.
+
+Legend: M = tokens, d = hidden size, F = intermediate size, k = active neurons. Weights in nn.Linear layout.
+
+Decode on the CPU is memory-bound: a dense step reads W_gate, W_up and W_down whole. This row reads W_gate whole
+(the gate decides which neurons fire) and then only the rows of W_up and of W_down^T [F, d] whose gate fired:
+    g = x W_gate^T                          [M, F]   the dense expression's own gate GEMM, in x's dtype
+    on = g > theta (or g > 0: ReLU)         [M, F]   theta [F] float32, compared as threshold_act compares it
+    cols = neurons active in some token     [k]      (the union over the M tokens; M = 1: the token's own)
+    u = x W_up[cols]^T                      [M, k]   index_select of k rows, one GEMM
+    h = act(g[:, cols]) * u                 [M, k]   the dense expression's elementwise product, same rounding
+    y_m = sum over token m's active j of h_mj W_down^T[j]   one embedding_bag: per token, only its own rows
+W_down^T is the copy the runtime's dispatcher keeps per W_down version (Dispatcher.down_t, made on first use and
+dropped when every bucket of the layer decided dense): contiguous rows, where W_down's columns would be a strided
+read of d cache lines per neuron. The function is the dense FFN's: the same g, the same mask, the same h values;
+only the down projection's sum runs over the active terms alone (order: rounding of the dtype's accumulator).
+
+kernels/NOTES.md ("CPU sparse decode", issue 43) has the measurements behind the choice of ops. `auto` decides per
+layer and M bucket from paired wall-clock timings of this row against dense (dispatch.py, HostClock), so prefill
+and large M stay dense.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .twell_reference import threshold_act
+
+SMALL_UP = 1 << 17  # elements of W_up[cols] up to which a 16-bit up projection runs in float32 (up_rows)
+
+
+def active(g: torch.Tensor, threshold: torch.Tensor | None = None) -> torch.Tensor:
+    """[..., F] bool: the gate values the activation keeps, g > theta (float32 theta [F]) or g > 0."""
+    return g > (0 if threshold is None else threshold)
+
+
+def active_count(x2d: torch.Tensor, w_gate: torch.Tensor, threshold: torch.Tensor | None = None) -> torch.Tensor:
+    """The density probe's count on the CPU: active gate values of x2d [M, d] (int64 scalar tensor)."""
+    return active(F.linear(x2d, w_gate), threshold).sum()
+
+
+def up_rows(x2d: torch.Tensor, w_up: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """x2d W_up[cols]^T [M, k] in x's dtype. A small 16-bit product runs in float32 and is rounded once (what a
+    16-bit GEMM's float32 accumulator gives): oneDNN's 16-bit GEMM costs ~15 us of setup at every new k, more than
+    the conversion of the k rows (kernels/NOTES.md, "CPU sparse decode")."""
+    rows = w_up.index_select(0, cols)  # [k, d]
+    if x2d.dtype not in (torch.bfloat16, torch.float16) or rows.numel() > SMALL_UP:
+        return F.linear(x2d, rows)
+    return F.linear(x2d.float(), rows.float()).to(x2d.dtype)
+
+
+def sparse_ffn(x2d: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down_t: torch.Tensor,
+               threshold: torch.Tensor | None = None, on_count=None) -> torch.Tensor:
+    """The FFN on x2d [M, d] reading W_gate [F, d] whole and only the active rows of W_up [F, d] and W_down^T
+    [F, d] (module doc); `on_count` (a density refresh) gets the count of active gate values."""
+    g = F.linear(x2d, w_gate)  # [M, F]
+    on = active(g, threshold)  # [M, F]
+    if on_count is not None:
+        on_count(on.sum())
+    if x2d.shape[0] == 1:  # decode: the token's own neurons, no union to build
+        cols = on[0].nonzero().squeeze(1)  # [k]
+        if not cols.numel():  # (embedding_bag takes no empty 2-D bag)
+            return x2d.new_zeros(1, w_down_t.shape[1])
+        h = g.index_select(1, cols) * up_rows(x2d, w_up, cols)  # [1, k] (g > theta there: act(g) = g)
+        return F.embedding_bag(cols.unsqueeze(0), w_down_t, mode="sum", per_sample_weights=h)  # [1, d]
+    cols = on.any(0).nonzero().squeeze(1)  # [k] the union over the tokens
+    u = up_rows(x2d, w_up, cols)  # [M, k]
+    h = threshold_act(g.index_select(1, cols), None if threshold is None else threshold[cols]) * u  # 0 where off
+    rows, pos = on[:, cols].nonzero(as_tuple=True)  # each token's active entries, in token order
+    offsets = torch.zeros(x2d.shape[0], dtype=torch.long)
+    offsets[1:] = torch.bincount(rows, minlength=x2d.shape[0])[:-1].cumsum(0)
+    return F.embedding_bag(cols[pos], w_down_t, offsets, mode="sum", per_sample_weights=h[rows, pos])  # [M, d]
+
+
+def sparse_rows(auto, x, w_gate, w_up, w_down, w_down_t=None, threshold=None, on_count=None):
+    """The backend table's ("cpu", "twell") row: sparse_ffn on x [..., d] as [M, d] rows, W_down^T the caller's
+    or the one `auto` (the runtime's Dispatcher) keeps per W_down version."""
+    x2d = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, x.shape[-1]).contiguous()
+    out = sparse_ffn(x2d, w_gate, w_up, auto.down_t(w_down, w_down_t), threshold, on_count)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])

@@ -1,0 +1,257 @@
+"""The CPU's sparse FFN row (kernels/cpu_sparse.py, issue 43): the dense function exactly (fp32 tight, bf16 at the
+dtype's rounding), with and without theta, both MLP layouts, M = 1 and M > 1; the row the runtime's forced and
+auto backends pick on the CPU; generate() of a folder with it; a folder in transformers' pipelines. No timings: auto
+is driven by a scripted clock, and the tests' process runs Triton's interpreter (conftest), whose CPU row is the
+TwELL kernels', so the default table is checked in subprocesses without it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+from sparsify.folder.convert import convert
+from sparsify.kernels import twell_reference as ref
+from sparsify.kernels.cpu_sparse import active_count, sparse_ffn, sparse_rows
+from sparsify.kernels.dispatch import Dispatcher, HostClock, Policy, WeightStore
+from sparsify.kernels.ffn_runtime import FFNRuntime, dense_rows
+from sparsify.kernels.modeling_sparsify import SparseMLP
+
+from tests.kernels.helpers import FP32, assert_close, make_case
+from tests.tiny import thresholded_copy, tiny_model_folder
+
+REPO = Path(__file__).resolve().parents[2]
+CPU_TABLE = {("cpu", "dense"): dense_rows, ("cpu", "twell"): sparse_rows}
+
+
+def theta_for(f: int, seed: int = 3) -> torch.Tensor:
+    """theta [F] float32: uniform in [0, 0.3), every 4th 0 (relu), every 7th 1e4 (never active)."""
+    theta = torch.rand(f, generator=torch.Generator().manual_seed(seed)) * 0.3
+    theta[::4], theta[1::7] = 0.0, 1e4
+    return theta
+
+
+def fused_mlp(d: int, f: int, seed: int = 0) -> SparseMLP:
+    """A Phi-3-style gated MLP (one gate_up_proj [2F, d], gate rows first) as a SparseMLP."""
+    torch.manual_seed(seed)
+    mlp = nn.Module()
+    mlp.gate_up_proj = nn.Linear(d, 2 * f, bias=False)
+    mlp.down_proj = nn.Linear(f, d, bias=False)
+    return SparseMLP(mlp).eval()
+
+
+def check_dense_function(got, x, wg, wu, wd, theta, what):
+    """got is the dense FFN of x: fp32 tight; 16-bit within one rounding step of the dtype at the output's scale of
+    the dense expression, and no further from the fp32 oracle than twice the dense expression's own error."""
+    want = ref.ffn_dense(x, wg, wu, wd, theta)
+    if x.dtype == torch.float32:
+        assert_close(got, want, what=what, **FP32)
+        return
+    assert got.dtype == x.dtype
+    assert_close(got, want, rtol=2.0 ** -7, atol=0.0, what=f"{what} vs dense")
+    oracle = ref.ffn_reference(x, wg, wu, wd, theta)
+    base = (want.float() - oracle).abs().max().item()
+    assert_close(got, oracle, rtol=0.0, atol=2 * base + 1e-3 * oracle.abs().max().item(), what=f"{what} vs oracle")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 7])
+@pytest.mark.parametrize("thresholded", [False, True])
+def test_the_sparse_row_computes_the_dense_ffn(dtype, m, thresholded):
+    """sparse_rows on x [M, d] and [B, S, d] is the dense expression ffn_dense, theta or not; the case is sparse
+    (most gate values off) and theta changes the result (the check is not blind to it)."""
+    x, wg, wu, wd = make_case(m, 64, 384, 0.9, seed=m, dtype=dtype)
+    theta = theta_for(384) if thresholded else None
+    auto = Dispatcher(host=HostClock())
+    got = sparse_rows(auto, x, wg, wu, wd, None, theta)
+    check_dense_function(got, x, wg, wu, wd, theta, f"M={m} {dtype} theta={thresholded}")
+    on = ref.threshold_act(torch.nn.functional.linear(x, wg), theta) != 0
+    assert 0 < on.float().mean() < 0.2, "the case should be sparse with some neurons active"
+    if thresholded:
+        assert not torch.equal(ref.ffn_dense(x, wg, wu, wd, theta), ref.ffn_dense(x, wg, wu, wd))
+    x3 = x.reshape(1, m, 64)
+    assert torch.equal(sparse_rows(auto, x3, wg, wu, wd, None, theta), got.view(1, m, 64))
+
+
+@pytest.mark.parametrize("zeros", [0.0, 1.0])
+def test_the_sparse_row_handles_every_neuron_on_and_off(zeros):
+    """All active (the union is every neuron) and none active (the output is zero, as dense gives it)."""
+    x, wg, wu, wd = make_case(5, 32, 96, zeros, seed=1)
+    for rows in (x[:1], x):
+        got = sparse_ffn(rows, wg, wu, ref.transpose_down(wd))
+        check_dense_function(got, rows, wg, wu, wd, None, f"zeros={zeros} M={rows.shape[0]}")
+    if zeros == 1.0:
+        assert not sparse_ffn(x, wg, wu, ref.transpose_down(wd)).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("thresholded", [False, True])
+def test_the_sparse_row_on_a_fused_gate_up_layer(dtype, thresholded):
+    """Phi-3's layout: the runtime hands the row views of gate_up_proj (SparseMLP.weights); the row gives the layer's
+    own torch expression."""
+    mlp = fused_mlp(48, 160).to(dtype)
+    if thresholded:
+        mlp = SparseMLP(mlp, threshold=True)  # (wraps the same projections, with a threshold buffer)
+        mlp.threshold.copy_(theta_for(160))
+    wg, wu, wd = mlp.weights()
+    assert wg.data_ptr() == mlp.gate_up_proj.weight.data_ptr() and wu.shape == wg.shape == (160, 48)
+    x = torch.randn(2, 3, 48, generator=torch.Generator().manual_seed(0)).to(dtype)
+    with torch.no_grad():
+        want = mlp.torch_ffn(x)
+        got = sparse_rows(Dispatcher(host=HostClock()), x, wg, wu, wd, None, mlp.threshold)
+    check_dense_function(got, x, wg, wu, wd, mlp.threshold, f"fused {dtype}")
+    assert_close(got, want, rtol=2.0 ** -7 if dtype != torch.float32 else 2e-5, atol=1e-5, what="vs torch_ffn")
+
+
+def test_the_density_probe_counts_what_the_row_keeps():
+    x, wg, _, _ = make_case(6, 32, 128, 0.8, seed=2)
+    theta = theta_for(128)
+    for t in (None, theta):
+        want = int((ref.threshold_act(x @ wg.t(), t) != 0).sum())
+        assert int(active_count(x, wg, t)) == want
+
+
+class ScriptedHost(HostClock):
+    """The CPU side of a dispatcher with scripted time: a call costs `times[path]` ms, the path being what the
+    dispatcher's last answer ran (its calibration forces each path in turn)."""
+
+    def __init__(self, times: dict):
+        self.times, self.dispatcher = times, None
+
+    def ms(self, fn, n: int) -> float:
+        fn()
+        return self.times[self.dispatcher.last_backend]
+
+
+def spy_table(log: list) -> dict:
+    def row(*args):
+        log.append("sparse")
+        return sparse_rows(*args)
+    return {("cpu", "dense"): dense_rows, ("cpu", "twell"): row}
+
+
+@pytest.mark.parametrize("twell_ms, faster", [(1.0, "twell"), (3.0, "dense"), (1.9, "dense")])
+def test_auto_on_the_cpu_picks_the_row_from_its_timings(twell_ms, faster):
+    """backend auto on a CPU runtime: the bucket is timed on the host clock (no graph regime) and the sparse row runs
+    where it timed faster by the host's margin (Policy.host_margin: 0.95 of dense's time is not enough there), dense
+    elsewhere; the forced backend "twell" always runs the sparse row."""
+    assert Policy().host_margin < 0.95 < Policy().margin
+    host = ScriptedHost({"twell": twell_ms, "dense": 2.0})
+    auto = Dispatcher(store=WeightStore(), host=host)
+    host.dispatcher = auto
+    log: list = []
+    rt = FFNRuntime("auto", dispatcher=auto, devices=("cpu",), kernels=spy_table(log))
+    x, wg, wu, wd = make_case(1, 32, 128, 0.9, seed=4)
+    y = rt.run(x, wg, wu, wd)
+    check_dense_function(y, x, wg, wu, wd, None, "auto's first call")
+    log.clear()
+    for _ in range(3):
+        rt.run(x, wg, wu, wd)
+    decision = rt.dispatcher.decisions(wg)[1]
+    assert decision["eager"] == decision["graph"] == faster and "graph_ratio" not in decision
+    assert log == (["sparse"] * 3 if faster == "twell" else [])
+    log.clear()
+    rt.run(x, wg, wu, wd, backend="twell")
+    rt.run(x, wg, wu, wd, backend="dense")
+    assert log == ["sparse"]
+
+
+def tiny_folder(tmp_path: Path) -> Path:
+    tiny_model_folder(tmp_path / "src")
+    return convert(tmp_path / "src", tmp_path / "out", progress=False)
+
+
+def cpu_sparse_model(folder: Path):
+    """The folder loaded, its runtime on the CPU's sparse row (what a process without Triton's interpreter has)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    model.ffn_runtime.devices = ("cuda", "cpu")
+    model.ffn_runtime.kernels = CPU_TABLE
+    return model
+
+
+@pytest.mark.parametrize("thresholded", [False, True])
+def test_generate_gives_the_same_tokens_with_the_sparse_row(tmp_path, thresholded):
+    from sparsify.families import mlp_modules
+
+    folder = tiny_folder(tmp_path)
+    if thresholded:
+        thresholded_copy(folder, tmp_path / "thr")
+        folder = tmp_path / "thr"
+    model = cpu_sparse_model(folder)
+    ids = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(0))
+    out = {}
+    with torch.no_grad():
+        for backend in ("dense", "twell"):
+            model.set_ffn_backend(backend)
+            out[backend] = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                                          do_sample=False, pad_token_id=0)
+            assert {m.last_path for m in mlp_modules(model)} == {"torch" if backend == "dense" else "twell_ffn:twell"}
+    assert torch.equal(out["dense"], out["twell"])
+    assert out["dense"].shape[1] == 9 + 12
+
+
+def run_without_interpreter(code: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout.strip().splitlines()[-1]
+
+
+def test_the_default_table_runs_the_sparse_row_on_the_cpu():
+    """Outside Triton's interpreter the table's ("cpu", "twell") row is the CPU's sparse row and the CPU is one of
+    a runtime's default devices (its layers take the table, auto dispatches there)."""
+    code = ("from sparsify.kernels import ffn_runtime as fr, cpu_sparse; "
+            "print(fr.BACKEND_TABLE[('cpu', 'twell')] is cpu_sparse.sparse_rows, fr.FFNRuntime().devices)")
+    assert run_without_interpreter(code) == "True ('cuda', 'cpu')"
+
+
+def test_a_folder_generates_on_the_cpu_through_the_table_by_default(tmp_path):
+    """generate() of a folder on the CPU, nothing set: backend auto takes the table in every layer (its answer
+    depends on its timings), and its greedy tokens are dense's and the forced sparse row's."""
+    folder = tiny_folder(tmp_path)
+    code = (
+        "import torch; from transformers import AutoModelForCausalLM; from sparsify.families import mlp_modules; "
+        f"m = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True).eval(); "
+        "ids = torch.randint(0, 300, (1, 10), generator=torch.Generator().manual_seed(0)); "
+        "g = lambda: m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False, "
+        "pad_token_id=0); "
+        "a = g(); auto = sorted({l.last_path.split(':')[0] for l in mlp_modules(m)}); backend = m.ffn_runtime.backend; "
+        "decided = all(1 in l.auto_decisions() for l in mlp_modules(m)); "
+        "m.set_ffn_backend('twell'); b = g(); paths = sorted({l.last_path for l in mlp_modules(m)}); "
+        "m.set_ffn_backend('dense'); c = g(); "
+        "print(backend, auto, decided, paths, torch.equal(a, b), torch.equal(a, c))")
+    assert run_without_interpreter(code) == "auto ['twell_ffn'] True ['twell_ffn:twell'] True True"
+
+
+def test_a_folder_runs_in_a_transformers_pipeline_without_an_error(tmp_path):
+    """pipeline("text-generation", model=FOLDER, trust_remote_code=True) logs no "not supported" error (the class
+    carries its base's name, which the pipeline checks) and generates."""
+    import logging
+
+    from transformers import pipeline
+
+    folder = tiny_folder(tmp_path)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    library = logging.getLogger("transformers")  # (transformers' loggers do not propagate to the root)
+    library.addHandler(handler)
+    try:
+        pipe = pipeline("text-generation", model=str(folder), trust_remote_code=True)
+        out = pipe("the cat", max_new_tokens=4, do_sample=False)
+    finally:
+        library.removeHandler(handler)
+    errors = [r.getMessage()[:300] for r in records if r.levelno >= logging.ERROR]
+    assert not errors, errors
+    assert type(pipe.model).__qualname__ == "SparseLlamaForCausalLM"
+    assert out[0]["generated_text"].startswith("the cat")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_sparsify.SparseLlamaForCausalLM"
