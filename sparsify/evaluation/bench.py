@@ -79,8 +79,10 @@ def time_generate(model: Any, ids: Any, new_tokens: int) -> dict:
     import torch
     from transformers import LogitsProcessorList
 
+    from sparsify.kernels.fast_decode import fast_decode_of
+
     device = ids.device.type
-    fast = model.__dict__.get("_fast_decode")
+    fast = fast_decode_of(model)
     loop = fast is not None and fast.enabled and fast.loop
     extra = {} if loop else {"logits_processor": LogitsProcessorList([_FirstToken()])}
     if fast is not None:
