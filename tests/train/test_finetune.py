@@ -68,7 +68,8 @@ def test_sparsity_rises_loss_finite_outputs_written(reference):
     model = AutoModelForCausalLM.from_pretrained(model_dir)  # stock load: the dense ReLU model
     assert type(model).__name__ == "LlamaForCausalLM"
     ours = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=True)  # remote code: the sparse class
-    assert type(ours).__name__.startswith("Sparse")
+    assert type(ours).__name__ == "LlamaForCausalLM" and type(ours) is not type(model)  # the name pipelines accept
+    assert type(ours).__qualname__ == "SparseLlamaForCausalLM"
     ids = torch.tensor([[1, 200, 3000, 40000, 7]])
     with torch.no_grad():
         torch.testing.assert_close(ours(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
