@@ -1,10 +1,12 @@
-"""The sparse FFN on the CPU: the backend table's ("cpu", "twell") row (ffn_runtime.py), plain torch ops.
+"""The sparse FFN on the CPU: the backend table's ("cpu", "twell") row (ffn_runtime.py), plain torch ops; and the
+packed bf16 GEMM it runs its gate on, which `pack_linears` also gives a model's other nn.Linear layers (opt-in).
 
 Legend: M = tokens, d = hidden size, F = intermediate size, k = active neurons. Weights in nn.Linear layout.
 
 Decode on the CPU is memory-bound: a dense step reads W_gate, W_up and W_down whole. This row reads W_gate whole
 (the gate decides which neurons fire) and then only the rows of W_up and of W_down^T [F, d] whose gate fired:
-    g = x W_gate^T                          [M, F]   the dense expression's own gate GEMM, in x's dtype
+    g = x W_gate^T                          [M, F]   the dense expression's own gate GEMM, in x's dtype (bf16: on
+                                                     W_gate packed once, below)
     on = g > theta (or g > 0: ReLU)         [M, F]   theta [F] float32, compared as threshold_act compares it
     cols = neurons active in some token     [k]      (the union over the M tokens; M = 1: the token's own)
     u = x W_up[cols]^T                      [M, k]   index_select of k rows, one GEMM
@@ -15,6 +17,13 @@ dropped when every bucket of the layer decided dense): contiguous rows, where W_
 read of d cache lines per neuron. The function is the dense FFN's: the same g, the same mask, the same h values;
 only the down projection's sum runs over the active terms alone (order: rounding of the dtype's accumulator).
 
+The gate GEMM in bf16 runs on W_gate packed once into oneDNN's blocked layout (`pack`, kept by the dispatcher per
+W_gate version beside W_down^T): F.linear's bf16 GEMM on the CPU is the same oneDNN kernel, but it reorders the
+weight into that layout at every call, which reads and writes W_gate once more; packed, the call is ~1.9x faster at
+576x1536 and 2048x8192, M = 1, and gives the same bits (the same kernel and blocking). float32 packed sums in another
+order (not the dense function's bits), float16 needs AVX-NE-CONVERT: both keep F.linear, as does a CPU where oneDNN
+has no bf16 linear (then `pack` returns None).
+
 kernels/NOTES.md ("CPU sparse decode", issue 43) has the measurements behind the choice of ops. `auto` decides per
 layer and M bucket from paired wall-clock timings of this row against dense (dispatch.py, HostClock), so prefill
 and large M stay dense.
@@ -23,6 +32,7 @@ and large M stay dense.
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from .twell_reference import threshold_act
@@ -40,6 +50,24 @@ def active_count(x2d: torch.Tensor, w_gate: torch.Tensor, threshold: torch.Tenso
     return active(F.linear(x2d, w_gate), threshold).sum()
 
 
+def pack(w: torch.Tensor) -> torch.Tensor | None:
+    """W [F, d] (bf16) packed for gemm's x W^T in oneDNN's blocked layout (a copy as large as W), or None where the
+    packed call would not give F.linear's bits or cannot run: another dtype, no oneDNN, no bf16 linear on this CPU."""
+    if w.dtype != torch.bfloat16 or w.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
+    except (RuntimeError, AttributeError):  # e.g. "mkldnn_reorder_linear_weight: bf16 path needs the cpu support ..."
+        return None
+
+
+def gemm(x2d: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
+    """x2d [M, d] W^T [M, F]: F.linear, or on `packed` (pack(w)) the same oneDNN kernel without its per-call reorder."""
+    if packed is None or x2d.dtype != torch.bfloat16:
+        return F.linear(x2d, w)
+    return torch.ops.mkldnn._linear_pointwise(x2d, packed, None, "none", [None], "")
+
+
 def up_rows(x2d: torch.Tensor, w_up: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     """x2d W_up[cols]^T [M, k] in x's dtype. A small 16-bit product runs in float32 and is rounded once (what a
     16-bit GEMM's float32 accumulator gives): oneDNN's 16-bit GEMM costs ~15 us of setup at every new k, more than
@@ -51,10 +79,12 @@ def up_rows(x2d: torch.Tensor, w_up: torch.Tensor, cols: torch.Tensor) -> torch.
 
 
 def sparse_ffn(x2d: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down_t: torch.Tensor,
-               threshold: torch.Tensor | None = None, on_count=None) -> torch.Tensor:
-    """The FFN on x2d [M, d] reading W_gate [F, d] whole and only the active rows of W_up [F, d] and W_down^T
-    [F, d] (module doc); `on_count` (a density refresh) gets the count of active gate values."""
-    g = F.linear(x2d, w_gate)  # [M, F]
+               threshold: torch.Tensor | None = None, on_count=None, gate_packed: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """The FFN on x2d [M, d] reading W_gate [F, d] whole (`gate_packed`: pack(W_gate)) and only the active rows of
+    W_up [F, d] and W_down^T [F, d] (module doc); `on_count` (a density refresh) gets the count of active gate
+    values."""
+    g = gemm(x2d, w_gate, gate_packed)  # [M, F]
     on = active(g, threshold)  # [M, F]
     if on_count is not None:
         on_count(on.sum())
@@ -75,7 +105,44 @@ def sparse_ffn(x2d: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_do
 
 def sparse_rows(auto, x, w_gate, w_up, w_down, w_down_t=None, threshold=None, on_count=None):
     """The backend table's ("cpu", "twell") row: sparse_ffn on x [..., d] as [M, d] rows, W_down^T the caller's
-    or the one `auto` (the runtime's Dispatcher) keeps per W_down version."""
+    or the one `auto` (the runtime's Dispatcher) keeps per W_down version, W_gate packed as auto keeps it."""
     x2d = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, x.shape[-1]).contiguous()
-    out = sparse_ffn(x2d, w_gate, w_up, auto.down_t(w_down, w_down_t), threshold, on_count)
+    out = sparse_ffn(x2d, w_gate, w_up, auto.down_t(w_down, w_down_t), threshold, on_count, auto.packed(w_gate))
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
+
+
+class PackedLinear(nn.Linear):
+    """An nn.Linear whose bf16 inference calls on the CPU run on its weight packed once (pack / gemm): F.linear's
+    bits without its per-call reorder. Other dtypes and devices, gradients and torch.compile take F.linear. The
+    packed copy (as large as the weight) is kept per weight version, outside the state dict."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.compiler.is_compiling()
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
+            w = self.weight
+            kept = self.__dict__.get("packed_cpu")
+            if kept is None or kept[0] is not w or kept[1] != w._version:
+                kept = self.__dict__["packed_cpu"] = (w, w._version, pack(w))
+            if kept[2] is not None:
+                return torch.ops.mkldnn._linear_pointwise(x, kept[2], self.bias, "none", [None], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def pack_linears(model: nn.Module, enabled: bool = True, skip: tuple[type, ...] = ()) -> int:
+    """Run `model`'s nn.Linear layers (those inside modules of a `skip` type excepted) as PackedLinear, or back
+    (`enabled` False: packed copies freed). Returns how many layers it switched. On the CPU in bf16 each packed
+    layer holds a second copy of its weight, made on its first call: decode's GEMVs then run ~1.6-1.9x faster
+    (kernels/NOTES.md, "CPU sparse decode"), the model's memory grows by those weights."""
+    inside = {id(m) for s in model.modules() if isinstance(s, skip) for m in s.modules()} if skip else set()
+    switched = 0
+    for module in model.modules():
+        if id(module) in inside:
+            continue
+        if enabled and type(module) is nn.Linear:
+            module.__class__ = PackedLinear
+            switched += 1
+        elif not enabled and type(module) is PackedLinear:
+            module.__dict__.pop("packed_cpu", None)
+            module.__class__ = nn.Linear
+            switched += 1
+    return switched

@@ -34,7 +34,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch.utils.weak import WeakIdRef
 
-from .cpu_sparse import active_count
+from .cpu_sparse import active_count, pack
 from .twell_reference import ffn_dense, transpose_down
 from .twell_triton import DEFAULT_VARIANT, gate_pack
 from .twell_updown import k2_spills
@@ -130,7 +130,7 @@ class WeightStore:
     with the tensor (a data_ptr key would go stale when memory is reused)."""
 
     def __init__(self):
-        self._tables: dict[str, dict] = {"states": {}, "down_t": {}}
+        self._tables: dict[str, dict] = {"states": {}, "down_t": {}, "packed": {}}
 
     def get(self, table: str, w: torch.Tensor):
         entry = self._tables[table].get(id(w))
@@ -334,6 +334,14 @@ class Dispatcher:
             self.store.put("down_t", w_down, cached)
         return cached
 
+    def packed(self, w: torch.Tensor) -> torch.Tensor | None:
+        """cpu_sparse.pack(w), made once per weight version (None where packing does not apply: then kept as False)."""
+        cached = self.store.get("packed", w)
+        if cached is None:
+            cached = pack(w)
+            self.store.put("packed", w, False if cached is None else cached)
+        return None if cached is False else cached
+
     def choose(self, x, w_gate, w_up, w_down, w_down_t=None, threshold=None) -> Answer:
         """The answer for a call on x [..., d] (M rows) on this layer (its W_gate, with this threshold object) in
         the current regime: its path, for how many of the caller's next calls of M rows it holds, whether it
@@ -385,8 +393,9 @@ class Dispatcher:
             st.retune = False
             self._calibrate(st, x2d, w_gate, w_up, w_down, w_down_t)
             self.note((tuple(w_gate.shape), x2d.dtype, bucket(m)), st.decision, f"timed {st.times}")
-            if all(s.all_dense for s in states.values()):  # W_down^T is as large as W_down: free it
+            if all(s.all_dense for s in states.values()):  # W_down^T / packed W_gate: as large as the weight
                 self.store.drop("down_t", w_down)
+                self.store.drop("packed", w_gate)
         # no note here: two layers of one shape that decided differently would log at every refresh
         self.last_backend = st.decision
         return self._holds(st, st.decision, (lambda nnz: self._count_async(st, nnz, m * f)) if refresh else None)

@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 import transformers
 
+from .cpu_sparse import pack_linears
 from .fast_decode import FastDecode, enable_fast_decode, fast_decode_of
 from .ffn_runtime import BACKENDS, TWIN, FFNRuntime, check_backend
 from .twell_reference import threshold_act
@@ -152,6 +153,14 @@ def set_ffn_backend(model: nn.Module, backend: str) -> None:
         runtime.set_backend(backend)
 
 
+def pack_cpu_linears(model: nn.Module, enabled: bool = True) -> int:
+    """Opt-in CPU decode speed: the model's nn.Linear layers outside its FFNs (attention projections, LM head) run
+    their bf16 CPU inference calls on weights packed once for oneDNN (cpu_sparse.PackedLinear: the same bits, no
+    per-call reorder; the FFNs' sparse row packs its gate itself). Costs a second copy of those weights, made on
+    each layer's first CPU call; `enabled=False` frees it. Returns how many layers it switched."""
+    return pack_linears(model, enabled, skip=(SparseMLP,))
+
+
 def default_backend(config) -> str:
     """The FFN backend a model starts with: `sparsify.ffn_backend` if the folder pins one, else "auto".
 
@@ -208,7 +217,8 @@ def _sparse_class(base_name: str) -> type:
     cls = type(base_name, (base,), {
         "__init__": __init__, "__module__": __name__, "__qualname__": f"Sparse{base_name}",
         "__doc__": f"{base_name} with SparseMLP FFNs.", "set_ffn_backend": set_ffn_backend,
-        "enable_fast_decode": enable_fast_decode, "_initialize_missing_keys": _initialize_missing_keys,
+        "enable_fast_decode": enable_fast_decode, "pack_cpu_linears": pack_cpu_linears,
+        "_initialize_missing_keys": _initialize_missing_keys,
     })
     return cls
 

@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from sparsify.folder.convert import convert
 from sparsify.kernels import twell_reference as ref
-from sparsify.kernels.cpu_sparse import active_count, sparse_ffn, sparse_rows
+from sparsify.kernels.cpu_sparse import PackedLinear, active_count, gemm, pack, sparse_ffn, sparse_rows
 from sparsify.kernels.dispatch import Dispatcher, HostClock, Policy, WeightStore
 from sparsify.kernels.ffn_runtime import FFNRuntime, dense_rows
 from sparsify.kernels.modeling_sparsify import SparseMLP
@@ -77,6 +77,38 @@ def test_the_sparse_row_computes_the_dense_ffn(dtype, m, thresholded):
         assert not torch.equal(ref.ffn_dense(x, wg, wu, wd, theta), ref.ffn_dense(x, wg, wu, wd))
     x3 = x.reshape(1, m, 64)
     assert torch.equal(sparse_rows(auto, x3, wg, wu, wd, None, theta), got.view(1, m, 64))
+
+
+@pytest.mark.parametrize("d,f", [(64, 256), (576, 1536), (96, 1000)])
+@pytest.mark.parametrize("m", [1, 3, 64])
+def test_the_packed_gate_gives_f_linears_bits(d, f, m):
+    """bf16: the gate GEMM on W_gate packed once is F.linear bit for bit (the same oneDNN kernel without its
+    per-call reorder); where this CPU cannot pack, pack says None and gemm is F.linear itself."""
+    gen = torch.Generator().manual_seed(d + f + m)
+    w = torch.randn(f, d, generator=gen).to(torch.bfloat16)
+    x = torch.randn(m, d, generator=gen).to(torch.bfloat16)
+    packed = pack(w)
+    assert torch.equal(gemm(x, w, packed), torch.nn.functional.linear(x, w))
+    assert pack(w.float()) is None  # float32 packed sums in another order: not the dense function's bits
+    if packed is not None:
+        assert packed.is_mkldnn and not torch.equal(gemm(x, w * 2, packed), torch.nn.functional.linear(x, w * 2))
+
+
+def test_the_dispatcher_packs_a_gate_once_per_weight_version():
+    """Dispatcher.packed: one packed copy per W_gate version (an in-place update of the weight makes a new one),
+    None for weights that do not pack; the sparse row with it gives the bits it gives without it."""
+    auto = Dispatcher(host=HostClock())
+    x, wg, wu, wd = (t.to(torch.bfloat16) for t in make_case(1, 128, 512, zeros=0.9, seed=4))
+    first = auto.packed(wg)
+    if first is None:
+        pytest.skip("oneDNN has no bf16 linear on this CPU: nothing is packed (test_the_packed_gate_gives_f_linears_bits)")
+    assert auto.packed(wg) is first and auto.packed(wg.float()) is None
+    unpacked = sparse_ffn(x, wg, wu, ref.transpose_down(wd))
+    assert torch.equal(sparse_rows(auto, x, wg, wu, wd), unpacked)
+    with torch.no_grad():
+        wg.mul_(-1)  # in place: the old packed copy must not serve the new weight
+    assert auto.packed(wg) is not first
+    assert torch.equal(sparse_rows(auto, x, wg, wu, wd), sparse_ffn(x, wg, wu, ref.transpose_down(wd)))
 
 
 @pytest.mark.parametrize("zeros", [0.0, 1.0])
@@ -196,6 +228,53 @@ def test_generate_gives_the_same_tokens_with_the_sparse_row(tmp_path, thresholde
             assert {m.last_path for m in mlp_modules(model)} == {"torch" if backend == "dense" else "twell_ffn:twell"}
     assert torch.equal(out["dense"], out["twell"])
     assert out["dense"].shape[1] == 9 + 12
+
+
+def test_packed_linears_change_speed_not_bits(tmp_path):
+    """pack_cpu_linears: the layers outside the FFNs run packed (the FFNs' own projections stay the runtime's),
+    logits and greedy tokens in bf16 are the unpacked model's bit for bit, the state dict is unchanged, an
+    in-place weight update is seen, and switching it off gives back plain nn.Linear layers."""
+    from sparsify.families import mlp_modules
+
+    model = cpu_sparse_model(tiny_folder(tmp_path)).to(torch.bfloat16)
+    ids = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(0))
+    keys = list(model.state_dict())
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+        tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                                pad_token_id=0)
+        layers = len(model.model.layers)
+        assert model.pack_cpu_linears() == 4 * layers + 1  # q, k, v, o per layer and the LM head
+        assert all(type(p) is nn.Linear for m in mlp_modules(model) for p in m.projections())
+        assert torch.equal(model(input_ids=ids).logits, plain)
+        assert torch.equal(model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
+                                          do_sample=False, pad_token_id=0), tokens)
+        assert list(model.state_dict()) == keys
+        head = model.lm_head
+        packed = head.__dict__.get("packed_cpu")
+        if pack(head.weight) is not None:
+            assert packed is not None and packed[2].is_mkldnn
+        head.weight.mul_(2)  # in place (the tied embedding too): the next call packs the new weight
+        twice = model(input_ids=ids).logits
+        assert model.pack_cpu_linears(False) == 4 * layers + 1
+        assert torch.equal(model(input_ids=ids).logits, twice) and not torch.equal(twice, plain)
+    assert "packed_cpu" not in head.__dict__ and type(head) is nn.Linear
+
+
+def test_a_packed_linear_with_a_bias_and_gradients():
+    """PackedLinear is nn.Linear's function: bias included (bf16, bit for bit), float32 and gradients on F.linear."""
+    torch.manual_seed(0)
+    layer = nn.Linear(96, 200).to(torch.bfloat16)
+    x = torch.randn(3, 96).to(torch.bfloat16)
+    want = layer(x)
+    layer.__class__ = PackedLinear
+    with torch.no_grad():
+        assert torch.equal(layer(x), want)
+    grad = layer(x).sum()  # gradients enabled, weight requires grad: F.linear, differentiable
+    grad.backward()
+    assert layer.weight.grad is not None
+    layer.float()
+    assert torch.equal(layer(x.float()), torch.nn.functional.linear(x.float(), layer.weight, layer.bias))
 
 
 def run_without_interpreter(code: str) -> str:
