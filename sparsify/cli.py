@@ -23,8 +23,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "finetune": ("sparsify.train.finetune", "continued pretraining of the ReLU model (L1 penalty or thresholded gate) to a zeros target"),
     "eval": ("sparsify.evaluation.evaluate", "accuracy, perplexity, sparsity and speed reports for one or more models"),
     "synth": ("sparsify.folder.synth", "a random-weight model folder of any config at a chosen sparsity (speed, not quality)"),
-    "bench": ("sparsify.evaluation.bench", "(CUDA GPU only) end-to-end generation speed (time to first token, decode "
-              "tokens/s), dense vs sparse"),
+    "bench": ("sparsify.evaluation.bench", "end-to-end generation speed (time to first token, decode tokens/s), "
+              "dense vs sparse, on a CUDA GPU or (--device cpu) the CPU"),
     "push": ("sparsify.folder.push", "upload a model folder to the Hugging Face Hub with a model card"),
     "demo": ("sparsify.demo", "the whole pipeline offline on the embedded SmolLM2-135M"),
 }
