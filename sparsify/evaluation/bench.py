@@ -16,7 +16,9 @@ the same shape) and "sparse" (the `auto` dispatcher a user gets). Other folders 
 
 `--device cpu` runs the same report on the CPU (issue 43): regime "eager" (transformers' loop and dynamic cache, what
 generate() runs there), "sparse" being `auto` with the CPU's sparse row (kernels/cpu_sparse.py), the wall clock for
-every timing, and the number of torch threads stated in the report (`--threads`, default torch's own).
+every timing, and the number of torch threads stated in the report (`--threads`, default torch's own). `--pack`
+runs every model's nn.Linear layers outside the FFNs on weights packed for oneDNN (`model.pack_cpu_linears()`; a
+stock model the same way): the same bits, faster bf16 GEMVs, one more copy of those weights.
 
 For each (batch, prompt length) every variant is warmed up once (kernel compiles, dispatcher timing, graph
 capture), then timed `repeats` times, variants alternating in an order that flips every round. Each timed call
@@ -268,7 +270,9 @@ def markdown(report: dict) -> str:
     lines = [f"# Generation speed: {report['gpu']}", "",
              *(["On the CPU: transformers' generation loop and dynamic cache (regime eager); dense = the FFN as "
                 "three dense GEMMs, sparse = `auto` with the CPU's sparse row (kernels/cpu_sparse.py); wall clock; "
-                f"{report['settings'].get('threads')} torch threads.", ""] if cpu else []),
+                f"{report['settings'].get('threads')} torch threads"
+                + ("; the layers outside the FFNs on packed weights (--pack)." if report["settings"].get("packed")
+                   else "."), ""] if cpu else []),
              "`model.generate()` end to end, greedy, "
              f"{report['settings']['new_tokens']} new tokens. decode tok/s = batch x tokens after the first / "
              "their time; TTFT = prompt processing + first token. dense = the same weights with the FFN on "
@@ -417,8 +421,10 @@ def gpu_provenance() -> dict:
 def bench(models: list[str], *, batches=(1, 8, 32), prompts=(128, 512, 2048), new_tokens: int = 256,
           repeats: int = 5, regimes=None, dtype: str = "bf16", text: str | Path | None = None,
           out: str | Path | None = None, trust_remote_code: bool = False, budget_s: float | None = None,
-          progress: bool = True, overwrite: bool = False, device: str = "cuda", threads: int | None = None) -> dict:
-    """Benchmark each model (`[NAME=]PATH`) on `device` ("cuda" or "cpu": regime eager, `threads` torch threads);
+          progress: bool = True, overwrite: bool = False, device: str = "cuda", threads: int | None = None,
+          pack: bool = False) -> dict:
+    """Benchmark each model (`[NAME=]PATH`) on `device` ("cuda" or "cpu": regime eager, `threads` torch threads,
+    `pack`: the layers outside the FFNs on packed weights, both variants alike);
     writes OUT/bench.json, report.md and decode.png if `out` (an existing `out` is refused before any work unless
     `overwrite`, and unless it is empty or an earlier bench's; it is replaced whole at the end)."""
     import gc
@@ -431,6 +437,8 @@ def bench(models: list[str], *, batches=(1, 8, 32), prompts=(128, 512, 2048), ne
         check_output(out, overwrite, "--out", kind="bench")
     if device not in ("cuda", "cpu"):
         raise SparsifyError(f"--device {device}: choose cuda or cpu.")
+    if pack and device != "cpu":
+        raise SparsifyError("--pack packs weights for the CPU's oneDNN GEMMs: use it with --device cpu.")
     regimes = tuple(regimes or (CPU_REGIMES if device == "cpu" else ("compiled",)))
     if device == "cuda" and not torch.cuda.is_available():
         raise SparsifyError(GPU_ONLY)
@@ -454,11 +462,17 @@ def bench(models: list[str], *, batches=(1, 8, 32), prompts=(128, 512, 2048), ne
                               "settings": {"batches": list(batches), "prompts": list(prompts),
                                            "new_tokens": new_tokens, "repeats": repeats, "dtype": dtype,
                                            "regimes": list(regimes),
-                                           **({"threads": torch.get_num_threads()} if device == "cpu" else {})},
+                                           **({"threads": torch.get_num_threads(), "packed": pack}
+                                              if device == "cpu" else {})},
                               "models": {}}
     text_ids = None
     for spec in specs:
         model, tok = load_model(spec, device, dtype, trust_remote_code=trust_remote_code)
+        if pack:
+            from sparsify.kernels.cpu_sparse import pack_linears
+
+            # a sparsify folder's own method (its FFNs stay the runtime's); a stock model: every nn.Linear
+            getattr(model, "pack_cpu_linears", lambda: pack_linears(model))()
         if text is not None and tok is not None:
             text_ids = tok(Path(text).read_text(encoding="utf-8"), return_tensors="pt").input_ids[0]
         info = model.config.to_dict().get("sparsify", {}) or {}
@@ -513,6 +527,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                         help="cuda (default) or cpu: regime eager, the CPU's sparse row against dense, wall clock")
     parser.add_argument("--threads", type=int, default=None, help="torch threads on the CPU (default: torch's own)")
+    parser.add_argument("--pack", action="store_true", help="CPU: run the layers outside the FFNs (attention, LM head) on "
+                        "weights packed once for oneDNN (model.pack_cpu_linears(): same bits, faster bf16 decode, "
+                        "one more copy of those weights), dense and sparse alike")
     parser.add_argument("-q", "--quiet", action="store_true", help="no per-case lines")
 
 
@@ -520,6 +537,7 @@ def main(args: argparse.Namespace) -> int:
     report = bench(args.models, batches=args.batch, prompts=args.prompt, new_tokens=args.new_tokens,
                    repeats=args.repeats, regimes=tuple((args.regimes or ("eager" if args.device == "cpu" else "compiled")).split(",")), dtype=args.dtype, text=args.text,
                    out=args.out, trust_remote_code=args.trust_remote_code, budget_s=args.budget_s,
-                   progress=not args.quiet, overwrite=args.overwrite, device=args.device, threads=args.threads)
+                   progress=not args.quiet, overwrite=args.overwrite, device=args.device, threads=args.threads,
+                   pack=args.pack)
     print(markdown(report) if args.out is None else f"bench: wrote {args.out}/report.md")
     return 0

@@ -131,3 +131,21 @@ def test_bench_on_the_cpu_reports_dense_and_sparse_with_its_threads(tmp_path):
     assert rows[0]["greedy_tokens"] == "equal" and len(rows[0]["prefill_ms_rounds"]) == bench_mod.PREFILL_ROUNDS
     text = (tmp_path / "bench" / "report.md").read_text()
     assert "1 torch threads" in text and "| eager | 1 | 8 | **" in text
+
+
+def test_bench_on_the_cpu_packs_the_layers_outside_the_ffns_when_asked(tmp_path):
+    """`--pack` (CPU only): both variants run with the attention and LM head layers packed, same greedy tokens,
+    and the report says so; with --device cuda it is refused before any work."""
+    from sparsify.evaluation import bench as bench_mod
+    from sparsify.folder.convert import convert
+    from tests.tiny import tiny_model_folder
+
+    with pytest.raises(SparsifyError, match="use it with --device cpu"):
+        bench_mod.bench([str(tmp_path)], device="cuda", pack=True, progress=False)
+    tiny_model_folder(tmp_path / "src")
+    folder = convert(tmp_path / "src", tmp_path / "out", progress=False)
+    report = bench_mod.bench([f"tiny={folder}"], device="cpu", batches=(1,), prompts=(8,), new_tokens=4, repeats=1,
+                             dtype="bf16", progress=False, out=tmp_path / "bench", pack=True)
+    rows = report["models"]["tiny"]["rows"]
+    assert report["settings"]["packed"] is True and rows[0]["greedy_tokens"] == "equal"
+    assert "packed weights (--pack)" in (tmp_path / "bench" / "report.md").read_text()
