@@ -113,11 +113,13 @@ def sparse_rows(auto, x, w_gate, w_up, w_down, w_down_t=None, threshold=None, on
 
 class PackedLinear(nn.Linear):
     """An nn.Linear whose bf16 inference calls on the CPU run on its weight packed once (pack / gemm): F.linear's
-    bits without its per-call reorder. Other dtypes and devices, gradients and torch.compile take F.linear. The
-    packed copy (as large as the weight) is kept per weight version, outside the state dict."""
+    bits without its per-call reorder. Other dtypes and devices, gradients and torch.compile take F.linear, as does
+    a non-contiguous input with a bias (F.linear adds that bias in a second rounding step there). The packed copy
+    (as large as the weight) is kept per weight version, outside the state dict."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.compiler.is_compiling()
+                and (self.bias is None or x.is_contiguous())
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
             w = self.weight
             kept = self.__dict__.get("packed_cpu")

@@ -267,9 +267,13 @@ def test_a_packed_linear_with_a_bias_and_gradients():
     layer = nn.Linear(96, 200).to(torch.bfloat16)
     x = torch.randn(3, 96).to(torch.bfloat16)
     want = layer(x)
-    layer.__class__ = PackedLinear
+    strided = torch.randn(2, 96, 5).to(torch.bfloat16).transpose(1, 2)  # non-contiguous [2, 5, 96]
+    want_strided = torch.nn.functional.linear(strided, layer.weight, layer.bias)
     with torch.no_grad():
         assert torch.equal(layer(x), want)
+        layer.__class__ = PackedLinear
+        assert torch.equal(layer(x), want) and torch.equal(layer(strided), want_strided)
+        assert torch.equal(layer(x[:, None]), want[:, None])
     grad = layer(x).sum()  # gradients enabled, weight requires grad: F.linear, differentiable
     grad.backward()
     assert layer.weight.grad is not None
