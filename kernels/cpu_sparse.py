@@ -61,9 +61,16 @@ def pack(w: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+def weight_key(w: torch.Tensor) -> tuple:
+    """What a packed copy of w was made from: its storage, dtype, device and in-place version (an inference tensor
+    has no version; `w.data` edited in place bypasses it, as for every per-version copy the bundle keeps)."""
+    return (w.data_ptr(), w.dtype, w.device, -1 if w.is_inference() else w._version)
+
+
 def gemm(x2d: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
-    """x2d [M, d] W^T [M, F]: F.linear, or on `packed` (pack(w)) the same oneDNN kernel without its per-call reorder."""
-    if packed is None or x2d.dtype != torch.bfloat16:
+    """x2d [M, d] W^T [M, F]: F.linear, or on `packed` (pack(w)) the same oneDNN kernel without its per-call reorder
+    (F.linear too while oneDNN is switched off, torch.backends.mkldnn.flags(enabled=False): it leaves oneDNN then)."""
+    if packed is None or x2d.dtype != torch.bfloat16 or not torch.backends.mkldnn.enabled:
         return F.linear(x2d, w)
     return torch.ops.mkldnn._linear_pointwise(x2d, packed, None, "none", [None], "")
 
@@ -113,21 +120,31 @@ def sparse_rows(auto, x, w_gate, w_up, w_down, w_down_t=None, threshold=None, on
 
 class PackedLinear(nn.Linear):
     """An nn.Linear whose bf16 inference calls on the CPU run on its weight packed once (pack / gemm): F.linear's
-    bits without its per-call reorder. Other dtypes and devices, gradients and torch.compile take F.linear, as does
-    a non-contiguous input with a bias (F.linear adds that bias in a second rounding step there). The packed copy
-    (as large as the weight) is kept per weight version, outside the state dict."""
+    bits without its per-call reorder. Other dtypes and devices, gradients (any of x, weight, bias requiring them),
+    oneDNN switched off and torch.compile take F.linear, as does a non-contiguous input with a bias (F.linear adds
+    that bias in a second rounding step there). The packed copy (as large as the weight) is kept per weight_key,
+    outside the state dict, and dropped by `.to()` / `.cuda()` / `.half()` (_apply) and by pickling or deepcopy."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.compiler.is_compiling()
-                and (self.bias is None or x.is_contiguous())
-                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
-            w = self.weight
+        if (x.dtype == torch.bfloat16 and x.device.type == "cpu" and torch.backends.mkldnn.enabled
+                and not torch.compiler.is_compiling() and (self.bias is None or x.is_contiguous())
+                and not (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in
+                                                                             (self.weight, self.bias) if p is not None)))):
+            key = weight_key(self.weight)
             kept = self.__dict__.get("packed_cpu")
-            if kept is None or kept[0] is not w or kept[1] != w._version:
-                kept = self.__dict__["packed_cpu"] = (w, w._version, pack(w))
-            if kept[2] is not None:
-                return torch.ops.mkldnn._linear_pointwise(x, kept[2], self.bias, "none", [None], "")
+            if kept is None or kept[0] != key:
+                kept = self.__dict__["packed_cpu"] = (key, pack(self.weight))
+            if kept[1] is not None:
+                return torch.ops.mkldnn._linear_pointwise(x, kept[1], self.bias, "none", [None], "")
         return F.linear(x, self.weight, self.bias)
+
+    def _apply(self, fn, *args, **kwargs):
+        self.__dict__.pop("packed_cpu", None)  # a move or cast: the copy would be stale, or hold CPU memory
+        return super()._apply(fn, *args, **kwargs)
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        return {k: v for k, v in state.items() if k != "packed_cpu"}  # (an opaque oneDNN tensor has no storage)
 
 
 def pack_linears(model: nn.Module, enabled: bool = True, skip: tuple[type, ...] = ()) -> int:

@@ -34,7 +34,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch.utils.weak import WeakIdRef
 
-from .cpu_sparse import active_count, pack
+from .cpu_sparse import active_count, pack, weight_key
 from .twell_reference import ffn_dense, transpose_down
 from .twell_triton import DEFAULT_VARIANT, gate_pack
 from .twell_updown import k2_spills
@@ -335,12 +335,14 @@ class Dispatcher:
         return cached
 
     def packed(self, w: torch.Tensor) -> torch.Tensor | None:
-        """cpu_sparse.pack(w), made once per weight version (None where packing does not apply: then kept as False)."""
+        """cpu_sparse.pack(w), made once per weight version and weight_key (storage, dtype, device: a `.to()` of the
+        model keeps the Parameter object), None where packing does not apply."""
+        key = weight_key(w)
         cached = self.store.get("packed", w)
-        if cached is None:
-            cached = pack(w)
-            self.store.put("packed", w, False if cached is None else cached)
-        return None if cached is False else cached
+        if cached is None or cached[0] != key:
+            cached = (key, pack(w))
+            self.store.put("packed", w, cached)
+        return cached[1]
 
     def choose(self, x, w_gate, w_up, w_down, w_down_t=None, threshold=None) -> Answer:
         """The answer for a call on x [..., d] (M rows) on this layer (its W_gate, with this threshold object) in

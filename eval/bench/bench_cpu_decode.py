@@ -388,7 +388,7 @@ def main() -> int:
     ap.add_argument("--synth-dir", default=str(Path(tempfile.gettempdir()) / "sparsify-cpu-decode-synth"),
                     help="where the synth folders are (made if missing)")
     ap.add_argument("--folder", action="append", default=[], help="a real sparsify folder for the generate() section "
-                    "(repeatable; its own dtype, a prompt of real text); --dtypes '' leaves the synth models out")
+                    "(repeatable; in --folder-dtype, a prompt of real text); --dtypes '' leaves the synth models out")
     ap.add_argument("--folder-dtype", default="bf16", choices=tuple(DTYPES), help="the --folder models' dtype")
     ap.add_argument("--gguf", action="append", default=[], help="a GGUF file that llama.cpp (pip install "
                     "llama-cpp-python) decodes in the same rounds as each --folder (repeatable)")

@@ -468,11 +468,13 @@ def bench(models: list[str], *, batches=(1, 8, 32), prompts=(128, 512, 2048), ne
     text_ids = None
     for spec in specs:
         model, tok = load_model(spec, device, dtype, trust_remote_code=trust_remote_code)
+        packed_layers = None
         if pack:
             from sparsify.kernels.cpu_sparse import pack_linears
 
-            # a sparsify folder's own method (its FFNs stay the runtime's); a stock model: every nn.Linear
-            getattr(model, "pack_cpu_linears", lambda: pack_linears(model))()
+            # a sparsify folder's own method; a stock model alike: its FFN modules' layers stay F.linear
+            packed_layers = (model.pack_cpu_linears() if hasattr(model, "pack_cpu_linears") else
+                             pack_linears(model, skip=tuple({type(m) for m in mlp_modules(model)})))
         if text is not None and tok is not None:
             text_ids = tok(Path(text).read_text(encoding="utf-8"), return_tensors="pt").input_ids[0]
         info = model.config.to_dict().get("sparsify", {}) or {}
@@ -486,7 +488,7 @@ def bench(models: list[str], *, batches=(1, 8, 32), prompts=(128, 512, 2048), ne
             "info": f"{type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters"
                     + (f", recorded FFN zeros {zeros:.1%}" if isinstance(zeros, float) else "")
                     + (", synthetic (random weights)" if info.get("synthetic") else ""),
-            "rows": rows, "speedups": speedups(rows)}
+            "rows": rows, "speedups": speedups(rows), **({"packed_layers": packed_layers} if pack else {})}
         del model
         gc.collect()
         if device == "cuda":

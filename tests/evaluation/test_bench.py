@@ -148,4 +148,8 @@ def test_bench_on_the_cpu_packs_the_layers_outside_the_ffns_when_asked(tmp_path)
                              dtype="bf16", progress=False, out=tmp_path / "bench", pack=True)
     rows = report["models"]["tiny"]["rows"]
     assert report["settings"]["packed"] is True and rows[0]["greedy_tokens"] == "equal"
+    assert report["models"]["tiny"]["packed_layers"] == 4 * 2 + 1  # q, k, v, o of its 2 layers and the LM head
+    stock = bench_mod.bench([f"stock={tmp_path / 'src'}"], device="cpu", batches=(1,), prompts=(8,), new_tokens=4,
+                            repeats=1, dtype="bf16", progress=False, pack=True)
+    assert stock["models"]["stock"]["packed_layers"] == 4 * 2 + 1  # its FFNs' layers stay F.linear, as ours do
     assert "packed weights (--pack)" in (tmp_path / "bench" / "report.md").read_text()

@@ -253,7 +253,7 @@ def test_packed_linears_change_speed_not_bits(tmp_path):
         head = model.lm_head
         packed = head.__dict__.get("packed_cpu")
         if pack(head.weight) is not None:
-            assert packed is not None and packed[2].is_mkldnn
+            assert packed is not None and packed[1].is_mkldnn
         head.weight.mul_(2)  # in place (the tied embedding too): the next call packs the new weight
         twice = model(input_ids=ids).logits
         assert model.pack_cpu_linears(False) == 4 * layers + 1
@@ -262,23 +262,44 @@ def test_packed_linears_change_speed_not_bits(tmp_path):
 
 
 def test_a_packed_linear_with_a_bias_and_gradients():
-    """PackedLinear is nn.Linear's function: bias included (bf16, bit for bit), float32 and gradients on F.linear."""
+    """PackedLinear is nn.Linear's function: bias included (bf16, bit for bit, on the packed path where this CPU
+    packs), float32, oneDNN switched off and gradients (the bias's alone too) on F.linear; a cast, a deepcopy and
+    weights made under inference_mode work after a packed call."""
+    import copy
+    import warnings
+
     torch.manual_seed(0)
     layer = nn.Linear(96, 200).to(torch.bfloat16)
     x = torch.randn(3, 96).to(torch.bfloat16)
     want = layer(x)
     strided = torch.randn(2, 96, 5).to(torch.bfloat16).transpose(1, 2)  # non-contiguous [2, 5, 96]
     want_strided = torch.nn.functional.linear(strided, layer.weight, layer.bias)
+    packs = pack(layer.weight) is not None
+    layer.__class__ = PackedLinear
     with torch.no_grad():
-        assert torch.equal(layer(x), want)
-        layer.__class__ = PackedLinear
-        assert torch.equal(layer(x), want) and torch.equal(layer(strided), want_strided)
-        assert torch.equal(layer(x[:, None]), want[:, None])
-    grad = layer(x).sum()  # gradients enabled, weight requires grad: F.linear, differentiable
-    grad.backward()
-    assert layer.weight.grad is not None
+        assert torch.equal(layer(x), want) and ("packed_cpu" in layer.__dict__) == packs
+        assert torch.equal(layer(strided), want_strided) and torch.equal(layer(x[:, None]), want[:, None])
+        with warnings.catch_warnings():  # (flags() notes that TF32 on oneDNN is for Intel GPUs)
+            warnings.simplefilter("ignore", UserWarning)
+            gen = torch.Generator().manual_seed(0)  # (a case where the two paths' bits differ here)
+            big = nn.Linear(576, 1536, bias=False).to(torch.bfloat16)
+            big.weight.copy_(torch.randn(1536, 576, generator=gen))
+            big.__class__ = PackedLinear
+            xb = torch.randn(1, 576, generator=gen).to(torch.bfloat16)
+            big(xb)  # packed (where this CPU packs)
+            with torch.backends.mkldnn.flags(enabled=False):
+                assert torch.equal(big(xb), torch.nn.functional.linear(xb, big.weight))
+    assert copy.deepcopy(layer).weight.equal(layer.weight)  # (the opaque packed copy is not pickled)
+    layer.weight.requires_grad_(False)
+    layer(x).float().sum().backward()  # only the bias trains: F.linear, so its gradient arrives
+    assert layer.bias.grad is not None and layer.bias.grad.abs().sum() > 0
     layer.float()
+    assert "packed_cpu" not in layer.__dict__
     assert torch.equal(layer(x.float()), torch.nn.functional.linear(x.float(), layer.weight, layer.bias))
+    with torch.inference_mode():
+        frozen = nn.Linear(96, 40).to(torch.bfloat16)
+        frozen.__class__ = PackedLinear
+        assert torch.equal(frozen(x), torch.nn.functional.linear(x, frozen.weight, frozen.bias))
 
 
 def run_without_interpreter(code: str) -> str:
