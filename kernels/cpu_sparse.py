@@ -67,12 +67,13 @@ def weight_key(w: torch.Tensor) -> tuple:
     return (w.data_ptr(), w.dtype, w.device, -1 if w.is_inference() else w._version)
 
 
-def gemm(x2d: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
-    """x2d [M, d] W^T [M, F]: F.linear, or on `packed` (pack(w)) the same oneDNN kernel without its per-call reorder
-    (F.linear too while oneDNN is switched off, torch.backends.mkldnn.flags(enabled=False): it leaves oneDNN then)."""
-    if packed is None or x2d.dtype != torch.bfloat16 or not torch.backends.mkldnn.enabled:
-        return F.linear(x2d, w)
-    return torch.ops.mkldnn._linear_pointwise(x2d, packed, None, "none", [None], "")
+def gemm(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None = None,
+         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w, bias), or on `packed` (pack(w)) the same oneDNN kernel without its per-call reorder (F.linear
+    too while oneDNN is switched off, torch.backends.mkldnn.flags(enabled=False): it leaves oneDNN then)."""
+    if packed is None or x.dtype != torch.bfloat16 or not torch.backends.mkldnn.enabled:
+        return F.linear(x, w, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "")
 
 
 def up_rows(x2d: torch.Tensor, w_up: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
@@ -126,17 +127,15 @@ class PackedLinear(nn.Linear):
     outside the state dict, and dropped by `.to()` / `.cuda()` / `.half()` (_apply) and by pickling or deepcopy."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (x.dtype == torch.bfloat16 and x.device.type == "cpu" and torch.backends.mkldnn.enabled
-                and not torch.compiler.is_compiling() and (self.bias is None or x.is_contiguous())
-                and not (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in
-                                                                             (self.weight, self.bias) if p is not None)))):
-            key = weight_key(self.weight)
-            kept = self.__dict__.get("packed_cpu")
-            if kept is None or kept[0] != key:
-                kept = self.__dict__["packed_cpu"] = (key, pack(self.weight))
-            if kept[1] is not None:
-                return torch.ops.mkldnn._linear_pointwise(x, kept[1], self.bias, "none", [None], "")
-        return F.linear(x, self.weight, self.bias)
+        if (x.dtype != torch.bfloat16 or x.device.type != "cpu" or torch.compiler.is_compiling()
+                or (self.bias is not None and not x.is_contiguous())
+                or (torch.is_grad_enabled() and (x.requires_grad or any(
+                    p.requires_grad for p in (self.weight, self.bias) if p is not None)))):
+            return F.linear(x, self.weight, self.bias)
+        key, kept = self.__dict__.get("packed_cpu", (None, None))
+        if key != weight_key(self.weight):
+            key, kept = self.__dict__["packed_cpu"] = (weight_key(self.weight), pack(self.weight))
+        return gemm(x, self.weight, kept, self.bias)  # (F.linear where kept is None or oneDNN is off)
 
     def _apply(self, fn, *args, **kwargs):
         self.__dict__.pop("packed_cpu", None)  # a move or cast: the copy would be stale, or hold CPU memory

@@ -126,15 +126,16 @@ class HostClock:
 
 
 class WeightStore:
-    """Values keyed by a weight tensor object, valid while its in-place version is unchanged and dropped
-    with the tensor (a data_ptr key would go stale when memory is reused)."""
+    """Values keyed by a weight tensor object, valid while its weight_key (storage, dtype, device, in-place
+    version: a model's `.to()` keeps the Parameter object but not its storage) is unchanged, and dropped with the
+    tensor (a data_ptr key alone would go stale when memory is reused)."""
 
     def __init__(self):
         self._tables: dict[str, dict] = {"states": {}, "down_t": {}, "packed": {}}
 
     def get(self, table: str, w: torch.Tensor):
         entry = self._tables[table].get(id(w))
-        return entry[2] if entry is not None and entry[0]() is w and entry[1] == w._version else None
+        return entry[2] if entry is not None and entry[0]() is w and entry[1] == weight_key(w) else None
 
     def put(self, table: str, w: torch.Tensor, value) -> None:
         entries, key = self._tables[table], id(w)
@@ -143,7 +144,7 @@ class WeightStore:
             if entries.get(key, (None,))[0] is ref:
                 del entries[key]
 
-        entries[key] = (WeakIdRef(w, forget), w._version, value)
+        entries[key] = (WeakIdRef(w, forget), weight_key(w), value)
 
     def drop(self, table: str, w: torch.Tensor) -> None:
         self._tables[table].pop(id(w), None)
@@ -335,14 +336,12 @@ class Dispatcher:
         return cached
 
     def packed(self, w: torch.Tensor) -> torch.Tensor | None:
-        """cpu_sparse.pack(w), made once per weight version and weight_key (storage, dtype, device: a `.to()` of the
-        model keeps the Parameter object), None where packing does not apply."""
-        key = weight_key(w)
+        """cpu_sparse.pack(w), made once per weight (as W_down^T is), None where packing does not apply."""
         cached = self.store.get("packed", w)
-        if cached is None or cached[0] != key:
-            cached = (key, pack(w))
+        if cached is None:
+            cached = (pack(w),)  # (a tuple: "does not pack" is kept too)
             self.store.put("packed", w, cached)
-        return cached[1]
+        return cached[0]
 
     def choose(self, x, w_gate, w_up, w_down, w_down_t=None, threshold=None) -> Answer:
         """The answer for a call on x [..., d] (M rows) on this layer (its W_gate, with this threshold object) in

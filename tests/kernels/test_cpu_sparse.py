@@ -111,6 +111,23 @@ def test_the_dispatcher_packs_a_gate_once_per_weight_version():
     assert torch.equal(sparse_rows(auto, x, wg, wu, wd), sparse_ffn(x, wg, wu, ref.transpose_down(wd)))
 
 
+def test_the_row_follows_a_model_cast_after_its_first_call():
+    """A module's `.to(dtype)` keeps its Parameter objects and swaps their storage: the copies the dispatcher keeps
+    per weight (W_down^T, the packed gate) are made again, so the cast layer computes its dense function."""
+    torch.manual_seed(0)
+    layer = nn.Module()
+    layer.gate_proj, layer.up_proj = nn.Linear(64, 256, bias=False), nn.Linear(64, 256, bias=False)
+    layer.down_proj = nn.Linear(256, 64, bias=False)
+    auto = Dispatcher(host=HostClock())
+    x = torch.randn(1, 64)
+    weights = lambda: (layer.gate_proj.weight, layer.up_proj.weight, layer.down_proj.weight)  # noqa: E731
+    with torch.no_grad():
+        check_dense_function(sparse_rows(auto, x, *weights()), x, *weights(), None, "float32")
+        layer.to(torch.bfloat16)
+        xb = x.to(torch.bfloat16)
+        check_dense_function(sparse_rows(auto, xb, *weights()), xb, *weights(), None, "after .to(bfloat16)")
+
+
 @pytest.mark.parametrize("zeros", [0.0, 1.0])
 def test_the_sparse_row_handles_every_neuron_on_and_off(zeros):
     """All active (the union is every neuron) and none active (the output is zero, as dense gives it)."""
