@@ -95,6 +95,29 @@ def test_calibration_puts_every_layer_at_its_target_and_the_controller_follows(m
     assert after[0] == pytest.approx(before[0] * math.exp(0.05)) and after[1] == pytest.approx(before[1] * math.exp(-0.05))
 
 
+def test_a_layer_already_past_its_target_keeps_its_zeros_and_gets_a_theta_at_its_gates_scale():
+    """A layer the L1 warm-up left sparser than its target: the quantile at the target is 0, and theta is the
+    layer's smallest positive gate (its zeros unchanged, but for that one value), not the 1e-6 floor that the
+    log-space controller needed thousands of steps to climb from once the penalty stopped."""
+    model = _tiny_model()
+    with torch.no_grad():
+        model.model.layers[0].mlp.gate_proj.weight[:61].zero_()  # 61 of 64 gates read 0: 95.3% zeros
+    control = _control(model, SparsitySection(method="threshold", target=[0.9, 0.75]))
+    ids = torch.randint(0, 128, (4, 64))
+    gates = []
+    hook = model.model.layers[0].mlp.gate_proj.register_forward_hook(lambda mod, a, out: gates.append(out))
+    before = _zeros(model, ids)
+    hook.remove()
+    assert before[0] > 0.9
+    control.calibrate(lambda: model(input_ids=ids))
+    after = _zeros(model, ids)
+    smallest = float(gates[0][gates[0] > 0].min())
+    assert control.theta()[0] == pytest.approx(smallest, rel=1e-5) and smallest > 1e-4
+    # unchanged, but for the smallest gate itself where exp(log theta) rounds to it or above (not > theta)
+    assert 0 <= after[0] - before[0] <= 1 / gates[0].numel() + 1e-9
+    assert after[1] == pytest.approx(0.75, abs=0.01)  # the other layer: its quantile, as before
+
+
 def test_threshold_ramp_calibrates_at_the_warmup_zeros_then_raises_the_target_linearly():
     """sparsity.threshold_ramp: theta is calibrated to each layer's warm-up target (capped at its target), and the
     target the controller holds rises linearly to the final one over the ramp's tokens, from the calibration on."""
