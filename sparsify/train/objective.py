@@ -214,7 +214,8 @@ class ThresholdControl:
 
     Calibration (once, at the first step after sparsity.warmup_tokens): one eager, no-grad forward of a training
     batch records g / s_j per layer; theta_l is the quantile of those values at the layer's target, so every layer
-    starts at its target (one the warm-up left sparser keeps its zeros: see _cut; all processes average log theta_l). Then after every step, on the device:
+    starts at its target (one the warm-up left sparser keeps its zeros: see _cut; all processes average
+    log theta_l). Then after every step, on the device:
         log theta_l += threshold_gain * clamp(target_l - zeros_l, -0.05, 0.05)
     With sparsity.threshold_ramp, target_l is a ramp: from min(warmup_target_l, target_l) at the calibration
     (the quantile taken there) to target_l threshold_ramp tokens later, linear in tokens.
