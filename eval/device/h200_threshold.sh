@@ -78,6 +78,11 @@ ARMS10="ce1_20M=$WARM;$ARMS9;wd10_20M=$WARM train.weight_decay=1.0"
 # ARMS11 (issue 41, SLOTS=3, after a lease lost ARMS10 midway: ce1_20M read 1.958x at 10M, as in the lease before
 # (1.959x), so the recorded 1.538x at 20M stands as the baseline): the anchor's strength and the lr, side by side
 ARMS11="wd3_20M=$WARM train.weight_decay=0.3;wd10_20M=$WARM train.weight_decay=1.0;lr1e3_20M=$WARM train.lr=1e-3"
+# ARMS12 (issue 41, SLOTS=3, ~9 min on an H100): the issue's ce 1 / 0.1 / 0 comparison completed after the calibration
+# fix (1bd2b54; ce01 sat at 82.9% zeros before it), beside the strongest anchor and the lower lr (wd3 lies between
+# the recorded 0.1 and wd10)
+ARMS12="ce01_20M=$WARM distill.ce=0.1;wd10_20M=$WARM train.weight_decay=1.0;lr1e3_20M=$WARM train.lr=1e-3"
+[ "${ARMS}" = 12 ] && ARMS=$ARMS12
 [ "${ARMS}" = 11 ] && ARMS=$ARMS11
 [ "${ARMS}" = 10 ] && ARMS=$ARMS10
 [ "${ARMS}" = 2 ] && ARMS=$ARMS2
