@@ -147,6 +147,8 @@ class FastDecode:
         self.model = model
         self.enabled = True
         self.cpu_emulation = False
+        self.cpu_pack = None  # called once by the first generate() of the model on the CPU in bf16 (a sparsify model:
+        # its layers outside the FFNs onto packed weights, modeling_sparsify.pack_cpu_linears), then None
         self.cache = None  # the static cache generate() reuses (see reused_cache) and its (batch, length)
         self.cache_key = None
         self.loop = True  # greedy / sampling generate() runs the whole decode step (forward + argmax or draw)
@@ -671,6 +673,10 @@ def enable_fast_decode(model, enabled: bool = True, compile: bool | None = None)
         @functools.wraps(plain_generate)
         def fast_generate(*args, **kwargs):
             fast.last = {}
+            if fast.cpu_pack is not None and fast.enabled and model.device.type == "cpu" and (
+                    model.dtype == torch.bfloat16):
+                pack, fast.cpu_pack = fast.cpu_pack, None
+                pack()
             new = _fast_generate_kwargs(model, args, kwargs)
             if new is not kwargs and fast.loop:
                 plan = greedy_plan(model, args, kwargs) or sampling_plan(model, args, kwargs)

@@ -23,6 +23,7 @@ float32 buffer `threshold` [F] (state-dict key `<mlp path>.threshold`), float32 
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -154,10 +155,15 @@ def set_ffn_backend(model: nn.Module, backend: str) -> None:
 
 
 def pack_cpu_linears(model: nn.Module, enabled: bool = True) -> int:
-    """Opt-in CPU decode speed: the model's nn.Linear layers outside its FFNs (attention projections, LM head) run
-    their bf16 CPU inference calls on weights packed once for oneDNN (cpu_sparse.PackedLinear: the same bits, no
-    per-call reorder; the FFNs' sparse row packs its gate itself). Costs a second copy of those weights, made on
-    each layer's first CPU call; `enabled=False` frees it. Returns how many layers it switched."""
+    """CPU decode speed: the model's nn.Linear layers outside its FFNs (attention projections, LM head) run their
+    bf16 CPU inference calls on weights packed once for oneDNN (cpu_sparse.PackedLinear: the same bits, no per-call
+    reorder; the FFNs' sparse row packs its gate itself). A sparsify model's first generate() on the CPU in bf16
+    does this itself (unless its folder sets `sparsify.pack_cpu: false`). Costs a second copy of those weights, made
+    on each layer's first CPU call; `enabled=False` frees it, and generate() then leaves the layers unpacked.
+    Returns how many layers it switched."""
+    fast = fast_decode_of(model)
+    if fast is not None:
+        fast.cpu_pack = None  # decided here: generate() packs no more on its own
     return pack_linears(model, enabled, skip=(SparseMLP,))
 
 
@@ -196,8 +202,10 @@ def _sparse_class(base_name: str) -> type:
         sparsify_mlps(self, threshold=bool(fields) or threshold_mode(config) is not None,
                       runtime=FFNRuntime(default_backend(config)))  # the model's one runtime (ffn_runtime.py)
         info = getattr(config, "sparsify", None) or {}
-        enable_fast_decode(self, enabled=info.get("fast_decode", True) is not False,
-                           compile=info.get("compile_decode", True) is not False)
+        fast = enable_fast_decode(self, enabled=info.get("fast_decode", True) is not False,
+                                  compile=info.get("compile_decode", True) is not False)
+        if info.get("pack_cpu", True) is not False:  # the first generate() on the CPU in bf16 packs (pack_cpu_linears)
+            fast.cpu_pack = functools.partial(pack_linears, self, skip=(SparseMLP,))
 
     def _initialize_missing_keys(self, *args, **kwargs):
         """from_pretrained's init of what the checkpoint lacked, then zeros for thresholds it lacked: transformers

@@ -16,9 +16,10 @@ the same shape) and "sparse" (the `auto` dispatcher a user gets). Other folders 
 
 `--device cpu` runs the same report on the CPU (issue 43): regime "eager" (transformers' loop and dynamic cache, what
 generate() runs there), "sparse" being `auto` with the CPU's sparse row (kernels/cpu_sparse.py), the wall clock for
-every timing, and the number of torch threads stated in the report (`--threads`, default torch's own). `--pack`
-runs every model's nn.Linear layers outside the FFNs on weights packed for oneDNN (`model.pack_cpu_linears()`; a
-stock model the same way): the same bits, faster bf16 GEMVs, one more copy of those weights.
+every timing, and the number of torch threads stated in the report (`--threads`, default torch's own). A sparsify
+folder's first generate() on the CPU in bf16 runs its nn.Linear layers outside the FFNs on weights packed for oneDNN
+(the same bits, faster bf16 GEMVs, one more copy of those weights): its default, dense and sparse alike. `--pack`
+packs a stock model's layers the same way too, `--no-pack` no model's.
 
 For each (batch, prompt length) every variant is warmed up once (kernel compiles, dispatcher timing, graph
 capture), then timed `repeats` times, variants alternating in an order that flips every round. Each timed call
@@ -271,8 +272,11 @@ def markdown(report: dict) -> str:
              *(["On the CPU: transformers' generation loop and dynamic cache (regime eager); dense = the FFN as "
                 "three dense GEMMs, sparse = `auto` with the CPU's sparse row (kernels/cpu_sparse.py); wall clock; "
                 f"{report['settings'].get('threads')} torch threads"
-                + ("; the layers outside the FFNs on packed weights (--pack)." if report["settings"].get("packed")
-                   else "."), ""] if cpu else []),
+                + {True: "; every model's layers outside the FFNs on packed weights (--pack).",
+                   False: "; no layer on packed weights (--no-pack)."}.get(
+                    report["settings"].get("packed"), "; a sparsify folder's layers outside the FFNs on packed weights "
+                    "in bf16 (its default; --no-pack: none), a stock model's unpacked (--pack: packed too)."),
+                ""] if cpu else []),
              "`model.generate()` end to end, greedy, "
              f"{report['settings']['new_tokens']} new tokens. decode tok/s = batch x tokens after the first / "
              "their time; TTFT = prompt processing + first token. dense = the same weights with the FFN on "
@@ -422,9 +426,10 @@ def bench(models: list[str], *, batches=(1, 8, 32), prompts=(128, 512, 2048), ne
           repeats: int = 5, regimes=None, dtype: str = "bf16", text: str | Path | None = None,
           out: str | Path | None = None, trust_remote_code: bool = False, budget_s: float | None = None,
           progress: bool = True, overwrite: bool = False, device: str = "cuda", threads: int | None = None,
-          pack: bool = False) -> dict:
+          pack: bool | None = None) -> dict:
     """Benchmark each model (`[NAME=]PATH`) on `device` ("cuda" or "cpu": regime eager, `threads` torch threads,
-    `pack`: the layers outside the FFNs on packed weights, both variants alike);
+    `pack`: the layers outside the FFNs on packed weights, both variants alike: True every model, False none, None
+    each model's default: a sparsify folder's first bf16 generate() packs);
     writes OUT/bench.json, report.md and decode.png if `out` (an existing `out` is refused before any work unless
     `overwrite`, and unless it is empty or an earlier bench's; it is replaced whole at the end)."""
     import gc
@@ -437,7 +442,7 @@ def bench(models: list[str], *, batches=(1, 8, 32), prompts=(128, 512, 2048), ne
         check_output(out, overwrite, "--out", kind="bench")
     if device not in ("cuda", "cpu"):
         raise SparsifyError(f"--device {device}: choose cuda or cpu.")
-    if pack and device != "cpu":
+    if pack is not None and device != "cpu":
         raise SparsifyError("--pack packs weights for the CPU's oneDNN GEMMs: use it with --device cpu.")
     regimes = tuple(regimes or (CPU_REGIMES if device == "cpu" else ("compiled",)))
     if device == "cuda" and not torch.cuda.is_available():
@@ -475,6 +480,8 @@ def bench(models: list[str], *, batches=(1, 8, 32), prompts=(128, 512, 2048), ne
             # a sparsify folder's own method; a stock model alike: its FFN modules' layers stay F.linear
             packed_layers = (model.pack_cpu_linears() if hasattr(model, "pack_cpu_linears") else
                              pack_linears(model, skip=tuple({type(m) for m in mlp_modules(model)})))
+        elif pack is False and hasattr(model, "pack_cpu_linears"):
+            model.pack_cpu_linears(False)  # (also: its generate() packs no more on its own)
         if text is not None and tok is not None:
             text_ids = tok(Path(text).read_text(encoding="utf-8"), return_tensors="pt").input_ids[0]
         info = model.config.to_dict().get("sparsify", {}) or {}
@@ -529,9 +536,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                         help="cuda (default) or cpu: regime eager, the CPU's sparse row against dense, wall clock")
     parser.add_argument("--threads", type=int, default=None, help="torch threads on the CPU (default: torch's own)")
-    parser.add_argument("--pack", action="store_true", help="CPU: run the layers outside the FFNs (attention, LM head) on "
-                        "weights packed once for oneDNN (model.pack_cpu_linears(): same bits, faster bf16 decode, "
-                        "one more copy of those weights), dense and sparse alike")
+    parser.add_argument("--pack", action=argparse.BooleanOptionalAction, default=None,
+                        help="CPU: the layers outside the FFNs (attention, LM head) on weights packed once for oneDNN "
+                        "(same bits, faster bf16 decode, one more copy of those weights), dense and sparse alike. "
+                        "Default: each model's own (a sparsify folder packs in its first bf16 generate(), a stock model "
+                        "does not); --pack: every model; --no-pack: none")
     parser.add_argument("-q", "--quiet", action="store_true", help="no per-case lines")
 
 

@@ -248,25 +248,36 @@ def test_generate_gives_the_same_tokens_with_the_sparse_row(tmp_path, thresholde
 
 
 def test_packed_linears_change_speed_not_bits(tmp_path):
-    """pack_cpu_linears: the layers outside the FFNs run packed (the FFNs' own projections stay the runtime's),
-    logits and greedy tokens in bf16 are the unpacked model's bit for bit, the state dict is unchanged, an
-    in-place weight update is seen, and switching it off gives back plain nn.Linear layers."""
+    """The first generate() on the CPU in bf16 packs the layers outside the FFNs (the FFNs' own projections stay
+    the runtime's; a forward alone packs nothing): logits and greedy tokens are the unpacked model's bit for bit,
+    the state dict is unchanged, an in-place weight update is seen; pack_cpu_linears(False) gives back plain
+    nn.Linear layers and generate() then leaves them so."""
     from sparsify.families import mlp_modules
 
     model = cpu_sparse_model(tiny_folder(tmp_path)).to(torch.bfloat16)
     ids = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(0))
     keys = list(model.state_dict())
+    layers = len(model.model.layers)
+
+    def packed_layers():
+        return sum(type(m).__name__ == "PackedLinear" for m in model.modules())  # (the folder's copy's class)
+
+    def generate():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                              pad_token_id=0)
+
     with torch.no_grad():
         plain = model(input_ids=ids).logits
-        tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
-                                pad_token_id=0)
-        layers = len(model.model.layers)
-        assert model.pack_cpu_linears() == 4 * layers + 1  # q, k, v, o per layer and the LM head
+        assert packed_layers() == 0
+        tokens = generate()
+        assert packed_layers() == 4 * layers + 1  # q, k, v, o per layer and the LM head
         assert all(type(p) is nn.Linear for m in mlp_modules(model) for p in m.projections())
         assert torch.equal(model(input_ids=ids).logits, plain)
-        assert torch.equal(model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
-                                          do_sample=False, pad_token_id=0), tokens)
         assert list(model.state_dict()) == keys
+        assert model.pack_cpu_linears(False) == 4 * layers + 1
+        assert torch.equal(generate(), tokens) and packed_layers() == 0  # the same tokens unpacked; none packed
+        assert model.pack_cpu_linears() == 4 * layers + 1
+        assert torch.equal(generate(), tokens)
         head = model.lm_head
         packed = head.__dict__.get("packed_cpu")
         if pack(head.weight) is not None:
@@ -276,6 +287,21 @@ def test_packed_linears_change_speed_not_bits(tmp_path):
         assert model.pack_cpu_linears(False) == 4 * layers + 1
         assert torch.equal(model(input_ids=ids).logits, twice) and not torch.equal(twice, plain)
     assert "packed_cpu" not in head.__dict__ and type(head) is nn.Linear
+
+
+@pytest.mark.parametrize("case", ["float32", "pack_cpu false"])
+def test_generate_packs_nothing_in_float32_or_when_the_folder_says_so(tmp_path, case):
+    folder = tiny_folder(tmp_path)
+    if case == "pack_cpu false":
+        config = json.loads((folder / "config.json").read_text())
+        config["sparsify"]["pack_cpu"] = False
+        (folder / "config.json").write_text(json.dumps(config))
+    model = cpu_sparse_model(folder)
+    model = model if case == "float32" else model.to(torch.bfloat16)
+    ids = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert not any(type(m).__name__ == "PackedLinear" for m in model.modules())
 
 
 def test_a_packed_linear_with_a_bias_and_gradients():
