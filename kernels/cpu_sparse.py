@@ -119,18 +119,6 @@ def sparse_rows(auto, x, w_gate, w_up, w_down, w_down_t=None, threshold=None, on
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
 
 
-def packed_dense_rows(auto, x, w_gate, w_up, w_down, w_down_t=None, threshold=None, on_count=None):
-    """The backend table's ("cpu", "dense") row: the dense FFN (dense_rows' bits: the same oneDNN GEMMs) on the
-    three weights packed once, as `auto` (the runtime's Dispatcher) keeps them (bf16; F.linear where pack does not
-    apply). Packing alone makes a bf16 decode GEMV 1.4-2.1x faster at M <= 16 on the three shapes of
-    kernels/NOTES.md ("CPU sparse decode"), so auto weighs the sparse row against this, not the reordering call;
-    it costs one more copy of the FFN's weights, made on the first call of each layer."""
-    g = gemm(x, w_gate, auto.packed(w_gate))  # [..., F]
-    if on_count is not None:
-        on_count((g > (0 if threshold is None else threshold)).sum())
-    return gemm(threshold_act(g, threshold) * gemm(x, w_up, auto.packed(w_up)), w_down, auto.packed(w_down))
-
-
 class PackedLinear(nn.Linear):
     """An nn.Linear whose bf16 inference calls on the CPU run on its weight packed once (pack / gemm): F.linear's
     bits without its per-call reorder. Other dtypes and devices, gradients (any of x, weight, bias requiring them),

@@ -394,8 +394,9 @@ class Dispatcher:
             st.retune = False
             self._calibrate(st, x2d, w_gate, w_up, w_down, w_down_t)
             self.note((tuple(w_gate.shape), x2d.dtype, bucket(m)), st.decision, f"timed {st.times}")
-            if all(s.all_dense for s in states.values()):  # W_down^T: as large as the weight, sparse rows' only
-                self.store.drop("down_t", w_down)  # (packed weights stay: the CPU's dense row runs on them)
+            if all(s.all_dense for s in states.values()):  # W_down^T / packed W_gate: as large as the weight
+                self.store.drop("down_t", w_down)
+                self.store.drop("packed", w_gate)
         # no note here: two layers of one shape that decided differently would log at every refresh
         self.last_backend = st.decision
         return self._holds(st, st.decision, (lambda nnz: self._count_async(st, nnz, m * f)) if refresh else None)

@@ -49,7 +49,7 @@ from types import MappingProxyType
 import torch
 import torch.nn as nn
 
-from .cpu_sparse import packed_dense_rows, sparse_rows
+from .cpu_sparse import sparse_rows
 from .dispatch import Answer, CudaClock, Dispatcher, HostClock, WeightStore
 from .registry import API, SLOT as _SLOT
 from .twell_reference import ffn_dense, threshold_act
@@ -99,13 +99,10 @@ def twell_rows(auto: Dispatcher, x, w_gate, w_up, w_down, w_down_t=None, thresho
 # ("cpu", "twell") is the CPU's sparse decode (cpu_sparse.py: the gate GEMM, then only the active rows of W_up and
 # W_down^T), except under Triton's interpreter (TRITON_INTERPRET=1: the tests' way to run the TwELL kernels on the
 # CPU), where it is the TwELL row and CPU layers keep their torch expression unless a runtime lists "cpu" itself.
-# ("cpu", "dense") is the dense FFN on weights packed for oneDNN (cpu_sparse.packed_dense_rows: dense_rows' bits,
-# faster bf16 GEMVs): what auto's sparse row must beat on the CPU, and what a held dense answer runs there (a dense
-# row that is dense_rows runs the layer's own torch expression instead).
 INTERPRETED = HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
 BACKEND_TABLE = MappingProxyType({
     ("cuda", "dense"): dense_rows,
-    ("cpu", "dense"): dense_rows if INTERPRETED else packed_dense_rows,
+    ("cpu", "dense"): dense_rows,
     **({("cuda", "twell"): twell_rows} if HAS_TRITON else {}),
     ("cpu", "twell"): twell_rows if INTERPRETED else sparse_rows,
 })
@@ -272,10 +269,10 @@ class FFNRuntime:
         rec = mlp.ffn_layer
         if rec.left and x.shape == rec.shape and (rec.in_capture or not self.dispatcher.capturing()):
             rec.left -= 1  # auto's answer holds (the path stays the answering call's); _settle reports the calls
-            row = self.kernels.get((_device(x), rec.answer), dense_rows)
-            if row is dense_rows:
+            if rec.answer == "dense":
                 return mlp.torch_ffn(x)  # the layer's own expression: what stock transformers runs
             w_gate, w_up, w_down = mlp.weights()  # [F, d], [F, d], [d, F]
+            row = self.kernels.get((_device(x), rec.answer), dense_rows)
             return row(self.dispatcher, x, w_gate, w_up, w_down, None, mlp.threshold)
         reason = self.kernel_reason(mlp, x)
         if reason is not None:

@@ -18,8 +18,7 @@ import torch.nn as nn
 
 from sparsify.folder.convert import convert
 from sparsify.kernels import twell_reference as ref
-from sparsify.kernels.cpu_sparse import (PackedLinear, active_count, gemm, pack, packed_dense_rows, sparse_ffn,
-                                         sparse_rows)
+from sparsify.kernels.cpu_sparse import PackedLinear, active_count, gemm, pack, sparse_ffn, sparse_rows
 from sparsify.kernels.dispatch import Dispatcher, HostClock, Policy, WeightStore
 from sparsify.kernels.ffn_runtime import FFNRuntime, dense_rows
 from sparsify.kernels.modeling_sparsify import SparseMLP
@@ -28,7 +27,7 @@ from tests.kernels.helpers import FP32, assert_close, make_case
 from tests.tiny import thresholded_copy, tiny_model_folder
 
 REPO = Path(__file__).resolve().parents[2]
-CPU_TABLE = {("cpu", "dense"): packed_dense_rows, ("cpu", "twell"): sparse_rows}
+CPU_TABLE = {("cpu", "dense"): dense_rows, ("cpu", "twell"): sparse_rows}
 
 
 def theta_for(f: int, seed: int = 3) -> torch.Tensor:
@@ -157,28 +156,6 @@ def test_the_sparse_row_on_a_fused_gate_up_layer(dtype, thresholded):
         got = sparse_rows(Dispatcher(host=HostClock()), x, wg, wu, wd, None, mlp.threshold)
     check_dense_function(got, x, wg, wu, wd, mlp.threshold, f"fused {dtype}")
     assert_close(got, want, rtol=2.0 ** -7 if dtype != torch.float32 else 2e-5, atol=1e-5, what="vs torch_ffn")
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("thresholded", [False, True])
-@pytest.mark.parametrize("m", [1, 5])
-def test_the_packed_dense_row_is_the_dense_ffn_bit_for_bit(dtype, thresholded, m):
-    """The CPU's dense row on weights packed once: dense_rows' output and density count bit for bit, in bf16 (packed
-    where this CPU packs) and float32 (nothing packs: F.linear), with and without theta, 2-D and 3-D x; it packs
-    each of the three weights once (the dispatcher keeps the copies)."""
-    x, wg, wu, wd = (t.to(dtype) for t in make_case(m, 64, 256, 0.9, seed=m))
-    theta = theta_for(256).to(dtype) if thresholded else None
-    auto = Dispatcher(host=HostClock())
-    for xs in (x, x.view(1, m, 64)):
-        counts: dict = {"dense": [], "packed": []}
-        want = dense_rows(auto, xs, wg, wu, wd, None, theta, counts["dense"].append)
-        got = packed_dense_rows(auto, xs, wg, wu, wd, None, theta, counts["packed"].append)
-        assert got.shape == want.shape and torch.equal(got, want)
-        assert torch.equal(counts["packed"][0], counts["dense"][0])
-        assert torch.equal(packed_dense_rows(auto, xs, wg, wu, wd, None, theta), want)
-    kept = [auto.packed(w) for w in (wg, wu, wd)]
-    assert all((k is None) == (pack(w) is None) for k, w in zip(kept, (wg, wu, wd)))
-    assert (kept[0] is None) == (dtype == torch.float32 or pack(wg) is None)
 
 
 def test_the_density_probe_counts_what_the_row_keeps():
@@ -379,9 +356,8 @@ def test_the_default_table_runs_the_sparse_row_on_the_cpu():
     """Outside Triton's interpreter the table's ("cpu", "twell") row is the CPU's sparse row and the CPU is one of
     a runtime's default devices (its layers take the table, auto dispatches there)."""
     code = ("from sparsify.kernels import ffn_runtime as fr, cpu_sparse; "
-            "print(fr.BACKEND_TABLE[('cpu', 'twell')] is cpu_sparse.sparse_rows, "
-            "fr.BACKEND_TABLE[('cpu', 'dense')] is cpu_sparse.packed_dense_rows, fr.FFNRuntime().devices)")
-    assert run_without_interpreter(code) == "True True ('cuda', 'cpu')"
+            "print(fr.BACKEND_TABLE[('cpu', 'twell')] is cpu_sparse.sparse_rows, fr.FFNRuntime().devices)")
+    assert run_without_interpreter(code) == "True ('cuda', 'cpu')"
 
 
 def test_a_folder_generates_on_the_cpu_through_the_table_by_default(tmp_path):

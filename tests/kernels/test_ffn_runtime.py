@@ -190,28 +190,6 @@ def test_a_twell_answer_holds_and_runs_the_tables_twell_row():
 
 
 @torch.no_grad()
-def test_a_dense_answer_holds_on_the_tables_own_dense_row():
-    """A layer auto decided dense for runs its held calls on the table's dense row where the device has one of its
-    own (the CPU's packed GEMMs), and on its own torch expression where that row is dense_rows."""
-    ran: list = []
-
-    def own_dense(*args):
-        ran.append(args[1].shape)
-        return fr.dense_rows(*args)
-
-    for row, runs_it in ((own_dense, True), (fr.dense_rows, False)):
-        runtime = fake_runtime(ALL_DENSE)
-        runtime.kernels = {**runtime.kernels, ("cpu", "dense"): row}
-        x, mlp = sparse_layer(runtime)
-        want = ref.ffn_dense(x, *mlp.weights())
-        assert torch.equal(mlp(x), want) and mlp.ffn_layer.answer == "dense" and mlp.ffn_layer.left > 2
-        ran.clear()
-        for _ in range(3):
-            assert torch.equal(mlp(x), want)
-        assert ran == ([x.shape] * 3 if runs_it else [])
-
-
-@torch.no_grad()
 def test_an_eager_only_grant_leaves_captured_calls_to_auto():
     """Eager dense, graph replay twell: the grant covers eager calls only; a captured call runs auto's graph
     decision (twell) and takes no grant; step-check helpers see the twell layer."""
