@@ -673,8 +673,7 @@ def enable_fast_decode(model, enabled: bool = True, compile: bool | None = None)
         @functools.wraps(plain_generate)
         def fast_generate(*args, **kwargs):
             fast.last = {}
-            if fast.cpu_pack is not None and fast.enabled and model.device.type == "cpu" and (
-                    model.dtype == torch.bfloat16):
+            if fast.cpu_pack is not None and model.device.type == "cpu" and model.dtype == torch.bfloat16:
                 pack, fast.cpu_pack = fast.cpu_pack, None
                 pack()
             new = _fast_generate_kwargs(model, args, kwargs)

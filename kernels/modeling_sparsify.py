@@ -205,7 +205,7 @@ def _sparse_class(base_name: str) -> type:
         fast = enable_fast_decode(self, enabled=info.get("fast_decode", True) is not False,
                                   compile=info.get("compile_decode", True) is not False)
         if info.get("pack_cpu", True) is not False:  # the first generate() on the CPU in bf16 packs (pack_cpu_linears)
-            fast.cpu_pack = functools.partial(pack_linears, self, skip=(SparseMLP,))
+            fast.cpu_pack = functools.partial(pack_cpu_linears, self)
 
     def _initialize_missing_keys(self, *args, **kwargs):
         """from_pretrained's init of what the checkpoint lacked, then zeros for thresholds it lacked: transformers
