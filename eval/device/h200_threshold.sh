@@ -82,7 +82,7 @@ ARMS11="wd3_20M=$WARM train.weight_decay=0.3;wd10_20M=$WARM train.weight_decay=1
 # fix (1bd2b54; ce01 sat at 82.9% zeros before it), beside the strongest anchor and the lower lr (wd3 lies between
 # the recorded 0.1 and wd10)
 ARMS12="ce01_20M=$WARM distill.ce=0.1;wd10_20M=$WARM train.weight_decay=1.0;lr1e3_20M=$WARM train.lr=1e-3"
-# ARMS13 (issue 41, SLOTS=2, ~15 min on one H100): the one lever that helped at 20M (ARMS12: the decay towards the start
+# ARMS13 (issue 41, SLOTS=2, an estimated ~17 min on one H100): the one lever that helped at 20M (ARMS12: the decay towards the start
 # at 1.0 read 1.507x against the recipe's 1.538x, better on every unseen domain) over the 100M schedule, against the
 # recorded recipe at 100M (1.294x, lease 5), beside the trend's next step at 20M (3.0); cloze in each run's slot
 ARMS13="wd10_100M=$WARM train.weight_decay=1.0 train.max_tokens=100_000_000 train.eval_every=610;\
