@@ -24,7 +24,7 @@
 #   bash eval/device/h200_long.sh wait 540; PACK=$OUT bash eval/device/h200_threshold.sh pack    until it ends; metrics so far
 #   PACK=$OUT bash eval/device/h200_threshold.sh after     cloze on every finished run, the frontier (ZEROS=...: decode speed
 #                                                   per zeros level too; SPEED_AT=... gendata's rate)
-# Knobs: ARMS ("name=override ...;...", or N for the set ARMSN below, 2 .. 13), TOKENS (default 20M each), LEVERS / GEN_LEVERS, GEN_TOKENS / GEN_BATCH, ZEROS.
+# Knobs: ARMS ("name=override ...;...", or N for the set ARMSN below), TOKENS (default 20M each), LEVERS / GEN_LEVERS, GEN_TOKENS / GEN_BATCH, ZEROS.
 set -euo pipefail
 WORK=${WORK:-/tmp/sparsify-long}
 OUT_DIR=${RESULTS:-$WORK/results}
@@ -89,7 +89,8 @@ ARMS13="wd10_100M=$WARM train.weight_decay=1.0 train.max_tokens=100_000_000 trai
 wd30_20M=$WARM train.weight_decay=3.0"
 if [[ "$ARMS" =~ ^[0-9]+$ ]]; then  # ARMS=N names the set ARMSN above
   named="ARMS$ARMS"
-  [ -n "${!named:-}" ] || { echo "ARMS=$ARMS: no set $named in $0 (2 .. 13)" >&2; exit 2; }
+  [ -n "${!named:-}" ] || { echo "ARMS=$ARMS: no set $named in $0 (sets:" $(compgen -v | grep -E '^ARMS[0-9]+$')")" >&2
+                            exit 2; }
   ARMS=${!named}
 fi
 export TOKENS=${TOKENS:-20_000_000} EVAL_EVERY=${EVAL_EVERY:-305}

@@ -443,7 +443,8 @@ def bench(models: list[str], *, batches=(1, 8, 32), prompts=(128, 512, 2048), ne
     if device not in ("cuda", "cpu"):
         raise SparsifyError(f"--device {device}: choose cuda or cpu.")
     if pack is not None and device != "cpu":
-        raise SparsifyError("--pack packs weights for the CPU's oneDNN GEMMs: use it with --device cpu.")
+        raise SparsifyError(f"--{'' if pack else 'no-'}pack chooses weights packed for the CPU's oneDNN GEMMs: "
+                            "use it with --device cpu.")
     regimes = tuple(regimes or (CPU_REGIMES if device == "cpu" else ("compiled",)))
     if device == "cuda" and not torch.cuda.is_available():
         raise SparsifyError(GPU_ONLY)

@@ -216,6 +216,10 @@ def tiny_folder(tmp_path: Path) -> Path:
     return convert(tmp_path / "src", tmp_path / "out", progress=False)
 
 
+def packed_layers(model) -> int:
+    return sum(type(m).__name__ == "PackedLinear" for m in model.modules())  # (the folder's copy's class)
+
+
 def cpu_sparse_model(folder: Path):
     """The folder loaded, its runtime on the CPU's sparse row (what a process without Triton's interpreter has)."""
     from transformers import AutoModelForCausalLM
@@ -259,23 +263,20 @@ def test_packed_linears_change_speed_not_bits(tmp_path):
     keys = list(model.state_dict())
     layers = len(model.model.layers)
 
-    def packed_layers():
-        return sum(type(m).__name__ == "PackedLinear" for m in model.modules())  # (the folder's copy's class)
-
     def generate():
         return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
                               pad_token_id=0)
 
     with torch.no_grad():
         plain = model(input_ids=ids).logits
-        assert packed_layers() == 0
+        assert packed_layers(model) == 0
         tokens = generate()
-        assert packed_layers() == 4 * layers + 1  # q, k, v, o per layer and the LM head
+        assert packed_layers(model) == 4 * layers + 1  # q, k, v, o per layer and the LM head
         assert all(type(p) is nn.Linear for m in mlp_modules(model) for p in m.projections())
         assert torch.equal(model(input_ids=ids).logits, plain)
         assert list(model.state_dict()) == keys
         assert model.pack_cpu_linears(False) == 4 * layers + 1
-        assert torch.equal(generate(), tokens) and packed_layers() == 0  # the same tokens unpacked; none packed
+        assert torch.equal(generate(), tokens) and packed_layers(model) == 0  # the same tokens unpacked; none packed
         assert model.pack_cpu_linears() == 4 * layers + 1
         assert torch.equal(generate(), tokens)
         head = model.lm_head
@@ -301,7 +302,7 @@ def test_generate_packs_nothing_in_float32_or_when_the_folder_says_so(tmp_path, 
     ids = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, pad_token_id=0)
-    assert not any(type(m).__name__ == "PackedLinear" for m in model.modules())
+    assert packed_layers(model) == 0
 
 
 def test_a_packed_linear_with_a_bias_and_gradients():
