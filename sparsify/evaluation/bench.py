@@ -540,8 +540,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pack", action=argparse.BooleanOptionalAction, default=None,
                         help="CPU: the layers outside the FFNs (attention, LM head) on weights packed once for oneDNN "
                         "(same bits, faster bf16 decode, one more copy of those weights), dense and sparse alike. "
-                        "Default: each model's own (a sparsify folder packs in its first bf16 generate(), a stock model "
-                        "does not); --pack: every model; --no-pack: none")
+                        "Default: each model's own (a sparsify folder packs in its first bf16 generate(), a stock "
+                        "model does not); --pack: every model; --no-pack: none")
     parser.add_argument("-q", "--quiet", action="store_true", help="no per-case lines")
 
 
