@@ -87,6 +87,9 @@ ARMS12="ce01_20M=$WARM distill.ce=0.1;wd10_20M=$WARM train.weight_decay=1.0;lr1e
 # recorded recipe at 100M (1.294x, lease 5), beside the trend's next step at 20M (3.0); cloze in each run's slot
 ARMS13="wd10_100M=$WARM train.weight_decay=1.0 train.max_tokens=100_000_000 train.eval_every=610;\
 wd30_20M=$WARM train.weight_decay=3.0"
+# ARMS14 (issue 41, SLOTS=1, for a lease with under ~20 min left): ARMS13's 100M arm alone, the GPU to itself (on one
+# H200 a run alone read 230k tokens/s against 98k each with two side by side)
+ARMS14="wd10_100M=$WARM train.weight_decay=1.0 train.max_tokens=100_000_000 train.eval_every=610"
 if [[ "$ARMS" =~ ^[0-9]+$ ]]; then  # ARMS=N names the set ARMSN above
   named="ARMS$ARMS"
   [ -n "${!named:-}" ] || { echo "ARMS=$ARMS: no set $named in $0 (sets:" $(compgen -v | grep -E '^ARMS[0-9]+$')")" >&2
