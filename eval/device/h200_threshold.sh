@@ -85,11 +85,11 @@ ARMS12="ce01_20M=$WARM distill.ce=0.1;wd10_20M=$WARM train.weight_decay=1.0;lr1e
 # ARMS13 (issue 41, SLOTS=2, an estimated ~17 min on one H100): the one lever that helped at 20M (ARMS12: the decay towards the start
 # at 1.0 read 1.507x against the recipe's 1.538x, better on every unseen domain) over the 100M schedule, against the
 # recorded recipe at 100M (1.294x, lease 5), beside the trend's next step at 20M (3.0); cloze in each run's slot
-ARMS13="wd10_100M=$WARM train.weight_decay=1.0 train.max_tokens=100_000_000 train.eval_every=610;\
-wd30_20M=$WARM train.weight_decay=3.0"
+WD10_100M="wd10_100M=$WARM train.weight_decay=1.0 train.max_tokens=100_000_000 train.eval_every=610"
+ARMS13="$WD10_100M;wd30_20M=$WARM train.weight_decay=3.0"
 # ARMS14 (issue 41, SLOTS=1, for a lease with under ~20 min left): ARMS13's 100M arm alone, the GPU to itself (on one
 # H200 a run alone read 230k tokens/s against 98k each with two side by side)
-ARMS14="wd10_100M=$WARM train.weight_decay=1.0 train.max_tokens=100_000_000 train.eval_every=610"
+ARMS14=$WD10_100M
 if [[ "$ARMS" =~ ^[0-9]+$ ]]; then  # ARMS=N names the set ARMSN above
   named="ARMS$ARMS"
   [ -n "${!named:-}" ] || { echo "ARMS=$ARMS: no set $named in $0 (sets:" $(compgen -v | grep -E '^ARMS[0-9]+$')")" >&2
