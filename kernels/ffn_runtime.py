@@ -22,7 +22,9 @@ Held answers: auto's answer for a layer's M bucket holds for the calls up to the
 (Answer.calls); the layer runs them after one attribute test (dense: its own torch expression; twell: the
 table's row), and the next call that asks first reports how many ran (Dispatcher.used), so the refresh keeps its
 period in real calls; a backend switch reports them too. Captured calls are covered only where graph replay
-chose dense as well: any other call captured into a CUDA graph asks, and gets the graph decision.
+chose dense as well: any other call captured into a CUDA graph asks, and gets the graph decision. Bare eager
+twell_ffn(backend="auto") calls hold auto's answer the same way, per W_gate (HeldCall, in `held`): a call with
+the asking call's arguments runs the answer's row after a few identity tests.
 
 The registry (registry.py): the first copy of the bundle imported in a process fills its slot with its FFNRuntime /
 FFNLayer classes, and every later copy of the same API version uses those (`_shared`): one copy of the runtime
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from types import MappingProxyType
 
 import torch
@@ -170,6 +173,16 @@ class FFNLayer:
         return type(self), ()
 
 
+class HeldCall:
+    """The runtime's record of auto's answer for bare twell_ffn calls on one W_gate (a layer's FFNLayer grant, for
+    calls outside a model): it holds for `left` of `given` calls of m rows with the same x shape and dtype, the
+    same W_up, W_down and threshold objects, and W_gate unchanged (its storage and in-place version), so the
+    call runs its row after a few identity tests instead of the argument checks and the question."""
+
+    __slots__ = ("ref", "row", "answer", "left", "given", "m", "in_capture", "shape", "dtype", "cuda", "up", "down",
+                 "theta", "version", "ptr")
+
+
 @_shared
 class FFNRuntime:
     """One model's FFN backend, auto's per-layer decisions, the held answers and the step check's twin (module doc).
@@ -196,6 +209,7 @@ class FFNRuntime:
         self.kernels = kernels
         self.grants = True  # False: every call asks (what eval/bench_auto_overhead.py compares against)
         self.layers: list = []
+        self.held: dict[int, HeldCall] = {}  # id(W_gate) -> its bare calls' held answer (dropped with W_gate)
         self.key = next(_SLOT.keys)
         _SLOT.runtimes[self.key] = self
         self._off_device = f"input is not on a {' / '.join(d.upper() for d in self.devices)} device"
@@ -336,7 +350,20 @@ class FFNRuntime:
     def twell_ffn(self, x, w_gate, w_up, w_down, backend: str = "auto", w_down_t=None, threshold=None):
         """twell_ops.twell_ffn on this runtime (same arguments, positional): argument checks, the gradient path,
         then `run` (eager and CUDA-graph capture: no custom-op dispatch, ~20 us a call) or, traced, the op that
-        runs it on [M, d] rows."""
+        runs it on [M, d] rows. An eager "auto" call that auto's held answer covers (HeldCall: same arguments as
+        the call that asked) runs the answer's row at once."""
+        if not torch.compiler.is_compiling():  # (first: dynamo must not trace the held answers)
+            held = self.held.get(id(w_gate))
+            if (held is not None and held.left and backend == "auto" and held.ref() is w_gate and x.shape == held.shape
+                    and x.dtype == held.dtype and x.is_cuda == held.cuda and held.up() is w_up and held.down() is w_down
+                    and threshold is held.theta and w_gate.data_ptr() == held.ptr
+                    and (held.version < 0 or w_gate._version == held.version)
+                    and not (torch.is_grad_enabled() and (x.requires_grad or w_gate.requires_grad
+                                                          or w_up.requires_grad or w_down.requires_grad))
+                    and (held.in_capture or not self.dispatcher.capturing())):
+                held.left -= 1
+                self.dispatcher.last_backend = held.answer
+                return held.row(self.dispatcher, x, w_gate, w_up, w_down, w_down_t, threshold)
         d = x.shape[-1]
         if (backend not in BACKENDS or w_gate.shape[-1] != d or w_up.shape != w_gate.shape
                 or w_down.shape[0] != d or w_down.shape[-1] != w_gate.shape[0]
@@ -349,10 +376,37 @@ class FFNRuntime:
             self.dispatcher.note(("grad",), "dense", "gradients needed")
             return ffn_dense(x, w_gate, w_up, w_down, threshold)
         if not torch.compiler.is_compiling():
-            return self.run(x, w_gate, w_up, w_down, w_down_t, threshold, backend)
+            if backend != "auto" or not self.grants:
+                return self.run(x, w_gate, w_up, w_down, w_down_t, threshold, backend)
+            return self._ask_bare(x, w_gate, w_up, w_down, w_down_t, threshold)
         x2d = _rows(x)  # traced: the opaque op for dynamo / inductor, carrying this runtime's key
         out = getattr(torch.ops.sparsify, OP)(x2d, w_gate, w_up, w_down, w_down_t, backend, threshold, self.key)
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], w_down.shape[0])
+
+    def _ask_bare(self, x, w_gate, w_up, w_down, w_down_t, threshold) -> torch.Tensor:
+        """An eager bare "auto" call no held answer covers: report the calls the last one ran (as _settle does),
+        ask, run the answer's row, and hold the answer for this W_gate's next calls with the same arguments."""
+        key = id(w_gate)
+        held = self.held.get(key)
+        if held is not None and held.ref() is w_gate and held.given:
+            self.dispatcher.used(w_gate, held.m, held.given - held.left)
+            held.given = held.left = 0
+        device = _device(x)
+        answer = self.answer(x, w_gate, w_up, w_down, w_down_t, threshold, "auto", device=device)
+        row = self.kernels.get((device, answer.path), dense_rows)
+        y = row(self.dispatcher, x, w_gate, w_up, w_down, w_down_t, threshold, answer.on_count)
+        if answer.calls:
+            if held is None or held.ref() is not w_gate:
+                held = self.held[key] = HeldCall()
+                held.ref = weakref.ref(w_gate, lambda ref, held=self.held: held.pop(key, None)
+                                       if held.get(key) is not None and held[key].ref is ref else None)
+            held.row, held.answer, held.given, held.left, held.in_capture = (row, answer.path, answer.calls,
+                                                                            answer.calls, answer.in_capture)
+            held.m, held.shape, held.dtype, held.cuda, held.theta = (x.numel() // x.shape[-1], x.shape, x.dtype,
+                                                                     x.is_cuda, threshold)
+            held.up, held.down = weakref.ref(w_up), weakref.ref(w_down)  # (weakly: W_up / W_down may be replaced)
+            held.ptr, held.version = w_gate.data_ptr(), -1 if w_gate.is_inference() else w_gate._version
+        return y
 
 
 def process_runtime() -> FFNRuntime:

@@ -189,6 +189,97 @@ def test_a_twell_answer_holds_and_runs_the_tables_twell_row():
     assert st.calls % runtime.dispatcher.policy.refresh == 0
 
 
+def bare(runtime, x, wg, wu, wd, threshold=None, backend: str = "auto"):
+    """A bare twell_ffn call (no model) on `runtime`, as twell_ops.twell_ffn makes on the process runtime."""
+    return runtime.twell_ffn(x, wg, wu, wd, backend, None, threshold)
+
+
+@torch.no_grad()
+def test_bare_auto_calls_hold_the_answer_and_keep_the_refresh_period():
+    """twell_ffn(backend="auto") outside a model: the answer holds for the calls up to the refresh as a layer's
+    grant does (a few questions in 3 refresh periods, the density refreshed at the same real calls as when every
+    call asks), every output the dense FFN's, last_backend the answer's; a held twell answer runs the TwELL row."""
+    every = Policy().refresh_dense
+    total, refreshes, entries = 3 * every + 7, {}, {}
+    x, wg, wu, wd = make_case(20, 16, 64, 0.9, seed=43)
+    want = ref.ffn_dense(x, wg, wu, wd)
+    for grants in (False, True):
+        runtime = fake_runtime(ALL_DENSE)
+        runtime.grants = grants
+        seen, choose = [], runtime.dispatcher.choose
+
+        def refreshes_seen(*args):
+            answer = choose(*args)
+            if answer.on_count is not None:
+                seen.append(i)
+            return answer
+
+        runtime.dispatcher.choose = refreshes_seen
+        calls = counted_questions(runtime)
+        for i in range(total):
+            assert torch.equal(bare(runtime, x, wg, wu, wd), want)
+        assert runtime.last_backend == "dense"
+        refreshes[grants], entries[grants] = seen, len(calls)
+    assert refreshes[True] == refreshes[False] and len(refreshes[True]) == 3, refreshes
+    assert entries[False] == total and entries[True] <= 5, entries
+    runtime = fake_runtime(EAGER_TWELL)
+    row, calls = runtime.kernels["cpu", "twell"], counted_questions(runtime)
+    torch.testing.assert_close(bare(runtime, x, wg, wu, wd), want, rtol=1e-5, atol=1e-6)
+    ran = len(row.calls)
+    for _ in range(5):
+        torch.testing.assert_close(bare(runtime, x, wg, wu, wd), want, rtol=1e-5, atol=1e-6)
+    assert len(calls) == 1 and len(row.calls) == ran + 5 and runtime.last_backend == "twell"
+
+
+@torch.no_grad()
+def test_a_bare_held_answer_ends_when_an_argument_changes():
+    """Any argument unlike the asking call's asks again, and the held calls that ran are reported first: W_gate
+    edited in place (auto decides anew), another x shape or dtype, other W_up / W_down / threshold objects, a
+    forced backend, gradients; a W_gate that is gone takes its held answer with it."""
+    runtime = fake_runtime(ALL_DENSE)
+    calls = counted_questions(runtime)
+    x, wg, wu, wd = make_case(20, 16, 64, 0.9, seed=44)
+    theta = torch.zeros(64)
+    bare(runtime, x, wg, wu, wd)
+    st = state(runtime.dispatcher, wg)
+    for _ in range(3):
+        bare(runtime, x, wg, wu, wd)
+    before = st.calls
+    bare(runtime, x[:9], wg, wu, wd)  # another shape: asks, after reporting the 3 held calls
+    assert len(calls) == 2 and st.calls == before + 3
+    changes = [lambda: bare(runtime, x, wg, wu.clone(), wd), lambda: bare(runtime, x, wg, wu, wd.clone()),
+               lambda: bare(runtime, x, wg, wu, wd, theta), lambda: bare(runtime, x.double(), *(w.double() for w in
+                                                                                          (wg, wu, wd))),
+               lambda: bare(runtime, x[:9], wg, wu, wd)]
+    for change in changes:
+        bare(runtime, x, wg, wu, wd)  # asks (the last call had other arguments), then holds
+        asked = len(calls)
+        bare(runtime, x, wg, wu, wd)  # held
+        change()
+        assert len(calls) == asked + 1
+    bare(runtime, x, wg, wu, wd)
+    asked = len(calls)
+    wg.mul_(1.0)  # in place: a new version of W_gate
+    bare(runtime, x, wg, wu, wd)
+    assert len(calls) == asked + 1 and len(runtime.dispatcher.decisions(wg)) == 1
+    asked = len(calls)
+    y = bare(runtime, x, wg, wu, wd, backend="twell")  # forced: the table's TwELL row, no question to auto
+    assert runtime.last_backend == "twell" and len(calls) == asked
+    torch.testing.assert_close(y, ref.ffn_dense(x, wg, wu, wd), rtol=1e-5, atol=1e-6)
+    bare(runtime, x, wg, wu, wd)  # auto again: its answer still holds
+    assert runtime.last_backend == "dense" and len(calls) == asked
+    with torch.enable_grad():
+        wq = wg.clone().requires_grad_()
+        bare(runtime, x, wq, wu, wd)  # no question: gradients run the dense torch path
+        assert runtime.dispatcher.last_backend == "dense" and id(wq) not in runtime.held
+    held = len(runtime.held)
+    w2 = wg.clone()
+    bare(runtime, x, w2, wu, wd)
+    assert len(runtime.held) == held + 1
+    del w2
+    assert len(runtime.held) == held
+
+
 @torch.no_grad()
 def test_an_eager_only_grant_leaves_captured_calls_to_auto():
     """Eager dense, graph replay twell: the grant covers eager calls only; a captured call runs auto's graph
