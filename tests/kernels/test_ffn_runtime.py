@@ -112,6 +112,20 @@ def counted_questions(runtime) -> list:
     return seen
 
 
+def refreshes_at(runtime, now: list) -> list:
+    """The call numbers (now[0] when asked) of the questions whose answer asks for a density refresh."""
+    seen, choose = [], runtime.dispatcher.choose
+
+    def refreshes_seen(*args):
+        answer = choose(*args)
+        if answer.on_count is not None:
+            seen.append(now[0])
+        return answer
+
+    runtime.dispatcher.choose = refreshes_seen
+    return seen
+
+
 @torch.no_grad()
 def test_grants_keep_the_refresh_period_in_real_calls():
     """Through the runtime: holding answers, a decided-dense layer asks auto a handful of times in 3 refresh
@@ -124,17 +138,9 @@ def test_grants_keep_the_refresh_period_in_real_calls():
         runtime.grants = grants
         x, mlp = sparse_layer(runtime)
         want = ref.ffn_dense(x, *mlp.weights())
-        seen, choose = [], runtime.dispatcher.choose
-
-        def refreshes_seen(*args):  # the questions whose answer asks for the density
-            answer = choose(*args)
-            if answer.on_count is not None:
-                seen.append(i)
-            return answer
-
-        runtime.dispatcher.choose = refreshes_seen
-        calls = counted_questions(runtime)
-        for i in range(total):
+        now = [0]
+        seen, calls = refreshes_at(runtime, now), counted_questions(runtime)
+        for now[0] in range(total):
             assert torch.equal(mlp(x), want)
         assert mlp.last_path == "twell_ffn:dense"
         refreshes[grants], entries[grants] = seen, len(calls)
@@ -206,17 +212,9 @@ def test_bare_auto_calls_hold_the_answer_and_keep_the_refresh_period():
     for grants in (False, True):
         runtime = fake_runtime(ALL_DENSE)
         runtime.grants = grants
-        seen, choose = [], runtime.dispatcher.choose
-
-        def refreshes_seen(*args):
-            answer = choose(*args)
-            if answer.on_count is not None:
-                seen.append(i)
-            return answer
-
-        runtime.dispatcher.choose = refreshes_seen
-        calls = counted_questions(runtime)
-        for i in range(total):
+        now = [0]
+        seen, calls = refreshes_at(runtime, now), counted_questions(runtime)
+        for now[0] in range(total):
             assert torch.equal(bare(runtime, x, wg, wu, wd), want)
         assert runtime.last_backend == "dense"
         refreshes[grants], entries[grants] = seen, len(calls)
